@@ -1,0 +1,49 @@
+"""Deterministic sparse input for equality tests: every rank builds the same global batch and takes its slice."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+__all__ = ["global_kjt_batch"]
+
+
+def global_kjt_batch(
+    tables: Sequence[BaseEmbeddingConfig],
+    world_size: int,
+    batch_size: int,
+    seed: int,
+    max_bag_size: int = 4,
+    empty_fraction: float = 0.25,
+) -> list[KeyedJaggedTensor]:
+    """The global batch as ``world_size`` KJTs of ``batch_size`` samples each (rank r feeds element r).
+
+    Built from ``seed`` alone, so every rank (and the unsharded reference) gets identical tensors. Keys are the
+    tables' feature names in table order; ids are valid rows of the feature's table. A fraction of bags is empty,
+    and every feature has at least one empty bag per slice, since empty bags are a classic source of pooling bugs.
+    """
+    if batch_size < 1 or world_size < 1:
+        raise ValueError("world_size and batch_size must be >= 1")
+    features = [(name, table.num_embeddings) for table in tables for name in table.feature_names]
+    generator = torch.Generator().manual_seed(seed)
+    slices: list[KeyedJaggedTensor] = []
+    for _ in range(world_size):
+        lengths = torch.randint(1, max_bag_size + 1, (len(features), batch_size), generator=generator)
+        lengths[torch.rand(lengths.shape, generator=generator) < empty_fraction] = 0
+        for index in range(len(features)):
+            lengths[index, index % batch_size] = 0
+        values = [
+            torch.randint(0, rows, (int(lengths[index].sum()),), generator=generator)
+            for index, (_, rows) in enumerate(features)
+        ]
+        slices.append(
+            KeyedJaggedTensor.from_lengths_sync(
+                keys=[name for name, _ in features],
+                values=torch.cat(values) if values else torch.empty(0, dtype=torch.long),
+                lengths=lengths.flatten(),
+            )
+        )
+    return slices
