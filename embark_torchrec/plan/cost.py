@@ -1,0 +1,336 @@
+"""The cost model: per-rank lookup work, intra/inter-node bytes, memory, and the step time.
+
+Notation: W ranks in nodes of L, global batch B, b = B / W samples per rank. A table has F features,
+each with `pooling` p IDs per sample; its row slice r holds the fraction m_r of the rows and so
+receives m_r of the lookups and U_r = m_r x u x b x p distinct IDs from each rank per feature, u
+being the table's unique ratio (ModelSpec.expected_unique_ratio). e_fwd / e_bwd: wire bytes per embedding element.
+
+Per table and cluster (bytes are counted at the sender and at the receiver):
+- RB input dist: every rank sends each distinct owner of row slice r F x (b p m_r x 8 + b x 4)
+  bytes (int64 IDs, int32 lengths).
+- RB output: per column slice c, every rank holding cells of c (its row slices pre-summed locally)
+  sends each other rank F x b x w_c x e_fwd bytes of partial sums. Hierarchical: a node holding
+  cells of c on several ranks first sums them on the rank whose local rank matches the
+  destination's (intra-node), which then sends once across nodes. Backward: the same bytes in
+  the opposite direction at e_bwd.
+- UB: IDs are de-duplicated per destination: F x U_r x 8 bytes in, F x U_r x w_c x e_fwd bytes
+  back (one vector per distinct ID), and the same back in backward at e_bwd.
+- DP: no forward traffic; the gradient (rows x dim x e_bwd bytes) is all-reduced hierarchically:
+  2 (L-1)/L of it over NVLink and 2 (N-1)/N / L of it across nodes, per rank.
+- Lookup work (bytes through HBM): RB cell: B F p m_r x w_c x 4 bytes forward; UB cell:
+  W F U_r x w_c x 4 on its owner, plus b F p x dim x 4 on every rank to expand the unique vectors
+  back into its samples' bags; DP: b F p x dim x 4. Backward costs BACKWARD_COMPUTE_MULTIPLIER x forward.
+- Memory per rank: per row of a cell, w_c x (4 + optimizer bytes per element) + optimizer bytes
+  per row; DP tables in full on every rank.
+
+Time per rank: lookup_ms = lookup bytes / HBM bandwidth; comm_ms = max(sent, received) intra /
+NVLink bandwidth + max(sent, received) inter / network bandwidth. Step = max over ranks of lookup_ms
++ max over ranks of comm_ms + DP all-reduce ms + dense ms (b / 1000 x dense_ms_per_ksample, plus
+the dense all-reduce), the same formulas for every plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import numpy as np
+
+from .layout import Plan, TableLayout
+from .spec import ModelSpec, TableSpec
+from .topology import Topology
+
+ID_BYTES = 8
+LENGTH_BYTES = 4
+WEIGHT_BYTES = 4
+BACKWARD_COMPUTE_MULTIPLIER = 2.0
+ELEMENT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0}
+FP8_SCALE_BYTES = 4.0  # one fp32 scale per row vector
+_LOAD_CACHE_SIZE = 16384
+
+
+def vector_bytes(width: int, precision: str) -> float:
+    """Wire bytes of one embedding (or gradient) row of `width` elements."""
+    return width * ELEMENT_BYTES[precision] + (FP8_SCALE_BYTES if precision == "fp8" else 0.0)
+
+
+@dataclass(frozen=True)
+class OptimizerMemory:
+    """Optimizer state held next to each weight; default: torchrec's fused row-wise Adagrad."""
+
+    bytes_per_element: float = 0.0
+    bytes_per_row: float = 4.0
+
+
+@dataclass
+class RankLoad:
+    """Per-rank quantities (arrays of length W), summed over tables. Bytes and ms."""
+
+    lookup_bytes: np.ndarray
+    send_intra: np.ndarray
+    recv_intra: np.ndarray
+    send_inter: np.ndarray
+    recv_inter: np.ndarray
+    memory: np.ndarray
+    dp_intra: float = 0.0
+    dp_inter: float = 0.0
+
+    @classmethod
+    def zeros(cls, world_size: int) -> "RankLoad":
+        z = lambda: np.zeros(world_size)  # noqa: E731
+        return cls(z(), z(), z(), z(), z(), z())
+
+    def add(self, other: "RankLoad", sign: float = 1.0) -> None:
+        for name in ("lookup_bytes", "send_intra", "recv_intra", "send_inter", "recv_inter", "memory"):
+            getattr(self, name).__iadd__(sign * getattr(other, name))
+        self.dp_intra += sign * other.dp_intra
+        self.dp_inter += sign * other.dp_inter
+
+    def copy(self) -> "RankLoad":
+        return RankLoad(
+            *(getattr(self, n).copy() for n in ("lookup_bytes", "send_intra", "recv_intra", "send_inter", "recv_inter", "memory")),
+            dp_intra=self.dp_intra,
+            dp_inter=self.dp_inter,
+        )
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """The estimated step and its parts, with the per-rank arrays they come from."""
+
+    lookup_ms: float
+    comm_ms: float
+    dp_allreduce_ms: float
+    dense_ms: float
+    rank_lookup_ms: np.ndarray = field(repr=False)
+    rank_intra_ms: np.ndarray = field(repr=False)
+    rank_inter_ms: np.ndarray = field(repr=False)
+    rank_memory: np.ndarray = field(repr=False)
+    rank_intra_bytes: np.ndarray = field(repr=False)
+    rank_inter_bytes: np.ndarray = field(repr=False)
+
+    @property
+    def step_ms(self) -> float:
+        return self.lookup_ms + self.comm_ms + self.dp_allreduce_ms + self.dense_ms
+
+    @property
+    def rank_load_ms(self) -> np.ndarray:
+        """What the search balances: each rank's lookups plus its embedding communication."""
+        return self.rank_lookup_ms + self.rank_intra_ms + self.rank_inter_ms
+
+    def parts(self) -> dict[str, float]:
+        return {
+            "step_ms": self.step_ms,
+            "lookup_ms": self.lookup_ms,
+            "comm_ms": self.comm_ms,
+            "dp_allreduce_ms": self.dp_allreduce_ms,
+            "dense_ms": self.dense_ms,
+        }
+
+
+class CostModel:
+    """Scores plans for one model on one topology; see the module docstring for the formulas."""
+
+    def __init__(self, spec: ModelSpec, topology: Topology, optimizer: OptimizerMemory | None = None) -> None:
+        if spec.batch_size % topology.world_size:
+            raise ValueError(f"batch size {spec.batch_size} is not divisible by world size {topology.world_size}")
+        self.spec = spec
+        self.topology = topology
+        self.optimizer = optimizer or OptimizerMemory()
+        self.local_batch = spec.batch_size // topology.world_size
+        self._tables: dict[str, TableSpec] = {t.name: t for t in spec.tables}
+        self.unique_ratios: dict[str, float] = {}
+        self._loads: dict[tuple[str, TableLayout], RankLoad] = {}
+        w, lws = topology.world_size, topology.local_world_size
+        self._node = np.arange(w) // lws
+        self._local = np.arange(w) % lws
+
+    # ---- per-table building blocks -------------------------------------------------------
+
+    def table(self, name: str) -> TableSpec:
+        return self._tables[name]
+
+    def row_mass(self, name: str, row_bounds: tuple[int, ...]) -> np.ndarray:
+        """Fraction of the lookups per row slice: its fraction of the rows (IDs are hashed)."""
+        return np.diff(np.asarray(row_bounds, dtype=np.float64)) / self._tables[name].rows
+
+    def row_distinct(self, name: str, row_bounds: tuple[int, ...]) -> np.ndarray:
+        """Expected distinct IDs per row slice among one rank's b x p draws of one feature."""
+        t = self._tables[name]
+        ratio = self.unique_ratios.get(name)
+        if ratio is None:
+            ratio = self.unique_ratios[name] = self.spec.expected_unique_ratio(t, self.topology.world_size)
+        return ratio * self.local_batch * t.pooling * self.row_mass(name, row_bounds)
+
+    def row_memory(self, name: str, width: int) -> float:
+        """Bytes per row of a cell `width` columns wide: weights + optimizer state."""
+        return width * (WEIGHT_BYTES + self.optimizer.bytes_per_element) + self.optimizer.bytes_per_row
+
+    def _spread(self, load: RankLoad, to_all: np.ndarray, from_all: np.ndarray) -> None:
+        """Rank k sends to_all[k] bytes to every other rank and receives from_all[k] from each."""
+        lws, w = self.topology.local_world_size, self.topology.world_size
+        for vec, send_i, recv_i, send_x, recv_x in (
+            (to_all, load.send_intra, load.recv_intra, load.send_inter, load.recv_inter),
+            (from_all, load.recv_intra, load.send_intra, load.recv_inter, load.send_inter),
+        ):
+            node_sum = vec.reshape(-1, lws).sum(axis=1)[self._node]
+            send_i += (lws - 1) * vec
+            send_x += (w - lws) * vec
+            recv_i += node_sum - vec
+            recv_x += vec.sum() - node_sum
+
+    def _hierarchical_to_all(
+        self, load: RankLoad, holders: list[int], nbytes: float, reverse: bool, direct: np.ndarray
+    ) -> None:
+        """Ranks `holders` (one column slice) reduce their partial sums to every rank, node first.
+
+        A holder alone on its node sends directly: that goes into `direct` (see _spread)."""
+        lws = self.topology.local_world_size
+        send_i, recv_i, send_x, recv_x = (
+            (load.recv_intra, load.send_intra, load.recv_inter, load.send_inter)
+            if reverse
+            else (load.send_intra, load.recv_intra, load.send_inter, load.recv_inter)
+        )
+        nodes = self.topology.num_nodes
+        by_node: dict[int, list[int]] = {}
+        for k in holders:
+            by_node.setdefault(int(self._node[k]), []).append(k)
+        for n, ks in by_node.items():
+            if len(ks) == 1:
+                direct[ks[0]] += nbytes
+                continue
+            # Each holder sends to the L-1 others of its node for local destinations, and to the L-1
+            # aggregators for the N-1 remote destinations each; each aggregator sends once across.
+            here = slice(n * lws, (n + 1) * lws)
+            held = np.zeros(lws)
+            held[np.asarray(ks) - n * lws] = 1.0
+            send_i[ks] += (lws - 1) * nodes * nbytes
+            recv_i[here] += nodes * (len(ks) - held) * nbytes
+            send_x[here] += (nodes - 1) * nbytes
+            recv_x[: n * lws] += nbytes
+            recv_x[(n + 1) * lws :] += nbytes
+
+    def table_load(self, name: str, layout: TableLayout) -> RankLoad:
+        """What one table adds to each rank (memoised: the search prices the same layouts often;
+        callers must not modify the result)."""
+        key = (name, layout)
+        cached = self._loads.get(key)
+        if cached is None:
+            if len(self._loads) >= _LOAD_CACHE_SIZE:
+                self._loads.pop(next(iter(self._loads)))
+            cached = self._loads[key] = self._table_load(name, layout)
+        return cached
+
+    def _table_load(self, name: str, layout: TableLayout) -> RankLoad:
+        t = self._tables[name]
+        w = self.topology.world_size
+        load = RankLoad.zeros(w)
+        feats = len(t.feature_names)
+        b = self.local_batch
+        fwd, bwd = layout.precision.forward, layout.precision.backward
+        lookup_factor = WEIGHT_BYTES * (1.0 + BACKWARD_COMPUTE_MULTIPLIER)
+        if layout.cluster == "dp":
+            load.lookup_bytes += b * feats * t.pooling * t.dim * lookup_factor
+            load.memory += t.rows * self.row_memory(name, t.dim)
+            grad = t.rows * vector_bytes(t.dim, bwd)
+            lws, nodes = self.topology.local_world_size, self.topology.num_nodes
+            load.dp_intra = 2.0 * (lws - 1) / lws * grad
+            load.dp_inter = 2.0 * (nodes - 1) / nodes * grad / lws
+            return load
+        rows = layout.row_bounds
+        mass = self.row_mass(name, rows)
+        ub = layout.cluster == "ub"
+        distinct = self.row_distinct(name, rows) if ub else None
+        widths = np.diff(layout.col_bounds)
+        to_all, from_all = np.zeros(w), np.zeros(w)
+        if ub:  # every rank expands its unique vectors back into its own lookups
+            load.lookup_bytes += b * feats * t.pooling * t.dim * lookup_factor
+        for r in range(layout.num_row_slices):
+            n_rows = rows[r + 1] - rows[r]
+            ids = distinct[r] if ub else b * t.pooling * mass[r]
+            per_sender = feats * (ids * ID_BYTES + (0 if ub else b * LENGTH_BYTES))
+            for k in set(layout.ranks[r]):
+                from_all[k] += per_sender
+            for c, k in enumerate(layout.ranks[r]):
+                width = int(widths[c])
+                load.memory[k] += n_rows * self.row_memory(name, width)
+                if ub:
+                    load.lookup_bytes[k] += w * feats * distinct[r] * width * lookup_factor
+                    to_all[k] += feats * distinct[r] * vector_bytes(width, fwd)
+                    from_all[k] += feats * distinct[r] * vector_bytes(width, bwd)
+                else:
+                    load.lookup_bytes[k] += self.spec.batch_size * feats * t.pooling * mass[r] * width * lookup_factor
+        if not ub:
+            for c in range(layout.num_col_slices):
+                holders = sorted({layout.ranks[r][c] for r in range(layout.num_row_slices)})
+                width = int(widths[c])
+                for prec, direct, reverse in ((fwd, to_all, False), (bwd, from_all, True)):
+                    nbytes = feats * b * vector_bytes(width, prec)
+                    if layout.hierarchical:
+                        self._hierarchical_to_all(load, holders, nbytes, reverse, direct)
+                    else:
+                        direct[holders] += nbytes
+        self._spread(load, to_all, from_all)
+        return load
+
+    def cell_ms(self, name: str, layout: TableLayout) -> np.ndarray:
+        """[R, C] estimate of what each cell costs the rank that holds it, for placing cells.
+
+        Its lookups plus the traffic it makes its holder send or receive (IDs in, vectors or
+        partial sums out and their gradients back), priced as if spread over the other ranks like
+        a uniform all-to-all. Only the holder's side depends on placement: every rank receives
+        partial sums from every holder wherever the holders are.
+        """
+        t = self._tables[name]
+        hw, w, lws = self.topology.hardware, self.topology.world_size, self.topology.local_world_size
+        b, feats = self.local_batch, len(t.feature_names)
+        ub = layout.cluster == "ub"
+        mass = self.row_mass(name, layout.row_bounds)
+        ids = self.row_distinct(name, layout.row_bounds) if ub else b * t.pooling * mass
+        vectors = ids if ub else np.full_like(mass, float(b))
+        widths = np.diff(np.asarray(layout.col_bounds))
+        fwd, bwd = layout.precision.forward, layout.precision.backward
+        wire = np.array([vector_bytes(int(x), fwd) + vector_bytes(int(x), bwd) for x in widths])
+        per_peer = feats * (ids * ID_BYTES + (0 if ub else b * LENGTH_BYTES))[:, None] + feats * vectors[:, None] * wire
+        peers_ms = (lws - 1) / (hw.intra_node_bw_gbps * 1e6) + (w - lws) / (hw.inter_node_bw_gbps * 1e6)
+        looked_up = (w * ids) if ub else (self.spec.batch_size * t.pooling * mass)
+        lookup = feats * looked_up[:, None] * widths[None, :] * WEIGHT_BYTES * (1.0 + BACKWARD_COMPUTE_MULTIPLIER)
+        return lookup / (hw.hbm_bw_gbps * 1e6) + per_peer * peers_ms
+
+    # ---- whole plans ----------------------------------------------------------------------
+
+    def rank_load(self, plan: Plan | Mapping[str, TableLayout]) -> RankLoad:
+        tables = plan.tables if isinstance(plan, Plan) else plan
+        total = RankLoad.zeros(self.topology.world_size)
+        for name, layout in tables.items():
+            total.add(self.table_load(name, layout))
+        return total
+
+    def step_cost(self, load: RankLoad) -> StepCost:
+        hw = self.topology.hardware
+        to_ms = lambda nbytes, gbps: nbytes / (gbps * 1e6)  # noqa: E731
+        lookup = to_ms(load.lookup_bytes, hw.hbm_bw_gbps)
+        intra = to_ms(np.maximum(load.send_intra, load.recv_intra), hw.intra_node_bw_gbps)
+        inter = to_ms(np.maximum(load.send_inter, load.recv_inter), hw.inter_node_bw_gbps)
+        dp = to_ms(load.dp_intra, hw.intra_node_bw_gbps) + to_ms(load.dp_inter, hw.inter_node_bw_gbps)
+        dense_grad = hw.dense_params_mb * 1e6
+        lws, nodes = self.topology.local_world_size, self.topology.num_nodes
+        dense_ar = to_ms(2.0 * (lws - 1) / lws * dense_grad, hw.intra_node_bw_gbps) + to_ms(
+            2.0 * (nodes - 1) / nodes * dense_grad / lws, hw.inter_node_bw_gbps
+        )
+        return StepCost(
+            lookup_ms=float(lookup.max()),
+            comm_ms=float((intra + inter).max()),
+            dp_allreduce_ms=float(dp),
+            dense_ms=self.local_batch / 1000.0 * hw.dense_ms_per_ksample + dense_ar,
+            rank_lookup_ms=lookup,
+            rank_intra_ms=intra,
+            rank_inter_ms=inter,
+            rank_memory=load.memory.copy(),
+            rank_intra_bytes=load.send_intra + load.recv_intra,
+            rank_inter_bytes=load.send_inter + load.recv_inter,
+        )
+
+    def evaluate(self, plan: Plan) -> StepCost:
+        return self.step_cost(self.rank_load(plan))
+

@@ -1,0 +1,243 @@
+"""Table layouts (EMBark's 3D sharding) and the plan file.
+
+A TableLayout cuts a table into a grid of row slices x column slices and puts each cell on a rank;
+table-wise, row-wise, column-wise, table-row-wise and grid sharding are all special cases.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+CLUSTERS = ("dp", "rb", "ub")
+PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
+PLAN_FORMAT = "embark-plan"
+PLAN_VERSION = 1
+
+
+class PlanError(ValueError):
+    """A plan that breaks an invariant; the message names the table (and rank, where one is at fault)."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    rows: tuple[int, int]  # half-open
+    cols: tuple[int, int]  # half-open
+    rank: int
+
+
+@dataclass(frozen=True)
+class WirePrecision:
+    """Precision of the embeddings sent forward and of the gradients sent backward."""
+
+    forward: str = "fp32"
+    backward: str = "fp32"
+
+    def __post_init__(self) -> None:
+        for p in (self.forward, self.backward):
+            if p not in PRECISIONS:
+                raise PlanError(f"precision {p!r} is not one of {PRECISIONS}")
+
+
+@dataclass(frozen=True)
+class TableLayout:
+    """cluster + a grid: ranks[r][c] holds rows [row_bounds[r], row_bounds[r+1]) x cols likewise.
+
+    DP tables have no grid (replicated on every rank). `hierarchical` says that partial sums of
+    row slices are reduced inside each node before they cross nodes.
+    """
+
+    cluster: str
+    row_bounds: tuple[int, ...] = ()
+    col_bounds: tuple[int, ...] = ()
+    ranks: tuple[tuple[int, ...], ...] = ()
+    precision: WirePrecision = field(default_factory=WirePrecision)
+    hierarchical: bool = False
+
+    @classmethod
+    def data_parallel(cls, precision: WirePrecision | None = None) -> "TableLayout":
+        return cls("dp", precision=precision or WirePrecision())
+
+    @classmethod
+    def table_wise(cls, rows: int, dim: int, rank: int, cluster: str = "rb") -> "TableLayout":
+        return cls(cluster, (0, rows), (0, dim), ((rank,),))
+
+    @property
+    def num_row_slices(self) -> int:
+        return len(self.row_bounds) - 1
+
+    @property
+    def num_col_slices(self) -> int:
+        return len(self.col_bounds) - 1
+
+    def shards(self) -> Iterator[Shard]:
+        """Row-major: every column slice of row slice 0, then row slice 1, ..."""
+        for r in range(self.num_row_slices):
+            for c in range(self.num_col_slices):
+                yield Shard(
+                    (self.row_bounds[r], self.row_bounds[r + 1]),
+                    (self.col_bounds[c], self.col_bounds[c + 1]),
+                    self.ranks[r][c],
+                )
+
+    def used_ranks(self) -> set[int]:
+        return {k for row in self.ranks for k in row}
+
+    def with_ranks(self, ranks: tuple[tuple[int, ...], ...]) -> "TableLayout":
+        return replace(self, ranks=ranks)
+
+    def split_rows(self, r: int, at: int, new_ranks: tuple[int, ...]) -> "TableLayout":
+        """Cut row slice r at row `at`; the lower part keeps its ranks, the upper goes to new_ranks."""
+        bounds = self.row_bounds[: r + 1] + (at,) + self.row_bounds[r + 1 :]
+        ranks = self.ranks[: r + 1] + (new_ranks,) + self.ranks[r + 1 :]
+        return replace(self, row_bounds=bounds, ranks=ranks)
+
+    def split_cols(self, c: int, at: int, new_ranks: tuple[int, ...]) -> "TableLayout":
+        """Cut column slice c at column `at`; the right part goes to new_ranks (one per row slice)."""
+        bounds = self.col_bounds[: c + 1] + (at,) + self.col_bounds[c + 1 :]
+        ranks = tuple(row[: c + 1] + (new_ranks[r],) + row[c + 1 :] for r, row in enumerate(self.ranks))
+        return replace(self, col_bounds=bounds, ranks=ranks)
+
+    def validate(self, table: str, rows: int, dim: int, world_size: int) -> None:
+        """Exact tiling of rows x dim, column cuts on multiples of 4, ranks in range."""
+        where = f"table {table!r}"
+        if self.cluster not in CLUSTERS:
+            raise PlanError(f"{where}: cluster {self.cluster!r} is not one of {CLUSTERS}")
+        if self.cluster == "dp":
+            if self.row_bounds or self.col_bounds or self.ranks:
+                raise PlanError(f"{where}: a dp table is replicated and has no shards")
+            return
+        for name, bounds, size in (("row", self.row_bounds, rows), ("column", self.col_bounds, dim)):
+            if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != size:
+                raise PlanError(f"{where}: {name} bounds {list(bounds)} do not cover [0, {size})")
+            if any(b >= a for a, b in zip(bounds[1:], bounds)):
+                raise PlanError(f"{where}: {name} bounds {list(bounds)} are not strictly increasing")
+        if any(b % 4 for b in self.col_bounds):
+            raise PlanError(f"{where}: column bounds {list(self.col_bounds)} are not multiples of 4")
+        if len(self.ranks) != self.num_row_slices or any(len(r) != self.num_col_slices for r in self.ranks):
+            raise PlanError(f"{where}: ranks grid does not match {self.num_row_slices} x {self.num_col_slices} slices")
+        for k in self.used_ranks():
+            if not 0 <= k < world_size:
+                raise PlanError(f"{where}: rank {k} is outside world size {world_size}")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """{table: TableLayout} for a world of world_size ranks in nodes of local_world_size."""
+
+    world_size: int
+    local_world_size: int
+    tables: Mapping[str, TableLayout]
+
+    def __getitem__(self, table: str) -> TableLayout:
+        return self.tables[table]
+
+    def replace_table(self, table: str, layout: TableLayout) -> "Plan":
+        return replace(self, tables={**self.tables, table: layout})
+
+    def validate(self, spec: Any, memory_per_rank: Any = None, cap_bytes: float | None = None) -> None:
+        """Every table of `spec` laid out exactly once and tiled exactly; memory within the cap.
+
+        `memory_per_rank` is the cost model's per-rank bytes (weights + optimizer state).
+        """
+        names = {t.name for t in spec.tables}
+        missing = sorted(names - set(self.tables))
+        extra = sorted(set(self.tables) - names)
+        if missing:
+            raise PlanError(f"plan has no layout for tables {missing}")
+        if extra:
+            raise PlanError(f"plan lays out tables {extra} that the model does not have")
+        for t in spec.tables:
+            self.tables[t.name].validate(t.name, t.rows, t.dim, self.world_size)
+        if memory_per_rank is not None and cap_bytes is not None:
+            for rank, used in enumerate(memory_per_rank):
+                if used > cap_bytes:
+                    raise PlanError(
+                        f"rank {rank} needs {used / 1e9:.2f} GB of embedding memory, over its cap of {cap_bytes / 1e9:.2f} GB"
+                    )
+
+    def to_dict(self) -> dict[str, Any]:
+        tables = {}
+        for name, t in self.tables.items():
+            entry: dict[str, Any] = {
+                "cluster": t.cluster,
+                "precision": {"forward": t.precision.forward, "backward": t.precision.backward},
+                "shards": [{"rows": list(s.rows), "cols": list(s.cols), "rank": s.rank} for s in t.shards()],
+            }
+            if t.hierarchical:
+                entry["hierarchical"] = True
+            tables[name] = entry
+        return {
+            "format": PLAN_FORMAT,
+            "version": PLAN_VERSION,
+            "world_size": self.world_size,
+            "local_world_size": self.local_world_size,
+            "tables": tables,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Plan":
+        if d.get("format") != PLAN_FORMAT or d.get("version") != PLAN_VERSION:
+            raise PlanError(f"not an {PLAN_FORMAT} version {PLAN_VERSION} file (format={d.get('format')!r}, version={d.get('version')!r})")
+        ws, lws = int(d["world_size"]), int(d["local_world_size"])
+        tables = {name: _layout_from_dict(name, entry, ws) for name, entry in d["tables"].items()}
+        return cls(ws, lws, tables)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def _layout_from_dict(name: str, entry: Mapping[str, Any], world_size: int) -> TableLayout:
+    """Rebuild the grid from a shard list; refuse shard lists that are not an exact grid."""
+    where = f"table {name!r}"
+    cluster = entry.get("cluster")
+    prec = entry.get("precision") or {}
+    try:
+        precision = WirePrecision(prec.get("forward", "fp32"), prec.get("backward", "fp32"))
+    except PlanError as e:
+        raise PlanError(f"{where}: {e}") from None
+    shards = entry.get("shards", [])
+    if cluster == "dp":
+        if shards:
+            raise PlanError(f"{where}: a dp table is replicated and must have no shards")
+        return TableLayout.data_parallel(precision)
+    if not shards:
+        raise PlanError(f"{where}: cluster {cluster!r} needs shards")
+    row_bounds = sorted({b for s in shards for b in s["rows"]})
+    col_bounds = sorted({b for s in shards for b in s["cols"]})
+    cell: dict[tuple[int, int], int] = {}
+    for s in shards:
+        r0, r1 = s["rows"]
+        c0, c1 = s["cols"]
+        if r0 >= r1 or c0 >= c1:
+            raise PlanError(f"{where}: empty shard rows {s['rows']} cols {s['cols']}")
+        for r in range(row_bounds.index(r0), row_bounds.index(r1)):
+            for c in range(col_bounds.index(c0), col_bounds.index(c1)):
+                if (r, c) in cell:
+                    raise PlanError(
+                        f"{where}: shards overlap at rows {row_bounds[r]}:{row_bounds[r + 1]} cols {col_bounds[c]}:{col_bounds[c + 1]}"
+                    )
+                cell[(r, c)] = int(s["rank"])
+        if (row_bounds.index(r1) - row_bounds.index(r0)) * (col_bounds.index(c1) - col_bounds.index(c0)) != 1:
+            raise PlanError(f"{where}: shard rows {s['rows']} cols {s['cols']} is not one cell of the table's grid")
+    n_r, n_c = len(row_bounds) - 1, len(col_bounds) - 1
+    gaps = [(r, c) for r in range(n_r) for c in range(n_c) if (r, c) not in cell]
+    if gaps:
+        r, c = gaps[0]
+        raise PlanError(
+            f"{where}: no shard covers rows {row_bounds[r]}:{row_bounds[r + 1]} cols {col_bounds[c]}:{col_bounds[c + 1]}"
+        )
+    ranks = tuple(tuple(cell[(r, c)] for c in range(n_c)) for r in range(n_r))
+    layout = TableLayout(cluster, tuple(row_bounds), tuple(col_bounds), ranks, precision, bool(entry.get("hierarchical", False)))
+    if cluster not in CLUSTERS:
+        raise PlanError(f"{where}: cluster {cluster!r} is not one of {CLUSTERS}")
+    for k in layout.used_ranks():
+        if not 0 <= k < world_size:
+            raise PlanError(f"{where}: rank {k} is outside world size {world_size}")
+    return layout

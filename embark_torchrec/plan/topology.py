@@ -1,0 +1,79 @@
+"""Cluster topology and hardware presets: the figures the cost model turns bytes into time with.
+
+Bandwidths are in GB/s (1e9 bytes/s) per GPU and per direction. Preset figures are public ones
+(see README "Cost model"); every one can be overridden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Per-GPU figures of one accelerator kind and its interconnect."""
+
+    name: str
+    hbm_gb: float  # memory per GPU
+    hbm_reserve_gb: float  # kept free for activations, dense model and workspace
+    hbm_bw_gbps: float  # achieved bandwidth of embedding lookups (gathers, not streaming)
+    intra_node_bw_gbps: float  # NVLink per GPU per direction
+    inter_node_bw_gbps: float  # network per GPU per direction
+    dense_ms_per_ksample: float  # dense forward+backward per 1000 samples on one GPU
+    dense_params_mb: float = 0.0  # MB of dense gradients all-reduced every step (same for every plan)
+
+    def with_overrides(self, **overrides: Any) -> "Hardware":
+        known = {f.name for f in fields(self)}
+        unknown = set(overrides) - known
+        if unknown:
+            raise ValueError(f"unknown hardware figures {sorted(unknown)}; known: {sorted(known)}")
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+# Lookups are random row gathers: we take half of peak HBM bandwidth as achieved (NVIDIA's planners
+# use a similar work ratio). Dense cost: DCNv2's dense part on H100 at ~2 ms per 8k samples.
+PRESETS: dict[str, Hardware] = {
+    "dgx-h100": Hardware("dgx-h100", 80.0, 16.0, 3350.0 / 2, 450.0, 50.0, 0.25),
+    "dgx-a100": Hardware("dgx-a100", 80.0, 16.0, 2039.0 / 2, 300.0, 25.0, 0.5),
+    "h200": Hardware("h200", 141.0, 20.0, 4800.0 / 2, 450.0, 50.0, 0.2),
+    # Gloo over loopback on a CPU box: what our CPU tests and the e2e benchmark run on.
+    "cpu-gloo": Hardware("cpu-gloo", 16.0, 4.0, 5.0, 2.0, 1.0, 50.0),
+}
+DEFAULT_HARDWARE = "dgx-h100"
+
+
+def hardware_preset(name: str) -> Hardware:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown hardware preset {name!r}; known: {sorted(PRESETS)}") from None
+
+
+@dataclass(frozen=True)
+class Topology:
+    """world_size GPUs in nodes of local_world_size; ranks are numbered node-major, as torchrun does."""
+
+    world_size: int
+    local_world_size: int
+    hardware: Hardware = PRESETS[DEFAULT_HARDWARE]
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.local_world_size < 1 or self.world_size % self.local_world_size:
+            raise ValueError(
+                f"local_world_size {self.local_world_size} must divide world_size {self.world_size}"
+            )
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.local_world_size
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.local_world_size
+
+    @property
+    def hbm_cap_bytes(self) -> float:
+        """Bytes of embedding weights and optimizer state one rank may hold."""
+        return (self.hardware.hbm_gb - self.hardware.hbm_reserve_gb) * 1e9

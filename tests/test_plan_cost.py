@@ -1,0 +1,175 @@
+"""Cost model: closed forms equal message-by-message counting, and hand-computed cases."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from embark_torchrec.plan.cost import (
+    BACKWARD_COMPUTE_MULTIPLIER,
+    CostModel,
+    ID_BYTES,
+    LENGTH_BYTES,
+    OptimizerMemory,
+    vector_bytes,
+)
+from embark_torchrec.plan.layout import Plan, TableLayout, WirePrecision
+from embark_torchrec.plan.spec import ModelSpec, TableSpec
+from embark_torchrec.plan.topology import PRESETS, Topology
+
+
+def _messages(cost: CostModel, name: str, layout: TableLayout) -> list[tuple[int, int, float]]:
+    """Every (src, dst, bytes) message of one step, enumerated one by one (the reference)."""
+    t = cost.table(name)
+    topo = cost.topology
+    w, lws = topo.world_size, topo.local_world_size
+    b = cost.local_batch
+    feats = len(t.feature_names)
+    msgs: list[tuple[int, int, float]] = []
+    mass = cost.row_mass(name, layout.row_bounds)
+    ub = layout.cluster == "ub"
+    distinct = cost.row_distinct(name, layout.row_bounds) if ub else None
+    for r in range(layout.num_row_slices):
+        for k in sorted(set(layout.ranks[r])):
+            for j in range(w):
+                ids = distinct[r] if ub else b * t.pooling * mass[r]
+                msgs.append((j, k, feats * (ids * ID_BYTES + (0 if ub else b * LENGTH_BYTES))))
+        if ub:
+            for c, k in enumerate(layout.ranks[r]):
+                width = layout.col_bounds[c + 1] - layout.col_bounds[c]
+                for j in range(w):
+                    msgs.append((k, j, feats * distinct[r] * vector_bytes(width, layout.precision.forward)))
+                    msgs.append((j, k, feats * distinct[r] * vector_bytes(width, layout.precision.backward)))
+    if not ub:
+        for c in range(layout.num_col_slices):
+            width = layout.col_bounds[c + 1] - layout.col_bounds[c]
+            holders = sorted({layout.ranks[r][c] for r in range(layout.num_row_slices)})
+            for prec, backward in ((layout.precision.forward, False), (layout.precision.backward, True)):
+                x = feats * b * vector_bytes(width, prec)
+                for j in range(w):
+                    for n in range(topo.num_nodes):
+                        ks = [k for k in holders if topo.node_of(k) == n]
+                        if not ks:
+                            continue
+                        if not layout.hierarchical or len(ks) == 1 or n == topo.node_of(j):
+                            hops = [(k, j) for k in ks]
+                        else:
+                            agg = n * lws + j % lws
+                            hops = [(k, agg) for k in ks] + [(agg, j)]
+                        for src, dst in hops:
+                            msgs.append((dst, src, x) if backward else (src, dst, x))
+    return [(s, d, x) for s, d, x in msgs if s != d]
+
+
+def _counted(cost: CostModel, msgs: list[tuple[int, int, float]]) -> dict[str, np.ndarray]:
+    w = cost.topology.world_size
+    out = {k: np.zeros(w) for k in ("send_intra", "recv_intra", "send_inter", "recv_inter")}
+    for s, d, x in msgs:
+        kind = "intra" if cost.topology.node_of(s) == cost.topology.node_of(d) else "inter"
+        out[f"send_{kind}"][s] += x
+        out[f"recv_{kind}"][d] += x
+    return out
+
+
+def _model(**table: object) -> ModelSpec:
+    t = TableSpec(**{"name": "t", "rows": 1000, "dim": 16, "pooling": 3.0, **table})
+    return ModelSpec(name="m", batch_size=96, tables=(t,))
+
+
+LAYOUTS = {
+    "table_wise": TableLayout("rb", (0, 1000), (0, 16), ((5,),)),
+    "column_wise": TableLayout("rb", (0, 1000), (0, 8, 16), ((1, 6),)),
+    "row_wise_flat": TableLayout("rb", (0, 250, 600, 1000), (0, 16), ((0,), (1,), (4,))),
+    "row_wise_hier": TableLayout("rb", (0, 250, 600, 1000), (0, 16), ((0,), (1,), (4,)), hierarchical=True),
+    "grid_hier": TableLayout("rb", (0, 300, 1000), (0, 4, 16), ((0, 2), (3, 7)), hierarchical=True),
+    "grid_same_rank": TableLayout("rb", (0, 300, 1000), (0, 4, 16), ((2, 2), (2, 5))),
+    "ub_grid": TableLayout("ub", (0, 300, 1000), (0, 8, 16), ((0, 4), (4, 7))),
+    "fp16_fp8": TableLayout("rb", (0, 500, 1000), (0, 16), ((0,), (6,)), WirePrecision("fp16", "fp8"), True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize("lws", [2, 4, 8])
+def test_closed_forms_equal_message_counting(name: str, lws: int) -> None:
+    """The bytes each rank sends and receives, intra and inter node, equal message-by-message counts."""
+    spec = _model(feature_names=("f1", "f2"), id_distribution=None)
+    cost = CostModel(spec, Topology(8, lws))
+    load = cost.table_load("t", LAYOUTS[name])
+    expected = _counted(cost, _messages(cost, "t", LAYOUTS[name]))
+    for key, arr in expected.items():
+        np.testing.assert_allclose(getattr(load, key), arr, rtol=1e-12, atol=1e-9, err_msg=key)
+
+
+def test_table_wise_hand_computed() -> None:
+    """One table-wise table, 4 ranks as 2 nodes x 2: every figure by hand."""
+    spec = ModelSpec("m", 8, (TableSpec("t", rows=100, dim=8, pooling=2.0),))
+    cost = CostModel(spec, Topology(4, 2, PRESETS["cpu-gloo"]), OptimizerMemory(bytes_per_element=4, bytes_per_row=0))
+    load = cost.table_load("t", TableLayout("rb", (0, 100), (0, 8), ((0,),)))
+    b = 2  # samples per rank
+    ids_in = 2 * b * 8 + b * 4  # pooling 2 -> 4 int64 IDs and 2 int32 lengths from each rank
+    out = b * 8 * 4  # one fp32 pooled row of 8 per sample, forward; the same back in backward
+    assert load.recv_intra[0] == ids_in + out  # from rank 1: IDs, then gradients
+    assert load.recv_inter[0] == 2 * (ids_in + out)  # from ranks 2 and 3
+    assert load.send_intra[0] == out and load.send_inter[0] == 2 * out
+    assert load.send_inter[2] == ids_in + out and load.recv_inter[2] == out
+    assert load.lookup_bytes[0] == 8 * 2 * 8 * 4 * (1 + BACKWARD_COMPUTE_MULTIPLIER)
+    assert load.memory[0] == 100 * 8 * 8 and load.memory[1:].sum() == 0
+
+
+def test_dp_allreduce_and_step_parts() -> None:
+    """DP: no forward bytes, a hierarchical all-reduce of the gradient, memory on every rank."""
+    spec = ModelSpec("m", 64, (TableSpec("t", rows=10, dim=8, pooling=1.0),))
+    hw = PRESETS["dgx-h100"]
+    cost = CostModel(spec, Topology(16, 8, hw))
+    load = cost.table_load("t", TableLayout.data_parallel())
+    grad = 10 * 8 * 4
+    assert load.dp_intra == pytest.approx(2 * 7 / 8 * grad)
+    assert load.dp_inter == pytest.approx(2 * 1 / 2 * grad / 8)
+    assert load.send_intra.sum() == 0 and load.send_inter.sum() == 0
+    step = cost.step_cost(load)
+    assert step.dp_allreduce_ms == pytest.approx(load.dp_intra / (hw.intra_node_bw_gbps * 1e6) + load.dp_inter / (hw.inter_node_bw_gbps * 1e6))
+    assert step.dense_ms == pytest.approx(4 / 1000 * hw.dense_ms_per_ksample)
+    assert step.step_ms == pytest.approx(step.lookup_ms + step.comm_ms + step.dp_allreduce_ms + step.dense_ms)
+
+
+def test_precision_scales_bytes() -> None:
+    """fp16 halves embedding bytes; fp8 carries one byte per element plus a 4-byte scale per row."""
+    assert vector_bytes(128, "fp16") == vector_bytes(128, "fp32") / 2
+    assert vector_bytes(128, "bf16") == 256
+    assert vector_bytes(128, "fp8") == 128 + 4
+
+
+def test_ub_bytes_scale_with_unique_ratio() -> None:
+    """UB embedding bytes are proportional to the unique ratio; RB bytes do not depend on it."""
+    layout_ub = TableLayout("ub", (0, 1000), (0, 16), ((1,),))
+    layout_rb = TableLayout("rb", (0, 1000), (0, 16), ((1,),))
+    loads = {}
+    for ratio in (0.1, 0.2):
+        cost = CostModel(_model(unique_ratio=ratio), Topology(4, 2))
+        loads[ratio] = (cost.table_load("t", layout_ub), cost.table_load("t", layout_rb))
+    assert loads[0.2][0].send_inter[1] == pytest.approx(2 * loads[0.1][0].send_inter[1])
+    assert loads[0.2][1].send_inter[1] == loads[0.1][1].send_inter[1]
+
+
+def test_hierarchy_moves_bytes_from_network_to_nvlink() -> None:
+    """A row-split table on one node: hierarchical reduction sends fewer bytes across nodes."""
+    cost = CostModel(_model(), Topology(8, 4))
+    flat = TableLayout("rb", (0, 500, 1000), (0, 16), ((0,), (1,)))
+    hier = TableLayout("rb", (0, 500, 1000), (0, 16), ((0,), (1,)), hierarchical=True)
+    a, h = cost.table_load("t", flat), cost.table_load("t", hier)
+    assert h.send_inter.sum() < a.send_inter.sum()
+    assert h.send_intra.sum() > a.send_intra.sum()
+    assert math.isclose(h.lookup_bytes.sum(), a.lookup_bytes.sum())
+
+
+def test_plan_cost_is_sum_of_tables() -> None:
+    """A plan's per-rank load is the sum of its tables' loads."""
+    spec = ModelSpec("m", 96, (TableSpec("a", 1000, 16, 3.0), TableSpec("b", 50, 8, 1.0)))
+    cost = CostModel(spec, Topology(8, 4))
+    plan = Plan(8, 4, {"a": LAYOUTS["grid_hier"], "b": TableLayout("rb", (0, 50), (0, 8), ((3,),))})
+    total = cost.rank_load(plan)
+    parts = [cost.table_load("a", plan["a"]), cost.table_load("b", plan["b"])]
+    np.testing.assert_allclose(total.send_inter, parts[0].send_inter + parts[1].send_inter)
+    np.testing.assert_allclose(total.memory, parts[0].memory + parts[1].memory)
