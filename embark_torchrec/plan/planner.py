@@ -1,0 +1,172 @@
+"""EmbarkPlanner: a torchrec ShardingPlanner that plans with EMBark's clusters and 3D search.
+
+It wraps `plan_model` (spec + topology -> Plan) for torchrec modules and turns the Plan into the
+ShardingPlan that DistributedModelParallel takes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+from torchrec.distributed.types import ShardingPlanner
+
+from .constraints import TableConstraints, from_torchrec
+from .cost import OptimizerMemory
+from .layout import Plan, TableLayout
+from .plan_model import PlannedModel, plan_model
+from .search import SearchConfig
+from .spec import IdDistribution, ModelSpec
+from .topology import DEFAULT_HARDWARE, Hardware, Topology, hardware_preset
+
+SHARDING_TYPE_PREFIX = "embark_"
+
+
+def builtin_sharding_type(layout: TableLayout, rows: int, world_size: int, local_world_size: int) -> str | None:
+    """The torchrec sharding type that runs this layout exactly, or None.
+
+    RW and TWRW only when the row bounds are torchrec's own ceil blocks on the ranks it would use
+    (its bucketizer ignores our bounds), and only at fp32 (qcomms in torchrec are per module).
+    """
+    if layout.cluster == "dp":
+        return "data_parallel"
+    if layout.cluster != "rb" or layout.precision.forward != "fp32" or layout.precision.backward != "fp32":
+        return None
+    n_r, n_c = layout.num_row_slices, layout.num_col_slices
+    if n_r == 1:
+        return "table_wise" if n_c == 1 else "column_wise"
+    if n_c != 1:
+        return None
+    ranks = [row[0] for row in layout.ranks]
+    if n_r == world_size and ranks == list(range(world_size)) and not layout.hierarchical:
+        return "row_wise" if layout.row_bounds == _ceil_blocks(rows, world_size) else None
+    first = ranks[0]
+    node_ranks = list(range(first, first + local_world_size))
+    if n_r == local_world_size and first % local_world_size == 0 and ranks == node_ranks and layout.hierarchical:
+        return "table_row_wise" if layout.row_bounds == _ceil_blocks(rows, local_world_size) else None
+    return None
+
+
+def _ceil_blocks(rows: int, parts: int) -> tuple[int, ...]:
+    block = -(-rows // parts)
+    return tuple(min(i * block, rows) for i in range(parts + 1))
+
+
+def sharding_type_name(layout: TableLayout) -> str:
+    """Our sharding-type string for a layout no built-in type runs: one string per EMBark cluster
+    variant, e.g. "embark_rb", "embark_rb_hier", "embark_ub:fp16-bf16"."""
+    name = SHARDING_TYPE_PREFIX + layout.cluster + ("_hier" if layout.hierarchical else "")
+    p = layout.precision
+    return name if (p.forward, p.backward) == ("fp32", "fp32") else f"{name}:{p.forward}-{p.backward}"
+
+
+def module_sharding_plan(plan: Plan, spec: ModelSpec, compute_device: str = "cuda") -> Any:
+    """A Plan as torchrec's EmbeddingModuleShardingPlan (one ParameterSharding per table)."""
+    from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
+    from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSharding
+
+    lws = plan.local_world_size
+    out = EmbeddingModuleShardingPlan()
+    for t in spec.tables:
+        layout = plan[t.name]
+        kind = builtin_sharding_type(layout, t.rows, plan.world_size, lws)
+        if layout.cluster == "dp":
+            out[t.name] = ParameterSharding(sharding_type="data_parallel", compute_kernel="dense", ranks=None)
+            continue
+        shards = list(layout.shards())
+        device = (lambda k: f"rank:{k}/cuda:{k % lws}") if compute_device == "cuda" else (lambda k: f"rank:{k}/{compute_device}")
+        metadata = [
+            ShardMetadata(
+                shard_offsets=[s.rows[0], s.cols[0]],
+                shard_sizes=[s.rows[1] - s.rows[0], s.cols[1] - s.cols[0]],
+                placement=device(s.rank),
+            )
+            for s in shards
+        ]
+        out[t.name] = ParameterSharding(
+            sharding_type=kind or sharding_type_name(layout),
+            compute_kernel="fused",
+            ranks=[s.rank for s in shards],
+            sharding_spec=EnumerableShardingSpec(metadata),
+        )
+    return out
+
+
+def _sharders_accept(module: Any, sharders: list[Any]) -> bool:
+    return any(isinstance(module, s.module_type) for s in sharders)
+
+
+class EmbarkPlanner(ShardingPlanner):
+    """Drop-in for torchrec's EmbeddingShardingPlanner.
+
+    batch_size is the per-rank batch, as in torchrec. `plans` keeps the Plan of every planned
+    module (by its path) for the report and the plan file. Each EmbeddingBagCollection is planned
+    on its own.
+    """
+
+    def __init__(
+        self,
+        world_size: int | None = None,
+        local_world_size: int | None = None,
+        batch_size: int = 512,
+        constraints: Mapping[str, Any] | None = None,
+        hardware: str | Hardware = DEFAULT_HARDWARE,
+        compute_device: str = "cuda",
+        id_distribution: IdDistribution | None = None,
+        config: SearchConfig | None = None,
+        optimizer: OptimizerMemory | None = None,
+    ) -> None:
+        self.world_size = world_size
+        self.local_world_size = local_world_size
+        self.batch_size = batch_size
+        self.torchrec_constraints = dict(constraints or {})
+        self.hardware = hardware_preset(hardware) if isinstance(hardware, str) else hardware
+        self.compute_device = compute_device
+        self.id_distribution = id_distribution
+        self.config = config or SearchConfig()
+        self.optimizer = optimizer
+        self.plans: dict[str, PlannedModel] = {}
+
+    def _topology(self) -> Topology:
+        import torch.distributed as dist
+
+        ws = self.world_size or (dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1")))
+        lws = self.local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", str(ws)))
+        return Topology(ws, lws, self.hardware)
+
+    def plan(self, module: Any, sharders: list[Any]) -> Any:
+        from torchrec.distributed.types import ShardingPlan
+
+        topology = self._topology()
+        result = ShardingPlan(plan={})
+        for path, sub in module.named_modules():
+            if not _sharders_accept(sub, sharders) or not hasattr(sub, "embedding_bag_configs"):
+                continue
+            spec = ModelSpec.from_module(
+                sub,
+                self.torchrec_constraints,
+                batch_size=self.batch_size * topology.world_size,
+                name=path or "model",
+                id_distribution=self.id_distribution,
+            )
+            ours = {k: v for k, v in self.torchrec_constraints.items() if isinstance(v, TableConstraints)}
+            constraints = {**from_torchrec(self.torchrec_constraints), **ours}
+            constraints = {k: v for k, v in constraints.items() if k in {t.name for t in spec.tables}}
+            planned = plan_model(spec, topology, constraints, self.config, self.optimizer)
+            self.plans[path] = planned
+            result.plan[path] = module_sharding_plan(planned.plan, spec, self.compute_device)
+        if not result.plan:
+            raise ValueError("no module in the model is an EmbeddingBagCollection that the given sharders shard")
+        return result
+
+    def collective_plan(self, module: Any, sharders: list[Any] | None = None, pg: Any = None) -> Any:
+        """Rank 0 plans; every rank gets the same ShardingPlan."""
+        import torch.distributed as dist
+        from torchrec.distributed.collective_utils import invoke_on_rank_and_broadcast_result
+        from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+        sharders = sharders or [EmbeddingBagCollectionSharder()]
+        pg = pg or dist.GroupMember.WORLD
+        if pg is None:
+            return self.plan(module, sharders)
+        return invoke_on_rank_and_broadcast_result(pg, 0, self.plan, module, sharders)
