@@ -15,6 +15,7 @@ CLUSTERS = ("dp", "rb", "ub")
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
 PLAN_FORMAT = "embark-plan"
 PLAN_VERSION = 1
+SHARDING_TYPE_PREFIX = "embark_"
 
 
 class PlanError(ValueError):
@@ -241,3 +242,23 @@ def _layout_from_dict(name: str, entry: Mapping[str, Any], world_size: int) -> T
         if not 0 <= k < world_size:
             raise PlanError(f"{where}: rank {k} is outside world size {world_size}")
     return layout
+
+
+def sharding_type_name(layout: TableLayout) -> str:
+    """Our sharding-type string for a layout no built-in type runs: one string per EMBark cluster
+    variant, e.g. "embark_rb", "embark_rb_hier", "embark_ub:fp16-bf16"."""
+    name = SHARDING_TYPE_PREFIX + layout.cluster + ("_hier" if layout.hierarchical else "")
+    p = layout.precision
+    return name if (p.forward, p.backward) == ("fp32", "fp32") else f"{name}:{p.forward}-{p.backward}"
+
+
+def parse_sharding_type(name: str) -> tuple[str, bool, WirePrecision]:
+    """The inverse of sharding_type_name: (cluster, hierarchical, precision)."""
+    if not name.startswith(SHARDING_TYPE_PREFIX):
+        raise PlanError(f"{name!r} is not an embark sharding type")
+    body, _, precision = name[len(SHARDING_TYPE_PREFIX) :].partition(":")
+    cluster, _, variant = body.partition("_")
+    if cluster not in ("rb", "ub") or variant not in ("", "hier"):
+        raise PlanError(f"unknown embark sharding type {name!r}")
+    fwd, _, bwd = (precision or "fp32-fp32").partition("-")
+    return cluster, variant == "hier", WirePrecision(fwd, bwd or fwd)

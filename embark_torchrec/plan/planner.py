@@ -13,14 +13,11 @@ from torchrec.distributed.types import ShardingPlanner
 
 from .constraints import TableConstraints, from_torchrec
 from .cost import OptimizerMemory
-from .layout import Plan, TableLayout
+from .layout import Plan, TableLayout, sharding_type_name
 from .plan_model import PlannedModel, plan_model
 from .search import SearchConfig
 from .spec import IdDistribution, ModelSpec
 from .topology import DEFAULT_HARDWARE, Hardware, Topology, hardware_preset
-
-SHARDING_TYPE_PREFIX = "embark_"
-
 
 def builtin_sharding_type(layout: TableLayout, rows: int, world_size: int, local_world_size: int) -> str | None:
     """The torchrec sharding type that runs this layout exactly, or None.
@@ -50,14 +47,6 @@ def builtin_sharding_type(layout: TableLayout, rows: int, world_size: int, local
 def _ceil_blocks(rows: int, parts: int) -> tuple[int, ...]:
     block = -(-rows // parts)
     return tuple(min(i * block, rows) for i in range(parts + 1))
-
-
-def sharding_type_name(layout: TableLayout) -> str:
-    """Our sharding-type string for a layout no built-in type runs: one string per EMBark cluster
-    variant, e.g. "embark_rb", "embark_rb_hier", "embark_ub:fp16-bf16"."""
-    name = SHARDING_TYPE_PREFIX + layout.cluster + ("_hier" if layout.hierarchical else "")
-    p = layout.precision
-    return name if (p.forward, p.backward) == ("fp32", "fp32") else f"{name}:{p.forward}-{p.backward}"
 
 
 def module_sharding_plan(plan: Plan, spec: ModelSpec, compute_device: str = "cuda") -> Any:

@@ -18,12 +18,14 @@ def global_kjt_batch(
     seed: int,
     max_bag_size: int = 4,
     empty_fraction: float = 0.25,
+    weighted: bool = False,
 ) -> list[KeyedJaggedTensor]:
     """The global batch as ``world_size`` KJTs of ``batch_size`` samples each (rank r feeds element r).
 
     Built from ``seed`` alone, so every rank (and the unsharded reference) gets identical tensors. Keys are the
     tables' feature names in table order; ids are valid rows of the feature's table. A fraction of bags is empty,
     and every feature has at least one empty bag per slice, since empty bags are a classic source of pooling bugs.
+    ``weighted`` adds a per-ID weight in [0.5, 1.5).
     """
     if batch_size < 1 or world_size < 1:
         raise ValueError("world_size and batch_size must be >= 1")
@@ -39,11 +41,13 @@ def global_kjt_batch(
             torch.randint(0, rows, (int(lengths[index].sum()),), generator=generator)
             for index, (_, rows) in enumerate(features)
         ]
+        flat = torch.cat(values) if values else torch.empty(0, dtype=torch.long)
         slices.append(
             KeyedJaggedTensor.from_lengths_sync(
                 keys=[name for name, _ in features],
-                values=torch.cat(values) if values else torch.empty(0, dtype=torch.long),
+                values=flat,
                 lengths=lengths.flatten(),
+                weights=torch.rand(flat.numel(), generator=generator) + 0.5 if weighted else None,
             )
         )
     return slices

@@ -1,0 +1,1 @@
+"""Runtime inside DistributedModelParallel: the sharder and our sharding types."""

@@ -1,0 +1,276 @@
+"""Grid sharding: any R x C grid of a table, uneven row bounds, any rank for each cell.
+
+TorchRec's built-in types cannot express this (a table gets one sharding type, and RW/TWRW bucketize
+with their own even blocks). Each cell runs as a table-wise "virtual feature" on its rank, so
+torchrec's table-wise lookup, fused optimizers and all-to-alls do the work:
+
+- input dist: every rank cuts each feature's IDs by the table's row bounds into one virtual feature
+  per cell (local IDs = ID - first row of the slice), then a KJT all-to-all sends each to its owner;
+- lookup: torchrec's fused TBE over the cells a rank holds (SUM pooling);
+- output dist: an all-to-all brings every cell's partial sums for a rank's samples home, where they
+  are summed per (feature, column) into the pooled output.
+
+MEAN pooling is exact without any state between input and output dist: each ID is weighted by
+1 / (its bag's length) before it is cut, so the partial sums add up to the mean. Weighted features
+keep their weights (multiplied by that factor for MEAN tables).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import ShardedTensorMetadata
+from torch.distributed._shard.sharding_spec import ShardMetadata
+from torchrec.distributed.embedding_sharding import (
+    BaseEmbeddingDist,
+    BaseSparseFeaturesDist,
+    EmbeddingShardingContext,
+    EmbeddingShardingInfo,
+)
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel, ShardedEmbeddingTable
+from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingDist, TwPooledEmbeddingSharding
+from torchrec.distributed.types import Awaitable, QuantizedCommCodecs, ShardingEnv
+from torchrec.modules.embedding_configs import PoolingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+
+@dataclass(frozen=True)
+class CellRoute:
+    """Where one virtual feature comes from: feature index, its cell's row slice and first column."""
+
+    feature: int
+    row_slice: int
+    col_start: int
+
+
+class InvalidIdError(ValueError):
+    """An ID outside [0, rows) of its table; the message names table, feature and rank."""
+
+
+def virtual_feature(feature: str, row_slice: int, col_slice: int) -> str:
+    return f"{feature}#{row_slice}.{col_slice}"
+
+
+class GridSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
+    """Cuts each feature's IDs into per-cell virtual features, then a KJT all-to-all."""
+
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        features: List[str],
+        tables: List[str],
+        table_rows: List[int],
+        mean: List[bool],
+        row_bounds: List[List[int]],
+        routes: List[CellRoute],
+        virtual_names: List[str],
+        features_per_rank: List[int],
+        weighted: bool,
+    ) -> None:
+        super().__init__()
+        from torchrec.distributed.dist_data import KJTAllToAll
+
+        self._features, self._tables, self._table_rows, self._mean = features, tables, table_rows, mean
+        self._row_bounds = [torch.tensor(b, dtype=torch.int64) for b in row_bounds]
+        self._routes, self._virtual_names = routes, virtual_names
+        self._weighted = weighted or any(mean)
+        self._rank = dist.get_rank(pg)
+        self._dist = KJTAllToAll(pg=pg, splits=features_per_rank)
+
+    def _cut(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        stride = kjt.stride()
+        lengths = kjt.lengths().view(len(self._features), stride)
+        per_key = lengths.sum(dim=1).tolist()
+        values = torch.split(kjt.values(), per_key)
+        weights_in = kjt.weights_or_none()
+        weights = torch.split(weights_in, per_key) if weights_in is not None else [None] * len(per_key)
+        samples = torch.arange(stride, device=kjt.values().device)
+        pieces: List[tuple[List[torch.Tensor], torch.Tensor, List[Optional[torch.Tensor]]]] = []
+        for f, name in enumerate(self._features):
+            ids, bag = values[f].long(), lengths[f]
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self._table_rows[f]):
+                bad = ids[(ids < 0) | (ids >= self._table_rows[f])][:5].tolist()
+                raise InvalidIdError(
+                    f"rank {self._rank}: feature {name!r} of table {self._tables[f]!r} has IDs {bad} outside [0, {self._table_rows[f]})"
+                )
+            sample = torch.repeat_interleave(samples, bag)
+            w = weights[f] if weights[f] is not None else (torch.ones(ids.numel(), device=ids.device) if self._weighted else None)
+            if self._mean[f]:
+                w = w / bag.clamp(min=1).to(w.dtype)[sample]
+            bounds = self._row_bounds[f]
+            cell = torch.bucketize(ids, bounds[1:-1], right=True)
+            order = torch.argsort(cell * stride + sample, stable=True)
+            counts = torch.bincount(cell * stride + sample, minlength=(len(bounds) - 1) * stride).view(-1, stride)
+            split = counts.sum(dim=1).tolist()
+            local = (ids - bounds[cell])[order]
+            pieces.append(
+                (
+                    list(torch.split(local, split)),
+                    counts,
+                    list(torch.split(w[order], split)) if w is not None else [None] * len(split),
+                )
+            )
+        out_values, out_lengths, out_weights = [], [], []
+        for route in self._routes:
+            local, counts, w = pieces[route.feature]
+            out_values.append(local[route.row_slice])
+            out_lengths.append(counts[route.row_slice])
+            out_weights.append(w[route.row_slice])
+        return KeyedJaggedTensor(
+            keys=self._virtual_names,
+            values=torch.cat(out_values) if out_values else kjt.values()[:0],
+            lengths=torch.cat(out_lengths).to(kjt.lengths().dtype) if out_lengths else kjt.lengths()[:0],
+            weights=torch.cat(out_weights) if self._weighted and out_weights else None,
+            stride=stride,
+        )
+
+    def forward(self, sparse_features: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+        return self._dist(self._cut(sparse_features))
+
+
+class GridPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.Tensor, torch.Tensor]):
+    """All-to-all of every cell's partial sums, then a sum per (feature, column) at home."""
+
+    def __init__(self, all_to_all: TwPooledEmbeddingDist, target_columns: torch.Tensor, out_dim: int) -> None:
+        super().__init__()
+        self._all_to_all = all_to_all
+        self.register_buffer("_target_columns", target_columns, persistent=False)
+        self._out_dim = out_dim
+        all_to_all._callbacks = [self._fold]
+
+    def _fold(self, partial: torch.Tensor) -> torch.Tensor:
+        out = partial.new_zeros(partial.size(0), self._out_dim)
+        return out.index_add(1, self._target_columns, partial)
+
+    def forward(
+        self, local_embs: torch.Tensor, sharding_ctx: Optional[EmbeddingShardingContext] = None
+    ) -> Awaitable[torch.Tensor]:
+        return self._all_to_all(local_embs, sharding_ctx)
+
+
+class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
+    """Embark's RB cluster: every layout of the planner, run exactly (see module docstring)."""
+
+    def __init__(
+        self,
+        sharding_infos: List[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+        qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
+    ) -> None:
+        self._features: List[str] = []
+        self._feature_tables: List[str] = []
+        self._feature_rows: List[int] = []
+        self._feature_dims: List[int] = []
+        self._feature_mean: List[bool] = []
+        self._feature_bounds: List[List[int]] = []
+        self._cells: Dict[str, CellRoute] = {}
+        self._weighted = any(info.embedding_config.is_weighted for info in sharding_infos)
+        super().__init__(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)
+
+    def _shard(self, sharding_infos: List[EmbeddingShardingInfo]) -> List[List[ShardedEmbeddingTable]]:
+        tables_per_rank: List[List[ShardedEmbeddingTable]] = [[] for _ in range(self._world_size)]
+        for info in sharding_infos:
+            cfg = info.embedding_config
+            shards: List[ShardMetadata] = info.param_sharding.sharding_spec.shards  # type: ignore[union-attr]
+            rows = sorted({s.shard_offsets[0] for s in shards} | {s.shard_offsets[0] + s.shard_sizes[0] for s in shards})
+            cols = sorted({s.shard_offsets[1] for s in shards} | {s.shard_offsets[1] + s.shard_sizes[1] for s in shards})
+            first = len(self._features)
+            for name in cfg.feature_names:
+                self._features.append(name)
+                self._feature_tables.append(cfg.name)
+                self._feature_rows.append(cfg.num_embeddings)
+                self._feature_dims.append(cfg.embedding_dim)
+                self._feature_mean.append(cfg.pooling == PoolingType.MEAN)
+                self._feature_bounds.append(rows)
+            global_metadata = ShardedTensorMetadata(
+                shards_metadata=shards, size=torch.Size([cfg.num_embeddings, cfg.embedding_dim])
+            )
+            for shard in shards:
+                r, c = rows.index(shard.shard_offsets[0]), cols.index(shard.shard_offsets[1])
+                names = [virtual_feature(f, r, c) for f in cfg.feature_names]
+                for i, v in enumerate(names):
+                    self._cells[v] = CellRoute(first + i, r, shard.shard_offsets[1])
+                tables_per_rank[shard.placement.rank()].append(  # type: ignore[union-attr]
+                    ShardedEmbeddingTable(
+                        num_embeddings=cfg.num_embeddings,
+                        embedding_dim=cfg.embedding_dim,
+                        name=cfg.name,
+                        embedding_names=names,
+                        data_type=cfg.data_type,
+                        feature_names=names,
+                        pooling=PoolingType.SUM,
+                        is_weighted=cfg.is_weighted,
+                        has_feature_processor=cfg.has_feature_processor,
+                        local_rows=shard.shard_sizes[0],
+                        local_cols=shard.shard_sizes[1],
+                        compute_kernel=EmbeddingComputeKernel(info.param_sharding.compute_kernel),
+                        local_metadata=shard,
+                        global_metadata=global_metadata,
+                        fused_params=info.fused_params,
+                        weight_init_max=cfg.weight_init_max,
+                        weight_init_min=cfg.weight_init_min,
+                    )
+                )
+        return tables_per_rank
+
+    # The module sees the original features and embeddings; the cells are internal.
+    def feature_names(self) -> List[str]:
+        return list(self._features)
+
+    def embedding_names(self) -> List[str]:
+        return list(self._features)
+
+    def embedding_dims(self) -> List[int]:
+        return list(self._feature_dims)
+
+    def embedding_shard_metadata(self) -> List[Optional[ShardMetadata]]:
+        return [None] * len(self._features)
+
+    def uncombined_embedding_names(self) -> List[str]:
+        return self.embedding_names()
+
+    def uncombined_embedding_dims(self) -> List[int]:
+        return self.embedding_dims()
+
+    def create_input_dist(self, device: Optional[torch.device] = None) -> BaseSparseFeaturesDist[KeyedJaggedTensor]:
+        assert self._pg is not None
+        virtual = [v for names in self.feature_names_per_rank() for v in names]
+        return GridSparseFeaturesDist(
+            self._pg,
+            self._features,
+            self._feature_tables,
+            self._feature_rows,
+            self._feature_mean,
+            self._feature_bounds,
+            [self._cells[v] for v in virtual],
+            virtual,
+            self.features_per_rank(),
+            self._weighted,
+        )
+
+    def create_output_dist(
+        self, device: Optional[torch.device] = None
+    ) -> BaseEmbeddingDist[EmbeddingShardingContext, torch.Tensor, torch.Tensor]:
+        assert self._pg is not None
+        offsets = [0]
+        for d in self._feature_dims:
+            offsets.append(offsets[-1] + d)
+        target: List[int] = []
+        for rank_names, rank_dims in zip(self.embedding_names_per_rank(), self._emb_dim_per_rank_per_feature()):
+            for v, width in zip(rank_names, rank_dims):
+                cell = self._cells[v]
+                start = offsets[cell.feature] + cell.col_start
+                target.extend(range(start, start + width))
+        device = device if device is not None else self._device
+        all_to_all = TwPooledEmbeddingDist(
+            pg=self._pg,
+            dim_sum_per_rank=self._dim_sum_per_rank(),
+            emb_dim_per_rank_per_feature=self._emb_dim_per_rank_per_feature(),
+            device=device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+        )
+        return GridPooledEmbeddingDist(all_to_all, torch.tensor(target, dtype=torch.int64, device=device), offsets[-1])

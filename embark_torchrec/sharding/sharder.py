@@ -1,0 +1,56 @@
+"""EmbarkEmbeddingBagCollectionSharder: torchrec's EBC sharder, plus our sharding types."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Type
+
+import torch
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from .sharded_ebc import EmbarkShardedEmbeddingBagCollection
+
+_BUILTIN_TYPES = [
+    ShardingType.DATA_PARALLEL.value,
+    ShardingType.TABLE_WISE.value,
+    ShardingType.COLUMN_WISE.value,
+    ShardingType.TABLE_COLUMN_WISE.value,
+    ShardingType.ROW_WISE.value,
+    ShardingType.TABLE_ROW_WISE.value,
+    ShardingType.GRID_SHARD.value,
+]
+
+
+class EmbarkEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
+    """Runs EmbarkPlanner's plans (and any torchrec plan) in DistributedModelParallel.
+
+    sharding_types() lists every built-in type on every device (stock torchrec hides row-wise,
+    table-row-wise and grid on CPU, which run fine on gloo); our "embark_*" types are not listed
+    because torchrec's own planner cannot cost them, but shard() runs them.
+    """
+
+    def shard(
+        self,
+        module: EmbeddingBagCollection,
+        params: Dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+        module_fqn: Optional[str] = None,
+    ) -> EmbarkShardedEmbeddingBagCollection:
+        return EmbarkShardedEmbeddingBagCollection(
+            module=module,
+            table_name_to_parameter_sharding=params,
+            env=env,
+            fused_params=self.fused_params,
+            device=device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            module_fqn=module_fqn,
+        )
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return list(_BUILTIN_TYPES)
+
+    @property
+    def sharded_module_type(self) -> Type[EmbarkShardedEmbeddingBagCollection]:
+        return EmbarkShardedEmbeddingBagCollection

@@ -1,0 +1,153 @@
+"""Sharded training equals unsharded training: outputs and weights, step by step.
+
+Run `compare_sharded_training` inside every rank (e.g. with run_ranks). It shards an
+EmbeddingBagCollection by a plan, copies the reference weights in, and trains both on the same
+global batch with the same optimizer. TorchRec averages embedding gradients over ranks (its
+all-to-all backward divides by the world size, as DDP does for DP tables), so the reference
+trains on the mean of the per-rank losses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from ..plan.layout import Plan, TableLayout
+from ..plan.planner import module_sharding_plan
+from ..plan.spec import ModelSpec
+from ..sharding.sharder import EmbarkEmbeddingBagCollectionSharder
+from .batches import global_kjt_batch
+from .equality import copy_global_weights
+
+ADAGRAD_EPS = 1e-8
+OPTIMIZERS = {"sgd": EmbOptimType.EXACT_SGD, "adagrad": EmbOptimType.EXACT_ADAGRAD}
+
+
+class SparseArch(nn.Module):
+    """The collection under an attribute, as in real models, so plans address it as "ebc"."""
+
+    def __init__(self, tables: list[EmbeddingBagConfig], weighted: bool, device: torch.device) -> None:
+        super().__init__()
+        self.ebc = EmbeddingBagCollection(tables=tables, is_weighted=weighted, device=device)
+
+    def forward(self, features: KeyedJaggedTensor) -> Any:
+        return self.ebc(features)
+
+
+def _reference_optimizer(params: Any, name: str, lr: float) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    return torch.optim.Adagrad(params, lr=lr, eps=ADAGRAD_EPS)
+
+
+def _loss(output: Mapping[str, torch.Tensor], projection: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    return sum((output[k] * projection[k]).sum() for k in sorted(projection))  # type: ignore[return-value]
+
+
+def sharded_model(
+    tables: list[EmbeddingBagConfig],
+    layouts: Mapping[str, TableLayout],
+    local_world_size: int,
+    weighted: bool = False,
+    optimizer: str = "sgd",
+    lr: float = 0.1,
+) -> DistributedModelParallel:
+    """A SparseArch sharded by `layouts` through EmbarkEmbeddingBagCollectionSharder."""
+    ws = dist.get_world_size()
+    meta = SparseArch(tables, weighted, torch.device("meta"))
+    plan = Plan(ws, local_world_size, dict(layouts))
+    spec = ModelSpec.from_module(meta.ebc, batch_size=ws)
+    sharder = EmbarkEmbeddingBagCollectionSharder(
+        fused_params={"optimizer": OPTIMIZERS[optimizer], "learning_rate": lr, "eps": ADAGRAD_EPS}
+    )
+    return DistributedModelParallel(
+        meta,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        plan=ShardingPlan({"ebc": module_sharding_plan(plan, spec, "cpu")}),
+        sharders=[sharder],
+        device=torch.device("cpu"),
+    )
+
+
+def compare_sharded_training(
+    tables: list[EmbeddingBagConfig],
+    layouts: Mapping[str, TableLayout],
+    local_world_size: int,
+    steps: int = 2,
+    optimizer: str = "sgd",
+    weighted: bool = False,
+    batch_per_rank: int = 4,
+    seed: int = 0,
+    lr: float = 0.1,
+    silent_rank: int | None = None,
+) -> dict[str, float]:
+    """Max |sharded - unsharded| per output feature (each step) and per table weight (after all steps).
+
+    `silent_rank` sends no IDs at all (every bag empty), as a rank with nothing for a table would.
+    """
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed)
+    reference = SparseArch(tables, weighted, torch.device("cpu"))
+    model = sharded_model(tables, layouts, local_world_size, weighted, optimizer, lr)
+    copy_global_weights(model, reference)
+    ref_opt = _reference_optimizer(reference.parameters(), optimizer, lr)
+    dense = [p for _, p in in_backward_optimizer_filter(model.named_parameters()) if p.numel() > 0]
+    dense_opt = _reference_optimizer(dense, optimizer, lr) if dense else None
+    diffs: dict[str, float] = {}
+    for step in range(steps):
+        batch = global_kjt_batch(tables, ws, batch_per_rank, seed=seed + 100 * step, weighted=weighted)
+        if silent_rank is not None:
+            batch[silent_rank] = KeyedJaggedTensor.from_lengths_sync(
+                keys=batch[silent_rank].keys(),
+                values=batch[silent_rank].values()[:0],
+                lengths=torch.zeros_like(batch[silent_rank].lengths()),
+                weights=batch[silent_rank].weights()[:0] if weighted else None,
+            )
+        gen = torch.Generator().manual_seed(seed + step)
+        projections = [
+            {f: torch.randn(batch_per_rank, t.embedding_dim, generator=gen) for t in tables for f in t.feature_names}
+            for _ in range(ws)
+        ]
+        ref_opt.zero_grad()
+        ref_loss = torch.zeros(())
+        ref_out_here: dict[str, torch.Tensor] = {}
+        for r in range(ws):
+            out = reference(batch[r]).to_dict()
+            ref_loss = ref_loss + _loss(out, projections[r])
+            if r == rank:
+                ref_out_here = {k: v.detach() for k, v in out.items()}
+        (ref_loss / ws).backward()
+        ref_opt.step()
+        if dense_opt is not None:
+            dense_opt.zero_grad()
+        out = model(batch[rank])
+        out = (out.wait() if hasattr(out, "wait") else out).to_dict()
+        _loss(out, projections[rank]).backward()
+        if dense_opt is not None:
+            dense_opt.step()
+        for k, v in out.items():
+            diffs[f"step{step}/{k}"] = max(diffs.get(f"step{step}/{k}", 0.0), float((v.detach() - ref_out_here[k]).abs().max()))
+    state = reference.state_dict()
+    for key, value in model.state_dict().items():
+        if isinstance(value, ShardedTensor):
+            worst = 0.0
+            for shard in value.local_shards():
+                region = state[key]
+                for dim, (off, size) in enumerate(zip(shard.metadata.shard_offsets, shard.metadata.shard_sizes)):
+                    region = region.narrow(dim, off, size)
+                worst = max(worst, float((shard.tensor - region).abs().max()) if shard.tensor.numel() else 0.0)
+            diffs[f"weight/{key}"] = worst
+        else:
+            diffs[f"weight/{key}"] = float((value - state[key]).abs().max())
+    return diffs
