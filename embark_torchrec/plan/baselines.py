@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .layout import Plan, TableLayout
+from .layout import SHARDING_TYPE_PREFIX, Plan, TableLayout, parse_sharding_type
 from .spec import ModelSpec
 from .topology import Topology
 
@@ -32,7 +32,8 @@ def table_row_wise_plan(spec: ModelSpec, topology: Topology) -> Plan:
 
 
 def from_sharding_plan(sharding_plan: Any, topology: Topology, module_path: str = "") -> Plan:
-    """A torchrec ShardingPlan (one EmbeddingBagCollection) as a Plan; empty shards are dropped."""
+    """A torchrec ShardingPlan (one EmbeddingBagCollection) as a Plan; empty shards are dropped.
+    Our own "embark_*" types carry their cluster, reduction and precision in the string."""
     if module_path:
         module_plan = sharding_plan.plan[module_path]
     else:
@@ -51,7 +52,11 @@ def from_sharding_plan(sharding_plan: Any, topology: Topology, module_path: str 
             for m in ps.sharding_spec.shards
             if m.shard_sizes[0] > 0 and m.shard_sizes[1] > 0
         ]
-        tables[name] = {"cluster": "rb", "shards": shards, "hierarchical": ps.sharding_type in _HIERARCHICAL_TYPES}
+        entry: dict[str, Any] = {"cluster": "rb", "shards": shards, "hierarchical": ps.sharding_type in _HIERARCHICAL_TYPES}
+        if ps.sharding_type.startswith(SHARDING_TYPE_PREFIX):
+            cluster, hierarchical, precision = parse_sharding_type(ps.sharding_type)
+            entry.update(cluster=cluster, hierarchical=hierarchical, precision={"forward": precision.forward, "backward": precision.backward})
+        tables[name] = entry
     return Plan.from_dict(
         {
             "format": "embark-plan",

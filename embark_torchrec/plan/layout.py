@@ -210,6 +210,9 @@ def _layout_from_dict(name: str, entry: Mapping[str, Any], world_size: int) -> T
         return TableLayout.data_parallel(precision)
     if not shards:
         raise PlanError(f"{where}: cluster {cluster!r} needs shards")
+    for s in shards:
+        if not isinstance(s, Mapping) or not {"rows", "cols", "rank"} <= set(s):
+            raise PlanError(f"{where}: a shard needs 'rows', 'cols' and 'rank', got {s!r}")
     row_bounds = sorted({b for s in shards for b in s["rows"]})
     col_bounds = sorted({b for s in shards for b in s["cols"]})
     cell: dict[tuple[int, int], int] = {}

@@ -60,7 +60,9 @@ def module_sharding_plan(plan: Plan, spec: ModelSpec, compute_device: str = "cud
         layout = plan[t.name]
         kind = builtin_sharding_type(layout, t.rows, plan.world_size, lws)
         if layout.cluster == "dp":
-            out[t.name] = ParameterSharding(sharding_type="data_parallel", compute_kernel="dense", ranks=None)
+            out[t.name] = ParameterSharding(
+                sharding_type="data_parallel", compute_kernel="dense", ranks=list(range(plan.world_size))
+            )
             continue
         shards = list(layout.shards())
         device = (lambda k: f"rank:{k}/cuda:{k % lws}") if compute_device == "cuda" else (lambda k: f"rank:{k}/{compute_device}")

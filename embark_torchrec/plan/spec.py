@@ -201,7 +201,8 @@ class ModelSpec:
     ) -> "ModelSpec":
         """From a torchrec EmbeddingBagCollection and its ParameterConstraints (pooling_factors).
 
-        A table without a pooling factor gets 1.0 ID per sample, as in torchrec's planner.
+        A table's pooling is the mean of its features' pooling factors (IDs per sample per feature);
+        without one it is 1.0, as in torchrec's planner.
         """
         configs = module.embedding_bag_configs()
         constraints = constraints or {}
@@ -214,7 +215,7 @@ class ModelSpec:
                     name=cfg.name,
                     rows=int(cfg.num_embeddings),
                     dim=int(cfg.embedding_dim),
-                    pooling=float(sum(pf)),
+                    pooling=float(sum(pf)) / len(pf),
                     feature_names=tuple(cfg.feature_names),
                 )
             )
@@ -232,11 +233,15 @@ def _table_from_dict(t: Any, index: int) -> TableSpec:
         if key not in t:
             raise SpecError(f"table {name!r}: missing {key!r}")
     dist = t.get("id_distribution")
+    try:
+        pooling = float(t["pooling"])
+    except (TypeError, ValueError):
+        raise SpecError(f"table {name!r}: pooling must be a number, got {t['pooling']!r}") from None
     return TableSpec(
         name=name,
         rows=t["rows"],
         dim=t["dim"],
-        pooling=float(t["pooling"]),
+        pooling=pooling,
         feature_names=tuple(t.get("feature_names") or ()),
         id_distribution=IdDistribution.from_dict(dist, f"table {name!r}") if dist is not None else None,
         unique_ratio=t.get("unique_ratio"),

@@ -8,7 +8,8 @@ torchrec's table-wise lookup, fused optimizers and all-to-alls do the work:
   per cell (local IDs = ID - first row of the slice), then a KJT all-to-all sends each to its owner;
 - lookup: torchrec's fused TBE over the cells a rank holds (SUM pooling);
 - output dist: an all-to-all brings every cell's partial sums for a rank's samples home, where they
-  are summed per (feature, column) into the pooled output.
+  are summed per (feature, column) into the pooled output; or, for hierarchical layouts, the sums
+  are reduced inside each node first and cross nodes once (HierarchicalPooledEmbeddingDist).
 
 MEAN pooling is exact without any state between input and output dist: each ID is weighted by
 1 / (its bag's length) before it is cut, so the partial sums add up to the mean. Weighted features
@@ -18,12 +19,15 @@ keep their weights (multiplied by that factor for MEAN tables).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensorMetadata
 from torch.distributed._shard.sharding_spec import ShardMetadata
+from torch.distributed.nn.functional import all_to_all_single
+from torchrec.distributed.comm import get_local_size, intra_and_cross_node_pg
+from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.embedding_sharding import (
     BaseEmbeddingDist,
     BaseSparseFeaturesDist,
@@ -32,7 +36,7 @@ from torchrec.distributed.embedding_sharding import (
 )
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel, ShardedEmbeddingTable
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingDist, TwPooledEmbeddingSharding
-from torchrec.distributed.types import Awaitable, QuantizedCommCodecs, ShardingEnv
+from torchrec.distributed.types import Awaitable, NoWait, QuantizedCommCodecs, ShardingEnv
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -151,6 +155,92 @@ class GridPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.
         return self._all_to_all(local_embs, sharding_ctx)
 
 
+class _DivideGradient(torch.autograd.Function):
+    """Identity forward; gradient / world size backward, as torchrec's all-to-alls do."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, world_size: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.world_size = world_size
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return (grad / ctx.world_size if get_gradient_division() else grad), None
+
+
+class HierarchicalPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.Tensor, torch.Tensor]):
+    """Partial sums reduced inside each node first, then once across nodes (EMBark's hierarchical RB).
+
+    Stage 1, intra-node all-to-all: for destination j, every rank sends its partial sums to the rank
+    of its node whose local rank is j's, which sums them per (feature, column). Stage 2, cross-node
+    all-to-all among ranks of equal local rank: each such aggregator sends j its node's sum; j adds
+    the nodes' sums up.
+    """
+
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        local_world_size: int,
+        dims_per_rank: List[int],
+        targets_per_rank: List[torch.Tensor],
+        out_dim: int,
+    ) -> None:
+        super().__init__()
+        self._world_size = dist.get_world_size(pg)
+        self._rank = dist.get_rank(pg)
+        self._lws = local_world_size
+        self._nodes = self._world_size // local_world_size
+        self._intra, self._cross = intra_and_cross_node_pg(backend=dist.get_backend(pg))
+        self._dims = dims_per_rank
+        self._targets = targets_per_rank
+        self._out_dim = out_dim
+
+    def _reduce(self, local_embs: torch.Tensor, batch_per_rank: List[int]) -> torch.Tensor:
+        lws, nodes = self._lws, self._nodes
+        node, local = divmod(self._rank, lws)
+        starts = [0]
+        for b in batch_per_rank:
+            starts.append(starts[-1] + b)
+        dim = self._dims[self._rank]
+        # stage 1: to node member l, the rows of destinations with local rank l (node-major)
+        send, send_sizes = [], []
+        for lr in range(lws):
+            rows = [local_embs[starts[n * lws + lr] : starts[n * lws + lr + 1]] for n in range(nodes)]
+            send.append(torch.cat(rows).reshape(-1))
+            send_sizes.append(send[-1].numel())
+        mine = [batch_per_rank[n * lws + local] for n in range(nodes)]
+        recv_sizes = [sum(mine) * self._dims[node * lws + m] for m in range(lws)]
+        received = all_to_all_single(
+            local_embs.new_empty(sum(recv_sizes)), torch.cat(send), recv_sizes, send_sizes, group=self._intra
+        )
+        node_sum = local_embs.new_zeros(sum(mine), self._out_dim)
+        for m, block in enumerate(torch.split(received, recv_sizes)):
+            member = node * lws + m
+            if self._dims[member]:
+                node_sum = node_sum.index_add(1, self._targets[member], block.view(sum(mine), self._dims[member]))
+        # stage 2: to node n's rank with my local rank, my node's sums for its samples
+        out_sizes = [b * self._out_dim for b in mine]
+        mine_here = batch_per_rank[self._rank]
+        gathered = all_to_all_single(
+            local_embs.new_empty(nodes * mine_here * self._out_dim),
+            node_sum.reshape(-1),
+            [mine_here * self._out_dim] * nodes,
+            out_sizes,
+            group=self._cross,
+        )
+        return gathered.view(nodes, mine_here, self._out_dim).sum(dim=0)
+
+    def forward(
+        self, local_embs: torch.Tensor, sharding_ctx: Optional[EmbeddingShardingContext] = None
+    ) -> Awaitable[torch.Tensor]:
+        batch_per_rank = (
+            list(sharding_ctx.batch_size_per_rank)
+            if sharding_ctx is not None and sharding_ctx.batch_size_per_rank
+            else [local_embs.size(0) // self._world_size] * self._world_size
+        )
+        return NoWait(self._reduce(_DivideGradient.apply(local_embs, self._world_size), batch_per_rank))
+
+
 class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
     """Embark's RB cluster: every layout of the planner, run exactly (see module docstring)."""
 
@@ -160,7 +250,9 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
         env: ShardingEnv,
         device: Optional[torch.device] = None,
         qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
+        hierarchical: bool = False,
     ) -> None:
+        self._hierarchical = hierarchical
         self._features: List[str] = []
         self._feature_tables: List[str] = []
         self._feature_rows: List[int] = []
@@ -259,13 +351,19 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
         offsets = [0]
         for d in self._feature_dims:
             offsets.append(offsets[-1] + d)
-        target: List[int] = []
+        device = device if device is not None else self._device
+        targets_per_rank: List[torch.Tensor] = []
         for rank_names, rank_dims in zip(self.embedding_names_per_rank(), self._emb_dim_per_rank_per_feature()):
+            target: List[int] = []
             for v, width in zip(rank_names, rank_dims):
                 cell = self._cells[v]
                 start = offsets[cell.feature] + cell.col_start
                 target.extend(range(start, start + width))
-        device = device if device is not None else self._device
+            targets_per_rank.append(torch.tensor(target, dtype=torch.int64, device=device))
+        if self._hierarchical:
+            return HierarchicalPooledEmbeddingDist(
+                self._pg, get_local_size(self._world_size), self._dim_sum_per_rank(), targets_per_rank, offsets[-1]
+            )
         all_to_all = TwPooledEmbeddingDist(
             pg=self._pg,
             dim_sum_per_rank=self._dim_sum_per_rank(),
@@ -273,4 +371,4 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
             device=device,
             qcomm_codecs_registry=self.qcomm_codecs_registry,
         )
-        return GridPooledEmbeddingDist(all_to_all, torch.tensor(target, dtype=torch.int64, device=device), offsets[-1])
+        return GridPooledEmbeddingDist(all_to_all, torch.cat(targets_per_rank), offsets[-1])

@@ -31,5 +31,7 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             return super().create_embedding_bag_sharding(
                 sharding_infos, env, device, permute_embeddings=permute_embeddings, qcomm_codecs_registry=qcomm_codecs_registry
             )
-        parse_sharding_type(sharding_type)  # refuses strings we do not know
-        return GridPooledEmbeddingSharding(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)
+        _, hierarchical, _ = parse_sharding_type(sharding_type)
+        return GridPooledEmbeddingSharding(
+            sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry, hierarchical=hierarchical
+        )

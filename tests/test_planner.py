@@ -1,0 +1,446 @@
+"""EmbarkPlanner as a torchrec ShardingPlanner: ShardingPlans consistent with the layouts, the
+built-in sharding types (checked against torchrec's own constructors), round trips through
+torchrec's plan types, collective planning on every rank, and the table-row-wise baseline."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.planner.types import ParameterConstraints
+from torchrec.distributed.sharding_plan import (
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    row_wise,
+    table_row_wise,
+    table_wise,
+)
+from torchrec.distributed.types import ShardingPlan
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from embark_torchrec.plan.baselines import from_sharding_plan, table_row_wise_plan
+from embark_torchrec.plan.constraints import TableConstraints
+from embark_torchrec.plan.layout import Plan, TableLayout, WirePrecision
+from embark_torchrec.plan.planner import (
+    EmbarkPlanner,
+    builtin_sharding_type,
+    module_sharding_plan,
+    sharding_type_name,
+)
+from embark_torchrec.plan.spec import ModelSpec, TableSpec
+from embark_torchrec.plan.topology import Topology
+from embark_torchrec.testing import fake_world, threaded_ranks
+
+TABLES = [
+    ("big", 1_000_000, 64, ["f_big"]),
+    ("mid", 20_000, 32, ["m1", "m2"]),
+    ("tiny", 10, 16, ["f_tiny"]),
+    ("hot", 5000, 128, ["f_hot"]),
+    ("grid", 4000, 64, ["f_grid"]),
+    ("rw", 8000, 16, ["f_rw"]),
+    ("uq", 300_000, 32, ["f_uq"]),
+    ("small_rw", 50, 8, ["f_small"]),
+]
+
+
+def _ebc(tables: list[tuple[str, int, int, list[str]]] = TABLES) -> EmbeddingBagCollection:
+    return EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=f) for n, r, d, f in tables],
+        device=torch.device("meta"),
+    )
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sparse = _ebc()
+        self.dense = nn.Linear(4, 4, device="meta")
+
+
+def _constraints(world: int = 8) -> dict[str, Any]:
+    return {
+        "hot": ParameterConstraints(pooling_factors=[20.0]),
+        "tiny": ParameterConstraints(sharding_types=["data_parallel"]),
+        "small_rw": ParameterConstraints(sharding_types=["row_wise", "table_wise"]),
+        "grid": TableConstraints(
+            layout=TableLayout("rb", (0, 1000, 4000), (0, 32, 64), ((1, 2), (2, 3)), hierarchical=True)
+        ),
+        "rw": TableConstraints(layout=TableLayout("rb", _ceil(8000, world), (0, 16), tuple((k,) for k in range(world)))),
+        "uq": TableConstraints(cluster="ub"),
+    }
+
+
+def _ceil(rows: int, parts: int) -> tuple[int, ...]:
+    block = -(-rows // parts)
+    return tuple(min(i * block, rows) for i in range(parts + 1))
+
+
+def _shard_tuples(ps: Any) -> list[tuple[list[int], list[int], int, str]]:
+    return [
+        (list(m.shard_offsets), list(m.shard_sizes), m.placement.rank(), str(m.placement.device()))
+        for m in ps.sharding_spec.shards
+    ]
+
+
+def _summary(sharding_plan: Any) -> dict[str, dict[str, Any]]:
+    """Every field of every ParameterSharding that DMP reads, as plain data."""
+    out: dict[str, dict[str, Any]] = {}
+    for path, module_plan in sharding_plan.plan.items():
+        out[path] = {
+            name: (
+                ps.sharding_type,
+                ps.compute_kernel,
+                ps.ranks,
+                None if ps.sharding_spec is None else _shard_tuples(ps),
+            )
+            for name, ps in module_plan.items()
+        }
+    return out
+
+
+# ---- EmbarkPlanner.plan --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def planned() -> tuple[EmbarkPlanner, Any]:
+    planner = EmbarkPlanner(world_size=8, local_world_size=4, batch_size=512, constraints=_constraints())
+    return planner, planner.plan(_Model(), [EmbeddingBagCollectionSharder()])
+
+
+def test_plan_is_consistent_with_the_layouts(planned: tuple[EmbarkPlanner, Any]) -> None:
+    """Every table of the ShardingPlan has ranks and shard metadata (offsets, sizes, placement rank
+    and device) equal to its layout's shards; DP tables are data_parallel / dense on every rank, as torchrec's data_parallel() gives;
+    the sharding type is the built-in one when there is one, else our string."""
+    planner, sharding_plan = planned
+    assert list(sharding_plan.plan) == ["sparse"]
+    plan = planner.plans["sparse"].plan
+    spec = planner.plans["sparse"].spec
+    module_plan = sharding_plan.plan["sparse"]
+    assert sorted(module_plan) == sorted(n for n, *_ in TABLES)
+    for t in spec.tables:
+        layout, ps = plan[t.name], module_plan[t.name]
+        if layout.cluster == "dp":
+            expected = ("data_parallel", "dense", list(range(plan.world_size)), None)
+            assert (ps.sharding_type, ps.compute_kernel, ps.ranks, ps.sharding_spec) == expected
+            continue
+        shards = list(layout.shards())
+        assert ps.ranks == [s.rank for s in shards], t.name
+        assert _shard_tuples(ps) == [
+            ([s.rows[0], s.cols[0]], [s.rows[1] - s.rows[0], s.cols[1] - s.cols[0]], s.rank, f"cuda:{s.rank % 4}")
+            for s in shards
+        ], t.name
+        kind = builtin_sharding_type(layout, t.rows, 8, 4)
+        assert ps.sharding_type == (kind or sharding_type_name(layout)), t.name
+        assert ps.compute_kernel == "fused"
+
+
+def test_plan_honours_torchrec_and_our_constraints(planned: tuple[EmbarkPlanner, Any]) -> None:
+    """torchrec constraints translate (pooling_factors -> pooling, ["data_parallel"] -> DP, a list
+    without data_parallel -> not DP), our TableConstraints apply as given, and the spec's global
+    batch is the per-rank batch times the world size."""
+    planner, sharding_plan = planned
+    result = planner.plans["sparse"]
+    module_plan = sharding_plan.plan["sparse"]
+    assert result.spec.batch_size == 512 * 8
+    assert result.spec.table("hot").pooling == 20.0
+    assert result.spec.table("big").pooling == 1.0
+    assert module_plan["tiny"].sharding_type == "data_parallel"
+    assert result.plan["small_rw"].cluster == "rb"  # would be DP unconstrained (a 50-row table)
+    assert module_plan["grid"].sharding_type == "embark_rb_hier"
+    assert module_plan["rw"].sharding_type == "row_wise"
+    assert module_plan["uq"].sharding_type.startswith("embark_ub")
+    free = EmbarkPlanner(world_size=8, local_world_size=4, batch_size=512)
+    free.plan(_Model(), [EmbeddingBagCollectionSharder()])
+    assert free.plans["sparse"].plan["small_rw"].cluster == "dp"
+
+
+def test_cpu_placements_and_nested_modules() -> None:
+    """With compute_device="cpu" placements are rank:k/cpu; each EmbeddingBagCollection of a
+    model is planned under its own path."""
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = _ebc(TABLES[:2])
+            self.inner = nn.Module()
+            self.inner.b = _ebc([("other", 1000, 8, ["fo"])])
+
+    planner = EmbarkPlanner(world_size=4, local_world_size=2, compute_device="cpu")
+    sharding_plan = planner.plan(Two(), [EmbeddingBagCollectionSharder()])
+    assert sorted(sharding_plan.plan) == ["a", "inner.b"]
+    assert sorted(sharding_plan.plan["a"]) == ["big", "mid"]
+    assert sorted(sharding_plan.plan["inner.b"]) == ["other"]
+    for module_plan in sharding_plan.plan.values():
+        for ps in module_plan.values():
+            if ps.sharding_spec is not None:
+                for m in ps.sharding_spec.shards:
+                    assert str(m.placement) == f"rank:{m.placement.rank()}/cpu"
+
+
+def test_plan_refuses_a_model_without_embedding_bags() -> None:
+    """A model with nothing the sharders shard is an error, not an empty plan."""
+    with pytest.raises(ValueError, match="EmbeddingBagCollection"):
+        EmbarkPlanner(world_size=2).plan(nn.Linear(2, 2, device="meta"), [EmbeddingBagCollectionSharder()])
+
+
+# ---- built-in sharding types --------------------------------------------------------------------
+
+W, L = 16, 8
+ROWS = 1000  # ceil(1000 / 16) = 63 -> 15 x 63 + 55; ceil(1000 / 8) = 125
+
+
+def _rows(bounds: tuple[int, ...], ranks: list[int], hier: bool = False, cluster: str = "rb", **kw: Any) -> TableLayout:
+    return TableLayout(cluster, bounds, (0, 64), tuple((k,) for k in ranks), hierarchical=hier, **kw)
+
+
+FP16 = WirePrecision("fp16", "fp16")
+BUILTIN_CASES = {
+    "dp": (TableLayout.data_parallel(), "data_parallel"),
+    "dp fp16": (TableLayout.data_parallel(FP16), "data_parallel"),
+    "table-wise": (TableLayout.table_wise(ROWS, 64, 11), "table_wise"),
+    "table-wise hier flag": (TableLayout("rb", (0, ROWS), (0, 64), ((3,),), hierarchical=True), "table_wise"),
+    "column-wise": (TableLayout("rb", (0, ROWS), (0, 16, 48, 64), ((3, 3, 9),)), "column_wise"),
+    "row-wise": (_rows(_ceil(ROWS, W), list(range(W))), "row_wise"),
+    "row-wise even split": (_rows(tuple(round(i * ROWS / W) for i in range(W + 1)), list(range(W))), None),
+    "row-wise permuted": (_rows(_ceil(ROWS, W), [1, 0] + list(range(2, W))), None),
+    "row-wise hierarchical": (_rows(_ceil(ROWS, W), list(range(W)), hier=True), None),
+    "row-wise on half": (_rows(_ceil(ROWS, W // 2), list(range(W // 2))), None),
+    "table-row-wise node 0": (_rows(_ceil(ROWS, L), list(range(L)), hier=True), "table_row_wise"),
+    "table-row-wise node 1": (_rows(_ceil(ROWS, L), list(range(L, 2 * L)), hier=True), "table_row_wise"),
+    "table-row-wise flat": (_rows(_ceil(ROWS, L), list(range(L, 2 * L))), None),
+    "table-row-wise uneven": (_rows((0,) + tuple(125 * i + 1 for i in range(1, L)) + (ROWS,), list(range(L)), hier=True), None),
+    "table-row-wise straddling": (_rows(_ceil(ROWS, L), list(range(4, 4 + L)), hier=True), None),
+    "table-row-wise shuffled": (_rows(_ceil(ROWS, L), [L + 1, L] + list(range(L + 2, 2 * L)), hier=True), None),
+    "ub table-wise": (TableLayout("ub", (0, ROWS), (0, 64), ((3,),)), None),
+    "ub row-wise": (_rows(_ceil(ROWS, W), list(range(W)), cluster="ub"), None),
+    "fp16 table-wise": (TableLayout("rb", (0, ROWS), (0, 64), ((3,),), FP16), None),
+    "bf16 backward row-wise": (_rows(_ceil(ROWS, W), list(range(W)), precision=WirePrecision("fp32", "bf16")), None),
+    "fp8 column-wise": (TableLayout("rb", (0, ROWS), (0, 32, 64), ((3, 4),), WirePrecision("fp8", "fp32")), None),
+    "grid": (TableLayout("rb", (0, 500, ROWS), (0, 32, 64), ((0, 1), (2, 3))), None),
+    "grid hier": (TableLayout("rb", (0, 500, ROWS), (0, 32, 64), ((0, 1), (2, 3)), hierarchical=True), None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BUILTIN_CASES))
+def test_builtin_sharding_type(case: str) -> None:
+    """A layout maps to the torchrec sharding type that runs it exactly: DP, table-wise,
+    column-wise, row-wise only as torchrec's ceil blocks on ranks 0..W-1 (flat), table-row-wise only
+    as ceil blocks on one whole node's ranks in order (hierarchical); None for uneven rows, UB,
+    reduced precision, grids and any other rank order."""
+    layout, expected = BUILTIN_CASES[case]
+    layout.validate("t", ROWS, 64, W)
+    assert builtin_sharding_type(layout, ROWS, W, L) == expected
+
+
+def _torchrec_param_sharding(kind: str, rows: int, dim: int, world: int, local: int, **kw: Any) -> Any:
+    generators = {
+        "data_parallel": data_parallel,
+        "table_wise": table_wise,
+        "column_wise": column_wise,
+        "row_wise": row_wise,
+        "table_row_wise": table_row_wise,
+    }
+    ebc = _ebc([("t", rows, dim, ["f"])])
+    plan = construct_module_sharding_plan(
+        ebc, {"t": generators[kind](**kw)}, local_size=local, world_size=world, device_type="cuda"
+    )
+    return plan["t"]
+
+
+TORCHREC_CASES = [
+    ("table_wise", 1000, 64, {"rank": 11}),
+    ("column_wise", 1000, 64, {"ranks": [3, 3, 9, 0]}),
+    ("column_wise", 1000, 64, {"ranks": [5, 2], "size_per_rank": [16, 48]}),
+    ("row_wise", 1000, 64, {}),
+    ("row_wise", 1600, 64, {}),
+    ("table_row_wise", 1000, 64, {"host_index": 0}),
+    ("table_row_wise", 1000, 64, {"host_index": 1}),
+    ("data_parallel", 1000, 64, {}),
+]
+
+
+@pytest.mark.parametrize("kind,rows,dim,kw", TORCHREC_CASES)
+def test_builtin_types_match_torchrec_constructors(kind: str, rows: int, dim: int, kw: dict) -> None:
+    """torchrec's own construct_module_sharding_plan for a built-in type, read back as a layout,
+    is recognised as that type, and module_sharding_plan writes back the same sharding type,
+    ranks and shard metadata (offsets, sizes, placements) as torchrec."""
+    theirs = _torchrec_param_sharding(kind, rows, dim, W, L, **kw)
+    topo = Topology(W, L)
+    layout = from_sharding_plan(ShardingPlan(plan={"": {"t": theirs}}), topo)["t"]
+    if kind == "table_row_wise":
+        assert layout.hierarchical
+    assert builtin_sharding_type(layout, rows, W, L) == kind
+    spec = ModelSpec("one", 1024, (TableSpec("t", rows, dim, 1.0),))
+    ours = module_sharding_plan(Plan(W, L, {"t": layout}), spec)["t"]
+    assert ours.sharding_type == theirs.sharding_type
+    if kind == "data_parallel":  # torchrec lists every rank here; ours leaves ranks unset (DMP ignores them)
+        assert ours.sharding_spec is None and theirs.sharding_spec is None
+        assert ours.compute_kernel == theirs.compute_kernel == "dense"
+        return
+    assert ours.ranks == theirs.ranks
+    assert _shard_tuples(ours) == _shard_tuples(theirs)
+
+
+@pytest.mark.parametrize(
+    "layout,name",
+    [
+        (TableLayout("rb", (0, 10), (0, 8), ((0,),)), "embark_rb"),
+        (TableLayout("rb", (0, 5, 10), (0, 8), ((0,), (1,)), hierarchical=True), "embark_rb_hier"),
+        (TableLayout("ub", (0, 10), (0, 8), ((0,),)), "embark_ub"),
+        (TableLayout("ub", (0, 10), (0, 8), ((0,),), WirePrecision("fp16", "bf16")), "embark_ub:fp16-bf16"),
+        (TableLayout("rb", (0, 5, 10), (0, 8), ((0,), (1,)), WirePrecision("fp8", "fp32"), True), "embark_rb_hier:fp8-fp32"),
+        (TableLayout("rb", (0, 10), (0, 8), ((0,),), WirePrecision("fp32", "fp16")), "embark_rb:fp32-fp16"),
+    ],
+)
+def test_sharding_type_name(layout: TableLayout, name: str) -> None:
+    """Our sharding-type strings: embark_<cluster>[_hier][:<forward>-<backward>], the precision part
+    only when it is not fp32 both ways."""
+    assert sharding_type_name(layout) == name
+
+
+# ---- round trips through torchrec's plan types -----------------------------------------------------
+
+RT_SPEC = ModelSpec(
+    "rt",
+    4096,
+    tuple(TableSpec(n, rows, 64, 1.0) for n, rows in [("dp", 100), ("tw", 1000), ("cw", 1000), ("rw", 1000),
+                                                          ("twrw", 1000), ("flatgrid", 1000), ("uneven", 1000)]),
+)
+
+
+def _builtin_plan() -> Plan:
+    return Plan(
+        W,
+        L,
+        {
+            "dp": TableLayout.data_parallel(),
+            "tw": TableLayout.table_wise(1000, 64, 7),
+            "cw": TableLayout("rb", (0, 1000), (0, 16, 48, 64), ((3, 3, 9),)),
+            "rw": _rows(_ceil(1000, W), list(range(W))),
+            "twrw": _rows(_ceil(1000, L), list(range(L, 2 * L)), hier=True),
+            "flatgrid": TableLayout("rb", (0, 1, 999, 1000), (0, 28, 64), ((0, 15), (15, 15), (4, 0))),
+            "uneven": _rows((0, 10, 600, 1000), [2, 12, 2]),
+        },
+    )
+
+
+def test_from_sharding_plan_inverts_module_sharding_plan() -> None:
+    """from_sharding_plan(module_sharding_plan(plan)) == plan for fp32 RB and DP layouts: built-in
+    types, flat grids with repeated ranks and uneven row splits."""
+    plan = _builtin_plan()
+    plan.validate(RT_SPEC)
+    sharding_plan = ShardingPlan(plan={"ebc": module_sharding_plan(plan, RT_SPEC)})
+    assert from_sharding_plan(sharding_plan, Topology(W, L)) == plan
+    assert from_sharding_plan(sharding_plan, Topology(W, L), module_path="ebc") == plan
+
+
+def test_from_sharding_plan_keeps_embark_types() -> None:
+    """from_sharding_plan(module_sharding_plan(plan)) == plan also for UB tables, hierarchical RB
+    grids and reduced wire precision, whose cluster, hierarchy and precision the sharding type names."""
+    spec = ModelSpec("rt2", 4096, (TableSpec("ub", 1000, 64, 1.0), TableSpec("hier", 1000, 64, 1.0), TableSpec("half", 1000, 64, 1.0)))
+    plan = Plan(
+        W,
+        L,
+        {
+            "ub": TableLayout("ub", (0, 400, 1000), (0, 64), ((1,), (9,))),
+            "hier": TableLayout("rb", (0, 500, 1000), (0, 32, 64), ((0, 1), (8, 9)), hierarchical=True),
+            "half": TableLayout("rb", (0, 1000), (0, 64), ((5,),), WirePrecision("fp16", "bf16")),
+        },
+    )
+    sharding_plan = ShardingPlan(plan={"": module_sharding_plan(plan, spec)})
+    assert from_sharding_plan(sharding_plan, Topology(W, L)) == plan
+
+
+def test_from_sharding_plan_drops_empty_shards() -> None:
+    """torchrec's row-wise and table-row-wise ceil blocks leave empty shards on the last ranks of
+    small tables; from_sharding_plan drops them and the rest tiles the table."""
+    theirs = _torchrec_param_sharding("row_wise", 20, 16, W, L)  # blocks of 2 on ranks 0..9, then empty
+    assert [m.shard_sizes[0] for m in theirs.sharding_spec.shards][-1] == 0
+    layout = from_sharding_plan(ShardingPlan(plan={"": {"t": theirs}}), Topology(W, L))["t"]
+    assert layout.row_bounds == tuple(range(0, 21, 2))
+    assert layout.ranks == tuple((k,) for k in range(10))
+    layout.validate("t", 20, 16, W)
+    theirs = _torchrec_param_sharding("table_row_wise", 3, 16, W, L, host_index=1)
+    layout = from_sharding_plan(ShardingPlan(plan={"": {"t": theirs}}), Topology(W, L))["t"]
+    assert (layout.row_bounds, layout.ranks, layout.hierarchical) == ((0, 1, 2, 3), ((8,), (9,), (10,)), True)
+
+
+# ---- collective planning -------------------------------------------------------------------------
+
+
+def test_collective_plan_under_fake_world_16() -> None:
+    """Under a fake 16-rank world (nodes of 8) collective_plan on rank 0 takes the world size from
+    the process group and LOCAL_WORLD_SIZE from the environment, and equals the plan made with
+    explicit sizes; ranks 5 and 15 planning for themselves get the same plan (plan() does not
+    depend on the rank)."""
+    expected = _summary(EmbarkPlanner(world_size=16, local_world_size=8).plan(_Model(), [EmbeddingBagCollectionSharder()]))
+    with fake_world(16, rank=0, local_world_size=8):
+        planner = EmbarkPlanner()
+        got = _summary(planner.collective_plan(_Model()))
+        assert planner.plans["sparse"].topology == Topology(16, 8)
+    assert got == expected
+    for rank in (5, 15):
+        with fake_world(16, rank=rank, local_world_size=8):
+            assert _summary(EmbarkPlanner().plan(_Model(), [EmbeddingBagCollectionSharder()])) == expected
+    # the plan does spread over both nodes, so the comparison covers ranks 8..15 too
+    used = {k for t in expected["sparse"].values() if t[2] for k in t[2]}
+    assert used & set(range(8)) and used & set(range(8, 16))
+
+
+def _collective_summary(constraints: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    planner = EmbarkPlanner(batch_size=256, constraints=constraints)
+    summary = _summary(planner.collective_plan(_Model()))
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "summary": summary}
+
+
+def test_collective_plan_same_on_every_threaded_rank() -> None:
+    """On 4 threaded ranks (nodes of 2) every rank gets the same ShardingPlan (type, kernel, ranks,
+    shard offsets/sizes/placements of every table), equal to the plan made in one process."""
+    constraints = _constraints(world=4)
+    results = threaded_ranks(_collective_summary, 4, 2, args=(constraints,))
+    assert [r["rank"] for r in results] == [0, 1, 2, 3]
+    assert all(r["world"] == 4 for r in results)
+    expected = _summary(
+        EmbarkPlanner(world_size=4, local_world_size=2, batch_size=256, constraints=constraints).plan(
+            _Model(), [EmbeddingBagCollectionSharder()]
+        )
+    )
+    for r in results:
+        assert r["summary"] == expected, r["rank"]
+
+
+# ---- table-row-wise baseline ----------------------------------------------------------------------
+
+
+def test_table_row_wise_plan_layout() -> None:
+    """Table i goes to node i mod N, its rows split over that node's ranks (in order) in torchrec's
+    ceil blocks, hierarchical when split; whole ceil blocks are recognised as table_row_wise, and
+    every layout equals torchrec's own table_row_wise for that node (empty shards dropped)."""
+    rows = [1000, 10, 3, 1001, 8, 7, 2, 1, 65, 4000]
+    spec = ModelSpec("trw", 4096, tuple(TableSpec(f"t{i}", r, 16, 1.0) for i, r in enumerate(rows)))
+    topo = Topology(12, 4)  # 3 nodes
+    plan = table_row_wise_plan(spec, topo)
+    plan.validate(spec)
+    assert (plan.world_size, plan.local_world_size) == (12, 4)
+    for i, t in enumerate(spec.tables):
+        layout = plan[t.name]
+        node = i % 3
+        block = math.ceil(t.rows / 4)
+        expected_bounds = tuple(sorted(set(range(0, t.rows, block)) | {t.rows}))
+        assert layout.cluster == "rb" and layout.col_bounds == (0, 16), t.name
+        assert layout.row_bounds == expected_bounds, t.name
+        assert layout.ranks == tuple((node * 4 + j,) for j in range(len(expected_bounds) - 1)), t.name
+        assert layout.hierarchical == (layout.num_row_slices > 1), t.name
+        whole = t.rows >= 4 and t.rows - 3 * block > 0
+        assert (builtin_sharding_type(layout, t.rows, 12, 4) == "table_row_wise") == whole, t.name
+        if t.rows > 1:
+            theirs = _torchrec_param_sharding("table_row_wise", t.rows, 16, 12, 4, host_index=node)
+            assert from_sharding_plan(ShardingPlan(plan={"": {t.name: theirs}}), topo)[t.name] == layout, t.name
