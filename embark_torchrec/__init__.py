@@ -1,3 +1,26 @@
-"""EMBark embedding optimisations (clusters, 3D sharding, cost-model planner) for TorchRec."""
+"""EMBark embedding optimisations (clusters, 3D sharding, cost-model planner) for TorchRec.
+
+The runtime pieces import torchrec (seconds), so they load on first use: the planner CLI and
+`embark_torchrec.plan` stay light.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "EmbarkPlanner": "embark_torchrec.plan.planner",
+    "EmbarkEmbeddingBagCollectionSharder": "embark_torchrec.sharding.sharder",
+    "load_plan": "embark_torchrec.sharding.load_plan",
+    "plan_model": "embark_torchrec.plan.plan_model",
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'embark_torchrec' has no attribute {name!r}")

@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensorMetadata
 from torch.distributed._shard.sharding_spec import ShardMetadata
-from torch.distributed.nn.functional import all_to_all_single
 from torchrec.distributed.comm import get_local_size, intra_and_cross_node_pg
 from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.embedding_sharding import (
@@ -77,57 +76,64 @@ class GridSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         super().__init__()
         from torchrec.distributed.dist_data import KJTAllToAll
 
-        self._features, self._tables, self._table_rows, self._mean = features, tables, table_rows, mean
-        self._row_bounds = [torch.tensor(b, dtype=torch.int64) for b in row_bounds]
-        self._routes, self._virtual_names = routes, virtual_names
+        self._features, self._tables = features, tables
         self._weighted = weighted or any(mean)
         self._rank = dist.get_rank(pg)
+        self._virtual_names = virtual_names
+        # Feature f's rows become global rows base[f] + id; cutting them at every feature's row
+        # bounds numbers the (feature, row slice) pairs feature-major in one bucketize.
+        base, starts, first_slice = [0], [], []
+        for rows, bounds in zip(table_rows, row_bounds):
+            first_slice.append(len(starts))
+            starts.extend(base[-1] + b for b in bounds[:-1])
+            base.append(base[-1] + rows)
+        self.register_buffer("_rows", torch.tensor(table_rows), persistent=False)
+        self.register_buffer("_base", torch.tensor(base[:-1]), persistent=False)
+        self.register_buffer("_slice_start", torch.tensor(starts), persistent=False)
+        self.register_buffer("_mean", torch.tensor(mean), persistent=False)
+        self.register_buffer(
+            "_route_slices", torch.tensor([first_slice[r.feature] + r.row_slice for r in routes]), persistent=False
+        )
+        self._num_slices = len(starts)
         self._dist = KJTAllToAll(pg=pg, splits=features_per_rank)
+
+    def _check_ids(self, ids: torch.Tensor, feature: torch.Tensor) -> None:
+        bad = (ids < 0) | (ids >= self._rows[feature])
+        if bool(bad.any()):
+            f = int(feature[bad][0])
+            sample = ids[bad & (feature == f)][:5].tolist()
+            raise InvalidIdError(
+                f"rank {self._rank}: feature {self._features[f]!r} of table {self._tables[f]!r} has IDs {sample} "
+                f"outside [0, {int(self._rows[f])})"
+            )
 
     def _cut(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         stride = kjt.stride()
-        lengths = kjt.lengths().view(len(self._features), stride)
-        per_key = lengths.sum(dim=1).tolist()
-        values = torch.split(kjt.values(), per_key)
-        weights_in = kjt.weights_or_none()
-        weights = torch.split(weights_in, per_key) if weights_in is not None else [None] * len(per_key)
-        samples = torch.arange(stride, device=kjt.values().device)
-        pieces: List[tuple[List[torch.Tensor], torch.Tensor, List[Optional[torch.Tensor]]]] = []
-        for f, name in enumerate(self._features):
-            ids, bag = values[f].long(), lengths[f]
-            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self._table_rows[f]):
-                bad = ids[(ids < 0) | (ids >= self._table_rows[f])][:5].tolist()
-                raise InvalidIdError(
-                    f"rank {self._rank}: feature {name!r} of table {self._tables[f]!r} has IDs {bad} outside [0, {self._table_rows[f]})"
-                )
-            sample = torch.repeat_interleave(samples, bag)
-            w = weights[f] if weights[f] is not None else (torch.ones(ids.numel(), device=ids.device) if self._weighted else None)
-            if self._mean[f]:
-                w = w / bag.clamp(min=1).to(w.dtype)[sample]
-            bounds = self._row_bounds[f]
-            cell = torch.bucketize(ids, bounds[1:-1], right=True)
-            order = torch.argsort(cell * stride + sample, stable=True)
-            counts = torch.bincount(cell * stride + sample, minlength=(len(bounds) - 1) * stride).view(-1, stride)
-            split = counts.sum(dim=1).tolist()
-            local = (ids - bounds[cell])[order]
-            pieces.append(
-                (
-                    list(torch.split(local, split)),
-                    counts,
-                    list(torch.split(w[order], split)) if w is not None else [None] * len(split),
-                )
-            )
-        out_values, out_lengths, out_weights = [], [], []
-        for route in self._routes:
-            local, counts, w = pieces[route.feature]
-            out_values.append(local[route.row_slice])
-            out_lengths.append(counts[route.row_slice])
-            out_weights.append(w[route.row_slice])
+        lengths = kjt.lengths()
+        ids = kjt.values().long()
+        bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=ids.device), lengths)
+        feature, sample = bag // stride, bag % stride
+        self._check_ids(ids, feature)
+        global_row = ids + self._base[feature]
+        cell = torch.bucketize(global_row, self._slice_start[1:], right=True)
+        local = global_row - self._slice_start[cell]
+        weights = kjt.weights_or_none()
+        if self._weighted:
+            weights = weights if weights is not None else torch.ones(ids.numel(), device=ids.device)
+            inverse = 1.0 / lengths.clamp(min=1).to(weights.dtype)
+            weights = weights * torch.where(self._mean[feature], inverse[bag], torch.ones_like(weights))
+        key = cell * stride + sample
+        order = torch.argsort(key, stable=True)
+        counts = torch.bincount(key, minlength=self._num_slices * stride).view(self._num_slices, stride)
+        per_slice = counts.sum(dim=1).tolist()
+        values = torch.split(local[order], per_slice)
+        pieces = torch.split(weights[order], per_slice) if weights is not None else None
+        route_slices = self._route_slices.tolist()
         return KeyedJaggedTensor(
             keys=self._virtual_names,
-            values=torch.cat(out_values) if out_values else kjt.values()[:0],
-            lengths=torch.cat(out_lengths).to(kjt.lengths().dtype) if out_lengths else kjt.lengths()[:0],
-            weights=torch.cat(out_weights) if self._weighted and out_weights else None,
+            values=torch.cat([values[g] for g in route_slices]) if route_slices else ids[:0],
+            lengths=counts[self._route_slices].reshape(-1).to(lengths.dtype),
+            weights=torch.cat([pieces[g] for g in route_slices]) if pieces is not None and route_slices else None,
             stride=stride,
         )
 
@@ -153,6 +159,24 @@ class GridPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.
         self, local_embs: torch.Tensor, sharding_ctx: Optional[EmbeddingShardingContext] = None
     ) -> Awaitable[torch.Tensor]:
         return self._all_to_all(local_embs, sharding_ctx)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Differentiable all_to_all_single of a 1-D tensor: backward sends the gradients back."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, out_sizes: List[int], in_sizes: List[int], group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.sizes, ctx.group = (out_sizes, in_sizes), group
+        out = x.new_empty(sum(out_sizes))
+        dist.all_to_all_single(out, x.contiguous(), out_sizes, in_sizes, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        out_sizes, in_sizes = ctx.sizes
+        back = grad.new_empty(sum(in_sizes))
+        dist.all_to_all_single(back, grad.contiguous(), in_sizes, out_sizes, group=ctx.group)
+        return back, None, None, None
 
 
 class _DivideGradient(torch.autograd.Function):
@@ -210,9 +234,7 @@ class HierarchicalPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext
             send_sizes.append(send[-1].numel())
         mine = [batch_per_rank[n * lws + local] for n in range(nodes)]
         recv_sizes = [sum(mine) * self._dims[node * lws + m] for m in range(lws)]
-        received = all_to_all_single(
-            local_embs.new_empty(sum(recv_sizes)), torch.cat(send), recv_sizes, send_sizes, group=self._intra
-        )
+        received = _AllToAll.apply(torch.cat(send), recv_sizes, send_sizes, self._intra)
         node_sum = local_embs.new_zeros(sum(mine), self._out_dim)
         for m, block in enumerate(torch.split(received, recv_sizes)):
             member = node * lws + m
@@ -221,13 +243,7 @@ class HierarchicalPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext
         # stage 2: to node n's rank with my local rank, my node's sums for its samples
         out_sizes = [b * self._out_dim for b in mine]
         mine_here = batch_per_rank[self._rank]
-        gathered = all_to_all_single(
-            local_embs.new_empty(nodes * mine_here * self._out_dim),
-            node_sum.reshape(-1),
-            [mine_here * self._out_dim] * nodes,
-            out_sizes,
-            group=self._cross,
-        )
+        gathered = _AllToAll.apply(node_sum.reshape(-1), [mine_here * self._out_dim] * nodes, out_sizes, self._cross)
         return gathered.view(nodes, mine_here, self._out_dim).sum(dim=0)
 
     def forward(

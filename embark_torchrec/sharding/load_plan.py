@@ -1,0 +1,60 @@
+"""load_plan: a plan file into the ShardingPlan that DistributedModelParallel takes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.types import ShardingPlan
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from ..plan.layout import Plan, PlanError
+from ..plan.planner import module_sharding_plan
+from ..plan.spec import ModelSpec
+
+
+def load_plan(
+    plan: str | Path | Mapping[str, Any] | Plan,
+    module: torch.nn.Module,
+    world_size: int | None = None,
+    compute_device: str | None = None,
+) -> ShardingPlan:
+    """Match the plan's tables by name to the EmbeddingBagCollections in `module`.
+
+    Refused with a PlanError: a world size other than `world_size` (default: the initialised
+    process group's), a table the module lacks or a module table the plan lacks, a table named in
+    two collections, and layouts that do not tile the module's tables exactly.
+    """
+    if isinstance(plan, Plan):
+        loaded = plan
+    elif isinstance(plan, Mapping):
+        loaded = Plan.from_dict(plan)
+    else:
+        loaded = Plan.load(plan)
+    expected_ws = world_size if world_size is not None else (dist.get_world_size() if dist.is_initialized() else None)
+    if expected_ws is not None and loaded.world_size != expected_ws:
+        raise PlanError(f"the plan is for world size {loaded.world_size}, but this job has {expected_ws} ranks")
+    device = compute_device or ("cuda" if torch.cuda.is_available() else "cpu")
+    owners: dict[str, str] = {}
+    collections = [(path, m) for path, m in module.named_modules() if isinstance(m, EmbeddingBagCollection)]
+    if not collections:
+        raise PlanError("the module has no EmbeddingBagCollection to apply the plan to")
+    result = ShardingPlan(plan={})
+    for path, ebc in collections:
+        spec = ModelSpec.from_module(ebc, batch_size=loaded.world_size)
+        for t in spec.tables:
+            if t.name in owners:
+                raise PlanError(f"table {t.name!r} is in two collections ({owners[t.name]!r} and {path!r}); plan files name tables")
+            owners[t.name] = path
+        missing = [t.name for t in spec.tables if t.name not in loaded.tables]
+        if missing:
+            raise PlanError(f"the plan has no layout for tables {missing} of {path or 'the module'!r}")
+        sub = Plan(loaded.world_size, loaded.local_world_size, {t.name: loaded[t.name] for t in spec.tables})
+        sub.validate(spec)
+        result.plan[path] = module_sharding_plan(sub, spec, device)
+    extra = sorted(set(loaded.tables) - set(owners))
+    if extra:
+        raise PlanError(f"the plan lays out tables {extra} that the module does not have")
+    return result
