@@ -1,12 +1,13 @@
 """What our grid sharding costs against torchrec's built-in sharding for the same layout.
 
-Every table is laid out table-row-wise (rows split in torchrec's ceil blocks over one node's ranks,
-partial sums reduced inside the node first). torchrec runs it as its built-in "table_row_wise";
-we run the identical layout as "embark_rb_hier" (GridPooledEmbeddingSharding with the
-hierarchical output dist). Both train with the same fused SGD on the same batches, on 4 gloo ranks
-as 2 nodes x 2, in interleaved rounds; we print median step times and their ratio.
+--layout twrw (default): every table table-row-wise (rows split in torchrec's ceil blocks over one
+node's ranks, partial sums reduced inside the node first); torchrec runs it as "table_row_wise", we
+run the identical layout as "embark_rb_hier" (GridPooledEmbeddingSharding, hierarchical output).
+--layout tw: table i on rank i mod 4; torchrec's "table_wise" against our flat "embark_rb".
+Both train with the same fused SGD on the same batches, on 4 gloo ranks as 2 nodes x 2, in
+interleaved rounds; we print median step times and their ratio.
 
-    python benchmarks/runtime_overhead.py [--rounds 7] [--steps 10] [--batch-per-rank 256]
+    python benchmarks/runtime_overhead.py [--layout twrw|tw] [--rounds 7] [--steps 10] [--batch-per-rank 256]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from embark_torchrec.plan.baselines import table_row_wise_plan
-from embark_torchrec.plan.layout import sharding_type_name
+from embark_torchrec.plan.layout import Plan, TableLayout, sharding_type_name
 from embark_torchrec.plan.planner import module_sharding_plan
 from embark_torchrec.plan.spec import ModelSpec
 from embark_torchrec.plan.topology import Topology, hardware_preset
@@ -30,6 +31,7 @@ from embark_torchrec.testing import global_kjt_batch, run_ranks
 from embark_torchrec.testing.training import SparseArch
 
 WORLD_SIZE, LOCAL_WORLD_SIZE = 4, 2
+BUILTIN = {"twrw": "table_row_wise", "tw": "table_wise"}
 
 
 def _tables() -> list[EmbeddingBagConfig]:
@@ -39,15 +41,26 @@ def _tables() -> list[EmbeddingBagConfig]:
     ]
 
 
-def _model(tables: list[EmbeddingBagConfig], ours: bool) -> torch.nn.Module:
+def _plan(spec: ModelSpec, layout: str) -> Plan:
+    topology = Topology(WORLD_SIZE, LOCAL_WORLD_SIZE, hardware_preset("cpu-gloo"))
+    if layout == "twrw":
+        return table_row_wise_plan(spec, topology)
+    return Plan(
+        WORLD_SIZE,
+        LOCAL_WORLD_SIZE,
+        {t.name: TableLayout.table_wise(t.rows, t.dim, i % WORLD_SIZE) for i, t in enumerate(spec.tables)},
+    )
+
+
+def _model(tables: list[EmbeddingBagConfig], layout: str, ours: bool) -> torch.nn.Module:
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
     meta = SparseArch(tables, False, torch.device("meta"))
     spec = ModelSpec.from_module(meta.ebc, batch_size=WORLD_SIZE)
-    plan = table_row_wise_plan(spec, Topology(WORLD_SIZE, LOCAL_WORLD_SIZE, hardware_preset("cpu-gloo")))
+    plan = _plan(spec, layout)
     module_plan = module_sharding_plan(plan, spec, "cpu")
-    assert all(ps.sharding_type == "table_row_wise" for ps in module_plan.values())
+    assert all(ps.sharding_type == BUILTIN[layout] for ps in module_plan.values())
     if ours:
         for name, ps in module_plan.items():
             module_plan[name] = dataclasses.replace(ps, sharding_type=sharding_type_name(plan[name]))
@@ -77,11 +90,11 @@ def _time_steps(model: torch.nn.Module, batches: list, steps: int) -> float:
     return statistics.median(times)
 
 
-def _run(rounds: int, steps: int, batch_per_rank: int) -> dict[str, list[float]]:
+def _run(layout: str, rounds: int, steps: int, batch_per_rank: int) -> dict[str, list[float]]:
     torch.set_num_threads(1)
     tables = _tables()
     batches = [global_kjt_batch(tables, WORLD_SIZE, batch_per_rank, seed=s, max_bag_size=20) for s in range(4)]
-    models = {"torchrec table_row_wise": _model(tables, ours=False), "embark_rb_hier": _model(tables, ours=True)}
+    models = {f"torchrec {BUILTIN[layout]}": _model(tables, layout, ours=False), "embark": _model(tables, layout, ours=True)}
     for model in models.values():  # warm-up
         _time_steps(model, batches, 2)
     results: dict[str, list[float]] = {name: [] for name in models}
@@ -93,20 +106,25 @@ def _run(rounds: int, steps: int, batch_per_rank: int) -> dict[str, list[float]]
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layout", choices=sorted(BUILTIN), default="twrw")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch-per-rank", type=int, default=256)
     args = p.parse_args()
     results = run_ranks(
-        _run, WORLD_SIZE, local_world_size=LOCAL_WORLD_SIZE, timeout_s=1800, args=(args.rounds, args.steps, args.batch_per_rank)
+        _run, WORLD_SIZE, local_world_size=LOCAL_WORLD_SIZE, timeout_s=1800,
+        args=(args.layout, args.rounds, args.steps, args.batch_per_rank),
     )[0]
     medians = {name: statistics.median(v) for name, v in results.items()}
-    print(f"4 gloo ranks (2 nodes x 2), 8 tables x 64 dims, batch {args.batch_per_rank}/rank, {args.rounds} interleaved rounds")
+    print(
+        f"layout {args.layout}: 4 gloo ranks (2 nodes x 2), 8 tables x 64 dims, batch {args.batch_per_rank}/rank, "
+        f"{args.rounds} interleaved rounds of {args.steps} steps"
+    )
     print("| sharding | median step ms | per-round medians |")
     print("|---|---:|---|")
     for name, v in results.items():
         print(f"| {name} | {medians[name]:.2f} | {', '.join(f'{x:.1f}' for x in v)} |")
-    ratio = medians["embark_rb_hier"] / medians["torchrec table_row_wise"]
+    ratio = medians["embark"] / medians[f"torchrec {BUILTIN[args.layout]}"]
     print(f"ratio embark / torchrec = {ratio:.3f} (target <= 1.15)")
 
 

@@ -112,7 +112,9 @@ class GridSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         lengths = kjt.lengths()
         ids = kjt.values().long()
         bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=ids.device), lengths)
-        feature, sample = bag // stride, bag % stride
+        per_key = lengths.view(-1, stride).sum(dim=1)
+        feature = torch.repeat_interleave(torch.arange(per_key.numel(), device=ids.device), per_key)
+        sample = bag - feature * stride
         self._check_ids(ids, feature)
         global_row = ids + self._base[feature]
         cell = torch.bucketize(global_row, self._slice_start[1:], right=True)
@@ -123,11 +125,14 @@ class GridSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
             inverse = 1.0 / lengths.clamp(min=1).to(weights.dtype)
             weights = weights * torch.where(self._mean[feature], inverse[bag], torch.ones_like(weights))
         key = cell * stride + sample
-        order = torch.argsort(key, stable=True)
         counts = torch.bincount(key, minlength=self._num_slices * stride).view(self._num_slices, stride)
         per_slice = counts.sum(dim=1).tolist()
-        values = torch.split(local[order], per_slice)
-        pieces = torch.split(weights[order], per_slice) if weights is not None else None
+        if bool((key[1:] < key[:-1]).any()):  # only row-split features need reordering
+            order = torch.argsort(key, stable=True)
+            local = local[order]
+            weights = weights[order] if weights is not None else None
+        values = torch.split(local, per_slice)
+        pieces = torch.split(weights, per_slice) if weights is not None else None
         route_slices = self._route_slices.tolist()
         return KeyedJaggedTensor(
             keys=self._virtual_names,
