@@ -4,8 +4,9 @@ TorchRec's built-in types cannot express this (a table gets one sharding type, a
 with their own even blocks). Each cell runs as a table-wise "virtual feature" on its rank, so
 torchrec's table-wise lookup, fused optimizers and all-to-alls do the work:
 
-- input dist: every rank cuts each feature's IDs by the table's row bounds into one virtual feature
-  per cell (local IDs = ID - first row of the slice), then a KJT all-to-all sends each to its owner;
+- input dist: every rank cuts each feature's IDs by the table's row bounds (fbgemm's block
+  bucketizer with explicit bounds; local IDs = ID - first row of the slice) into one virtual
+  feature per cell, then a KJT all-to-all sends each to its owner;
 - lookup: torchrec's fused TBE over the cells a rank holds (SUM pooling);
 - output dist: an all-to-all brings every cell's partial sums for a rank's samples home, where they
   are summed per (feature, column) into the pooled output; or, for hierarchical layouts, the sums
@@ -80,21 +81,20 @@ class GridSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         self._weighted = weighted or any(mean)
         self._rank = dist.get_rank(pg)
         self._virtual_names = virtual_names
-        # Feature f's rows become global rows base[f] + id; cutting them at every feature's row
-        # bounds numbers the (feature, row slice) pairs feature-major in one bucketize.
-        base, starts, first_slice = [0], [], []
-        for rows, bounds in zip(table_rows, row_bounds):
-            first_slice.append(len(starts))
-            starts.extend(base[-1] + b for b in bounds[:-1])
-            base.append(base[-1] + rows)
+        # fbgemm cuts every feature into the same number of buckets (a feature with fewer row
+        # slices gets empty trailing ones), bucket-major; a route is one (bucket, feature) row.
+        n_features = len(features)
+        buckets = max(len(bounds) - 1 for bounds in row_bounds)
+        self._buckets = buckets
+        self._bucket_pos = [
+            torch.tensor(list(bounds) + [bounds[-1]] * (buckets + 1 - len(bounds)), dtype=torch.int64) for bounds in row_bounds
+        ]
         self.register_buffer("_rows", torch.tensor(table_rows), persistent=False)
-        self.register_buffer("_base", torch.tensor(base[:-1]), persistent=False)
-        self.register_buffer("_slice_start", torch.tensor(starts), persistent=False)
+        self.register_buffer("_block_sizes", torch.tensor([max(1, -(-rows // buckets)) for rows in table_rows]), persistent=False)
         self.register_buffer("_mean", torch.tensor(mean), persistent=False)
         self.register_buffer(
-            "_route_slices", torch.tensor([first_slice[r.feature] + r.row_slice for r in routes]), persistent=False
+            "_route_rows", torch.tensor([r.row_slice * n_features + r.feature for r in routes], dtype=torch.int32), persistent=False
         )
-        self._num_slices = len(starts)
         self._dist = KJTAllToAll(pg=pg, splits=features_per_rank)
 
     def _check_ids(self, ids: torch.Tensor, feature: torch.Tensor) -> None:
@@ -109,36 +109,27 @@ class GridSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
 
     def _cut(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         stride = kjt.stride()
-        lengths = kjt.lengths()
+        lengths = kjt.lengths().long()
         ids = kjt.values().long()
-        bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=ids.device), lengths)
         per_key = lengths.view(-1, stride).sum(dim=1)
-        feature = torch.repeat_interleave(torch.arange(per_key.numel(), device=ids.device), per_key)
-        sample = bag - feature * stride
-        self._check_ids(ids, feature)
-        global_row = ids + self._base[feature]
-        cell = torch.bucketize(global_row, self._slice_start[1:], right=True)
-        local = global_row - self._slice_start[cell]
+        self._check_ids(ids, torch.repeat_interleave(torch.arange(per_key.numel(), device=ids.device), per_key))
         weights = kjt.weights_or_none()
         if self._weighted:
             weights = weights if weights is not None else torch.ones(ids.numel(), device=ids.device)
-            inverse = 1.0 / lengths.clamp(min=1).to(weights.dtype)
-            weights = weights * torch.where(self._mean[feature], inverse[bag], torch.ones_like(weights))
-        key = cell * stride + sample
-        counts = torch.bincount(key, minlength=self._num_slices * stride).view(self._num_slices, stride)
-        per_slice = counts.sum(dim=1).tolist()
-        if bool((key[1:] < key[:-1]).any()):  # only row-split features need reordering
-            order = torch.argsort(key, stable=True)
-            local = local[order]
-            weights = weights[order] if weights is not None else None
-        values = torch.split(local, per_slice)
-        pieces = torch.split(weights, per_slice) if weights is not None else None
-        route_slices = self._route_slices.tolist()
+            bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=ids.device), lengths)
+            scale = torch.where(self._mean.repeat_interleave(stride), 1.0 / lengths.clamp(min=1), 1.0).to(weights.dtype)
+            weights = weights * scale[bag]
+        bucket_lengths, local, bucket_weights, _, _ = torch.ops.fbgemm.block_bucketize_sparse_features(
+            lengths, ids, False, False, self._block_sizes, self._buckets, weights, None, -1, self._bucket_pos
+        )
+        out_lengths, out_values, out_weights = torch.ops.fbgemm.permute_2D_sparse_data(
+            self._route_rows, bucket_lengths.view(-1, stride), local, bucket_weights, None
+        )
         return KeyedJaggedTensor(
             keys=self._virtual_names,
-            values=torch.cat([values[g] for g in route_slices]) if route_slices else ids[:0],
-            lengths=counts[self._route_slices].reshape(-1).to(lengths.dtype),
-            weights=torch.cat([pieces[g] for g in route_slices]) if pieces is not None and route_slices else None,
+            values=out_values,
+            lengths=out_lengths.reshape(-1).to(kjt.lengths().dtype),
+            weights=out_weights if self._weighted else None,
             stride=stride,
         )
 
