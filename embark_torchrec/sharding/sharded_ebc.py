@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.types import QuantizedCommCodecs, ShardingEnv
+from torchrec.modules.embedding_configs import PoolingType
 
 from ..plan.layout import SHARDING_TYPE_PREFIX, parse_sharding_type
 from .grid import GridPooledEmbeddingSharding
@@ -15,7 +17,21 @@ from .grid import GridPooledEmbeddingSharding
 
 class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     """torchrec builds one EmbeddingSharding per distinct sharding-type string, so each EMBark
-    cluster variant (one string) gets its own dists; built-in strings go to torchrec."""
+    cluster variant (one string) gets its own dists; built-in strings go to torchrec.
+
+    Two torchrec 1.8 behaviours are corrected here:
+    - its MEAN fix-up for row-wise / table-row-wise tables divides every other feature of the
+      collection by its bag length too; we mark all other features as SUM for that fix-up;
+    - its load_state_dict merges a rank's local shards as equal-width column slices; ours may
+      differ in rows and widths, so weights are loaded shard by shard, matched by offsets.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self._has_mean_pooling_callback:
+            divided = set(self._pooling_type_to_rs_features[PoolingType.MEAN.value])
+            features = [f for sharding in self._embedding_shardings for f in sharding.feature_names()]
+            self._pooling_type_to_rs_features[PoolingType.SUM.value] = [f for f in dict.fromkeys(features) if f not in divided]
 
     @classmethod
     def create_embedding_bag_sharding(
@@ -35,3 +51,35 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         return GridPooledEmbeddingSharding(
             sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry, hierarchical=hierarchical
         )
+
+    @staticmethod
+    def _pre_load_state_dict_hook(
+        self: "EmbarkShardedEmbeddingBagCollection", state_dict: Dict[str, Any], prefix: str, *args: Any
+    ) -> None:
+        for table, local_shards in self._model_parallel_name_to_local_shards.items():
+            key = f"{prefix}embedding_bags.{table}.weight"
+            value = state_dict.get(key)
+            if self._table_name_to_config[table].use_virtual_table or not isinstance(value, torch.Tensor):
+                continue
+            incoming = (
+                {tuple(s.metadata.shard_offsets): s.tensor for s in value.local_shards()}
+                if isinstance(value, ShardedTensor)
+                else None
+            )
+            with torch.no_grad():
+                for shard in local_shards:
+                    offsets, sizes = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                    if incoming is None:
+                        source = value[offsets[0] : offsets[0] + sizes[0], offsets[1] : offsets[1] + sizes[1]]
+                    else:
+                        source = incoming.get(tuple(offsets))
+                    if source is None or tuple(source.shape) != tuple(sizes):
+                        raise ValueError(
+                            f"table {table!r}: the state dict has no shard of shape {list(sizes)} at offsets {list(offsets)} "
+                            "for this rank; was it saved with another plan? load it with torch.distributed.checkpoint"
+                        )
+                    shard.tensor.copy_(source)
+            del state_dict[key]
+            if key not in self._skip_missing_weight_key:
+                self._skip_missing_weight_key.append(key)
+        ShardedEmbeddingBagCollection._pre_load_state_dict_hook(self, state_dict, prefix, *args)
