@@ -3,9 +3,11 @@
 Phase 1, split and re-place (after NVIDIA's planners): every model-parallel table starts as one
 cell (table-wise). Each round, all cells are placed from scratch, longest first, onto the allowed
 rank with the least estimated load that has memory left and, where possible, no other cell of the
-same table (CostModel.cell_ms prices a cell). The plan is then scored exactly. The costliest rank (most
+same table (CostModel.cell_ms prices a cell); a second placement also keeps each table's cells on
+the nodes it already uses, so that hierarchical reduction pays. The plan is then scored exactly. The costliest rank (most
 lookups + communication) names the table that loads it most; we try doubling its row slices and
-doubling its column slices, and keep whichever gives the lower estimated step time, even when that
+doubling its column slices, for it alone and for it with its twins (identical tables), and keep
+whichever gives the lower estimated step time, even when that
 is worse than the current plan, because on a plateau of equally loaded ranks a cut pays only once
 its twins are cut too. After `patience` rounds without a new best, the best plan seen wins.
 
@@ -80,6 +82,7 @@ class GreedySearch:
                 self.movable.append(t.name)
         self._hier_cache: dict[TableLayout, bool] = {}
         self._allowed_mask = {n: np.isin(np.arange(self.world_size), self._allowed(n)) for n in self.movable}
+        self._node = np.arange(self.world_size) // cost.topology.local_world_size
         # state of the plan under construction (phase 2 updates it one table at a time)
         self.layouts: dict[str, TableLayout] = {}
         self.loads: dict[str, RankLoad] = {}
@@ -129,8 +132,11 @@ class GreedySearch:
 
     # ---- phase 1: split and re-place ----------------------------------------------------------
 
-    def _place(self, shapes: Mapping[str, Shape]) -> dict[str, TableLayout] | None:
-        """Longest-cell-first placement of every movable cell; None when memory runs out."""
+    def _place(self, shapes: Mapping[str, Shape], local_first: bool = False) -> dict[str, TableLayout] | None:
+        """Longest-cell-first placement of every movable cell; None when memory runs out.
+
+        local_first puts a table's further cells on the nodes that already hold one, where a
+        hierarchical reduction keeps their partial sums off the network."""
         proxy = np.zeros(self.world_size)
         memory = np.zeros(self.world_size)
         for name, layout in self.fixed.items():
@@ -152,7 +158,11 @@ class GreedySearch:
             if not fits.any():
                 return None
             fresh = fits & ~holds[name]
-            k = int(np.argmin(np.where(fresh if fresh.any() else fits, proxy, np.inf)))
+            pools = [fresh, fits]
+            if local_first and holds[name].any():  # keep a row-split table on its nodes
+                pools.insert(0, fresh & np.isin(self._node, self._node[holds[name]]))
+            pool = next(p for p in pools if p.any())
+            k = int(np.argmin(np.where(pool, proxy, np.inf)))
             placed[name][r, c] = k
             holds[name][k] = True
             proxy[k] -= neg_ms
@@ -182,6 +192,22 @@ class GreedySearch:
         ]
         return max(on_rank)[2] if on_rank else None
 
+    def _twins(self, name: str) -> list[str]:
+        """Movable tables identical to `name` for the cost model (same sizes, traffic, cluster,
+        shape and allowed ranks): models repeat tables, and twins tie on a plateau, so a round
+        also tries cutting them all at once."""
+        t = self.cost.table(name)
+
+        def signature(n: str) -> tuple:
+            u = self.cost.table(n)
+            return (
+                u.rows, u.dim, u.pooling, len(u.feature_names), self.cost.spec.distribution(u), u.unique_ratio,
+                self.clusters[n], self._shapes[n], tuple(self._allowed(n)), self._precision(n),
+            )
+
+        key = signature(t.name)
+        return [n for n in self.movable if signature(n) == key]
+
     def _initial_shapes(self) -> tuple[dict[str, Shape], dict[str, TableLayout]]:
         """Table-wise, with the biggest table that does not fit row-split until everything fits."""
         shapes = self._shapes = {n: (1, 1) for n in self.movable}
@@ -210,11 +236,14 @@ class GreedySearch:
                 break
             self.stats.rounds += 1
             options = []
+            twins = self._twins(name)
             for shape in self._splits(name, self._shapes[name]):
-                trial = {**self._shapes, name: shape}
-                placed = self._place(trial)
-                if placed is not None:
-                    options.append((self._score(placed), trial, placed))
+                for group in ([name], twins) if len(twins) > 1 else ([name],):
+                    trial = {**self._shapes, **{n: shape for n in group}}
+                    for local_first in (False, True):
+                        placed = self._place(trial, local_first)
+                        if placed is not None:
+                            options.append((self._score(placed), trial, placed))
             if not options:
                 break
             current, self._shapes, layouts = min(options, key=lambda o: o[0][0])
