@@ -58,6 +58,45 @@ def virtual_feature(feature: str, row_slice: int, col_slice: int) -> str:
     return f"{feature}#{row_slice}.{col_slice}"
 
 
+class ColumnFold:
+    """Sums blocks of partial sums into an output of `width` columns: block i's column j adds into
+    output column targets[i][j].
+
+    Blocks with identical targets are first added elementwise; then, when no output column is hit
+    twice, the output is assembled by slicing and concatenation (column-wise index_add is several
+    times slower, forward and backward); otherwise by index_add.
+    """
+
+    def __init__(self, targets: List[torch.Tensor], width: int) -> None:
+        self._width = width
+        groups: Dict[tuple, List[int]] = {}
+        for i, t in enumerate(targets):
+            groups.setdefault(tuple(t.tolist()), []).append(i)
+        self._groups = list(groups.values())
+        combined = [c for key in groups for c in key]
+        self._target = torch.tensor(combined, dtype=torch.int64)
+        self._segments: Optional[List[tuple[int, int]]] = None  # (source start or -1 for zeros, length)
+        if len(set(combined)) == len(combined):
+            source_of = {col: i for i, col in enumerate(combined)}
+            segments: List[tuple[int, int]] = []
+            for col in range(width):
+                src = source_of.get(col, -1)
+                last = segments[-1] if segments else None
+                if last is not None and ((src == -1 and last[0] == -1) or (src != -1 and last[0] != -1 and last[0] + last[1] == src)):
+                    segments[-1] = (last[0], last[1] + 1)
+                else:
+                    segments.append((src, 1))
+            self._segments = segments
+
+    def __call__(self, blocks: List[torch.Tensor]) -> torch.Tensor:
+        summed = [blocks[g[0]] if len(g) == 1 else torch.stack([blocks[i] for i in g]).sum(dim=0) for g in self._groups]
+        src = summed[0] if len(summed) == 1 else torch.cat(summed, dim=1)
+        if self._segments is None:
+            return src.new_zeros(src.size(0), self._width).index_add(1, self._target.to(src.device), src)
+        parts = [src.new_zeros(src.size(0), n) if start < 0 else src[:, start : start + n] for start, n in self._segments]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
 class GridSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
     """Cuts each feature's IDs into per-cell virtual features, then a KJT all-to-all."""
 
@@ -143,13 +182,8 @@ class GridPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.
     def __init__(self, all_to_all: TwPooledEmbeddingDist, target_columns: torch.Tensor, out_dim: int) -> None:
         super().__init__()
         self._all_to_all = all_to_all
-        self.register_buffer("_target_columns", target_columns, persistent=False)
-        self._out_dim = out_dim
-        all_to_all._callbacks = [self._fold]
-
-    def _fold(self, partial: torch.Tensor) -> torch.Tensor:
-        out = partial.new_zeros(partial.size(0), self._out_dim)
-        return out.index_add(1, self._target_columns, partial)
+        self._fold = ColumnFold([target_columns], out_dim)
+        all_to_all._callbacks = [lambda partial: self._fold([partial])]
 
     def forward(
         self, local_embs: torch.Tensor, sharding_ctx: Optional[EmbeddingShardingContext] = None
@@ -193,8 +227,8 @@ class HierarchicalPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext
 
     Stage 1, intra-node all-to-all: for destination j, every rank sends its partial sums to the rank
     of its node whose local rank is j's, which sums them per (feature, column). Stage 2, cross-node
-    all-to-all among ranks of equal local rank: each such aggregator sends j its node's sum; j adds
-    the nodes' sums up.
+    all-to-all among ranks of equal local rank: each such aggregator sends j its node's sums, for
+    the columns its node holds only; j adds the nodes' sums up.
     """
 
     def __init__(
@@ -212,8 +246,18 @@ class HierarchicalPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext
         self._nodes = self._world_size // local_world_size
         self._intra, self._cross = intra_and_cross_node_pg(backend=dist.get_backend(pg))
         self._dims = dims_per_rank
-        self._targets = targets_per_rank
-        self._out_dim = out_dim
+        # Each node sends across only the output columns its ranks hold: node_columns[n], and each
+        # member's partial-sum columns as positions in its node's list.
+        self._node_widths: List[int] = []
+        self._node_folds: List[ColumnFold] = []  # the members' partial sums into their node's columns
+        node_columns: List[torch.Tensor] = []
+        for n in range(self._nodes):
+            members = [t for t in targets_per_rank[n * local_world_size : (n + 1) * local_world_size] if len(t)]
+            columns = torch.unique(torch.cat(members)) if members else torch.empty(0, dtype=torch.int64)
+            self._node_widths.append(len(columns))
+            node_columns.append(columns)
+            self._node_folds.append(ColumnFold([torch.searchsorted(columns, t) for t in members], len(columns)))
+        self._cross_fold = ColumnFold([c for c in node_columns if len(c)], out_dim)  # the nodes' sums at home
 
     def _reduce(self, local_embs: torch.Tensor, batch_per_rank: List[int]) -> torch.Tensor:
         lws, nodes = self._lws, self._nodes
@@ -222,25 +266,28 @@ class HierarchicalPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext
         for b in batch_per_rank:
             starts.append(starts[-1] + b)
         dim = self._dims[self._rank]
-        # stage 1: to node member l, the rows of destinations with local rank l (node-major)
-        send, send_sizes = [], []
-        for lr in range(lws):
-            rows = [local_embs[starts[n * lws + lr] : starts[n * lws + lr + 1]] for n in range(nodes)]
-            send.append(torch.cat(rows).reshape(-1))
-            send_sizes.append(send[-1].numel())
+        # stage 1: to node member l, the rows of destinations with local rank l (node-major), in one
+        # gather, so that backward is one scatter rather than a zero-filled copy per block
+        order = torch.cat(
+            [torch.arange(starts[n * lws + lr], starts[n * lws + lr + 1]) for lr in range(lws) for n in range(nodes)]
+        ).to(local_embs.device)
+        send_sizes = [sum(batch_per_rank[n * lws + lr] for n in range(nodes)) * dim for lr in range(lws)]
         mine = [batch_per_rank[n * lws + local] for n in range(nodes)]
         recv_sizes = [sum(mine) * self._dims[node * lws + m] for m in range(lws)]
-        received = _AllToAll.apply(torch.cat(send), recv_sizes, send_sizes, self._intra)
-        node_sum = local_embs.new_zeros(sum(mine), self._out_dim)
-        for m, block in enumerate(torch.split(received, recv_sizes)):
-            member = node * lws + m
-            if self._dims[member]:
-                node_sum = node_sum.index_add(1, self._targets[member], block.view(sum(mine), self._dims[member]))
-        # stage 2: to node n's rank with my local rank, my node's sums for its samples
-        out_sizes = [b * self._out_dim for b in mine]
-        mine_here = batch_per_rank[self._rank]
-        gathered = _AllToAll.apply(node_sum.reshape(-1), [mine_here * self._out_dim] * nodes, out_sizes, self._cross)
-        return gathered.view(nodes, mine_here, self._out_dim).sum(dim=0)
+        received = _AllToAll.apply(local_embs.index_select(0, order).reshape(-1), recv_sizes, send_sizes, self._intra)
+        width = self._node_widths[node]
+        blocks = [
+            block.view(sum(mine), self._dims[node * lws + m])
+            for m, block in enumerate(torch.split(received, recv_sizes))
+            if self._dims[node * lws + m]
+        ]
+        node_sum = self._node_folds[node](blocks) if blocks else local_embs.new_zeros(sum(mine), 0)
+        # stage 2: to node n's rank with my local rank, my node's sums (its columns only) for its samples
+        here = batch_per_rank[self._rank]
+        widths = self._node_widths
+        gathered = _AllToAll.apply(node_sum.reshape(-1), [here * w for w in widths], [b * width for b in mine], self._cross)
+        blocks = [b.view(here, w) for b, w in zip(torch.split(gathered, [here * w for w in widths]), widths) if w]
+        return self._cross_fold(blocks)
 
     def forward(
         self, local_embs: torch.Tensor, sharding_ctx: Optional[EmbeddingShardingContext] = None
