@@ -63,7 +63,7 @@ class ColumnFold:
     output column targets[i][j].
 
     Blocks with identical targets are first added elementwise; then, when no output column is hit
-    twice, the output is assembled by slicing and concatenation (column-wise index_add is several
+    twice, the output is assembled by splitting and concatenating (column-wise index_add is several
     times slower, forward and backward); otherwise by index_add.
     """
 
@@ -75,25 +75,35 @@ class ColumnFold:
         self._groups = list(groups.values())
         combined = [c for key in groups for c in key]
         self._target = torch.tensor(combined, dtype=torch.int64)
-        self._segments: Optional[List[tuple[int, int]]] = None  # (source start or -1 for zeros, length)
+        # Without overlaps: the source columns fall into runs that land on consecutive output
+        # columns; split the source into those runs (one cat in backward) and concatenate them in
+        # output order, with zero blocks for columns no block reaches.
+        self._runs: Optional[List[int]] = None  # run widths, in source order
+        self._layout: List[tuple[int, int]] = []  # (run index or -1 for zeros, width), in output order
         if len(set(combined)) == len(combined):
-            source_of = {col: i for i, col in enumerate(combined)}
-            segments: List[tuple[int, int]] = []
-            for col in range(width):
-                src = source_of.get(col, -1)
-                last = segments[-1] if segments else None
-                if last is not None and ((src == -1 and last[0] == -1) or (src != -1 and last[0] != -1 and last[0] + last[1] == src)):
-                    segments[-1] = (last[0], last[1] + 1)
+            runs: List[List[int]] = []  # [first output column, width]
+            for col in combined:
+                if runs and runs[-1][0] + runs[-1][1] == col:
+                    runs[-1][1] += 1
                 else:
-                    segments.append((src, 1))
-            self._segments = segments
+                    runs.append([col, 1])
+            self._runs = [w for _, w in runs]
+            position = 0
+            for index, (start, w) in sorted(enumerate(runs), key=lambda r: r[1][0]):
+                if start > position:
+                    self._layout.append((-1, start - position))
+                self._layout.append((index, w))
+                position = start + w
+            if position < width:
+                self._layout.append((-1, width - position))
 
     def __call__(self, blocks: List[torch.Tensor]) -> torch.Tensor:
         summed = [blocks[g[0]] if len(g) == 1 else torch.stack([blocks[i] for i in g]).sum(dim=0) for g in self._groups]
         src = summed[0] if len(summed) == 1 else torch.cat(summed, dim=1)
-        if self._segments is None:
+        if self._runs is None:
             return src.new_zeros(src.size(0), self._width).index_add(1, self._target.to(src.device), src)
-        parts = [src.new_zeros(src.size(0), n) if start < 0 else src[:, start : start + n] for start, n in self._segments]
+        pieces = torch.split(src, self._runs, dim=1)
+        parts = [pieces[i] if i >= 0 else src.new_zeros(src.size(0), w) for i, w in self._layout]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
