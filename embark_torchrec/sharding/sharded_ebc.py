@@ -47,7 +47,13 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             return super().create_embedding_bag_sharding(
                 sharding_infos, env, device, permute_embeddings=permute_embeddings, qcomm_codecs_registry=qcomm_codecs_registry
             )
-        _, hierarchical, _ = parse_sharding_type(sharding_type)
+        _, hierarchical, precision = parse_sharding_type(sharding_type)
+        if (precision.forward, precision.backward) != ("fp32", "fp32"):
+            tables = [info.embedding_config.name for info in sharding_infos]
+            raise NotImplementedError(
+                f"tables {tables}: wire precision {precision.forward}/{precision.backward} is not supported by this "
+                "runtime yet; plan them with fp32 on the wire"
+            )
         return GridPooledEmbeddingSharding(
             sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry, hierarchical=hierarchical
         )
