@@ -109,7 +109,7 @@ def _summary(sharding_plan: Any) -> dict[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def planned() -> tuple[EmbarkPlanner, Any]:
-    planner = EmbarkPlanner(world_size=8, local_world_size=4, batch_size=512, constraints=_constraints())
+    planner = EmbarkPlanner(world_size=8, local_world_size=4, batch_size=512, constraints=_constraints(), compute_device="cuda")
     return planner, planner.plan(_Model(), [EmbeddingBagCollectionSharder()])
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
+import torch
 from torchrec.distributed.types import ShardingPlanner
 
 from .constraints import TableConstraints, from_torchrec
@@ -90,7 +91,8 @@ def _sharders_accept(module: Any, sharders: list[Any]) -> bool:
 class EmbarkPlanner(ShardingPlanner):
     """Drop-in for torchrec's EmbeddingShardingPlanner.
 
-    batch_size is the per-rank batch, as in torchrec. `plans` keeps the Plan of every planned
+    batch_size is the per-rank batch, as in torchrec; compute_device defaults to cuda when there is
+    one, else cpu (it names the devices in the shard placements). `plans` keeps the Plan of every planned
     module (by its path) for the report and the plan file. Each EmbeddingBagCollection is planned
     on its own.
     """
@@ -102,7 +104,7 @@ class EmbarkPlanner(ShardingPlanner):
         batch_size: int = 512,
         constraints: Mapping[str, Any] | None = None,
         hardware: str | Hardware = DEFAULT_HARDWARE,
-        compute_device: str = "cuda",
+        compute_device: str | None = None,
         id_distribution: IdDistribution | None = None,
         config: SearchConfig | None = None,
         optimizer: OptimizerMemory | None = None,
@@ -112,7 +114,7 @@ class EmbarkPlanner(ShardingPlanner):
         self.batch_size = batch_size
         self.torchrec_constraints = dict(constraints or {})
         self.hardware = hardware_preset(hardware) if isinstance(hardware, str) else hardware
-        self.compute_device = compute_device
+        self.compute_device = compute_device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.id_distribution = id_distribution
         self.config = config or SearchConfig()
         self.optimizer = optimizer
