@@ -173,3 +173,14 @@ def test_plan_cost_is_sum_of_tables() -> None:
     parts = [cost.table_load("a", plan["a"]), cost.table_load("b", plan["b"])]
     np.testing.assert_allclose(total.send_inter, parts[0].send_inter + parts[1].send_inter)
     np.testing.assert_allclose(total.memory, parts[0].memory + parts[1].memory)
+
+
+@pytest.mark.parametrize("cluster", ["rb", "ub"])
+def test_single_cell_shortcut_equals_full_computation(cluster: str) -> None:
+    """The renumbered load of a one-cell table on rank k equals computing it from scratch, on every rank."""
+    spec = _model(feature_names=("f1", "f2"))
+    cost = CostModel(spec, Topology(12, 4))
+    for k in range(12):
+        layout = TableLayout(cluster, (0, 1000), (0, 16), ((k,),), WirePrecision("fp16", "fp32"))
+        fast, slow = cost.table_load("t", layout), cost._table_load("t", layout)
+        np.testing.assert_allclose(fast.rows, slow.rows, rtol=1e-12, err_msg=f"rank {k}")

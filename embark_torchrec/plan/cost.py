@@ -62,36 +62,59 @@ class OptimizerMemory:
     bytes_per_row: float = 4.0
 
 
-@dataclass
-class RankLoad:
-    """Per-rank quantities (arrays of length W), summed over tables. Bytes and ms."""
+_ROWS = ("lookup_bytes", "send_intra", "recv_intra", "send_inter", "recv_inter", "memory")
 
-    lookup_bytes: np.ndarray
-    send_intra: np.ndarray
-    recv_intra: np.ndarray
-    send_inter: np.ndarray
-    recv_inter: np.ndarray
-    memory: np.ndarray
-    dp_intra: float = 0.0
-    dp_inter: float = 0.0
+
+def _row_accessors(i: int) -> tuple:
+    """Getter and setter of row i, a view; `load.memory += x` writes through it."""
+
+    def get(self: "RankLoad") -> np.ndarray:
+        return self.rows[i]
+
+    def set_(self: "RankLoad", value: np.ndarray) -> None:
+        self.rows[i] = value
+
+    return get, set_
+
+
+class RankLoad:
+    """Per-rank quantities, summed over tables, as the rows of one [6, W] array (so that adding a
+    table is one array operation): lookup bytes, bytes sent / received intra and inter node,
+    memory bytes; plus the DP all-reduce bytes per rank, intra and inter node."""
+
+    def __init__(self, rows: np.ndarray, dp_intra: float = 0.0, dp_inter: float = 0.0) -> None:
+        self.rows = rows
+        self.dp_intra = dp_intra
+        self.dp_inter = dp_inter
 
     @classmethod
     def zeros(cls, world_size: int) -> "RankLoad":
-        z = lambda: np.zeros(world_size)  # noqa: E731
-        return cls(z(), z(), z(), z(), z(), z())
+        return cls(np.zeros((len(_ROWS), world_size)))
+
+    @classmethod
+    def total(cls, loads: "list[RankLoad]", world_size: int) -> "RankLoad":
+        if not loads:
+            return cls.zeros(world_size)
+        return cls(
+            np.sum([load.rows for load in loads], axis=0),
+            sum(load.dp_intra for load in loads),
+            sum(load.dp_inter for load in loads),
+        )
+
+    lookup_bytes = property(*_row_accessors(0))
+    send_intra = property(*_row_accessors(1))
+    recv_intra = property(*_row_accessors(2))
+    send_inter = property(*_row_accessors(3))
+    recv_inter = property(*_row_accessors(4))
+    memory = property(*_row_accessors(5))
 
     def add(self, other: "RankLoad", sign: float = 1.0) -> None:
-        for name in ("lookup_bytes", "send_intra", "recv_intra", "send_inter", "recv_inter", "memory"):
-            getattr(self, name).__iadd__(sign * getattr(other, name))
+        self.rows += other.rows if sign == 1.0 else sign * other.rows
         self.dp_intra += sign * other.dp_intra
         self.dp_inter += sign * other.dp_inter
 
     def copy(self) -> "RankLoad":
-        return RankLoad(
-            *(getattr(self, n).copy() for n in ("lookup_bytes", "send_intra", "recv_intra", "send_inter", "recv_inter", "memory")),
-            dp_intra=self.dp_intra,
-            dp_inter=self.dp_inter,
-        )
+        return RankLoad(self.rows.copy(), self.dp_intra, self.dp_inter)
 
 
 @dataclass(frozen=True)
@@ -218,8 +241,20 @@ class CostModel:
         if cached is None:
             if len(self._loads) >= _LOAD_CACHE_SIZE:
                 self._loads.pop(next(iter(self._loads)))
-            cached = self._loads[key] = self._table_load(name, layout)
+            cached = self._loads[key] = self._single_cell_load(name, layout) or self._table_load(name, layout)
         return cached
+
+    def _single_cell_load(self, name: str, layout: TableLayout) -> RankLoad | None:
+        """A one-cell table on rank k loads the ranks as the same table on rank 0 does, with ranks
+        renumbered by shifting nodes and local ranks (which keeps the node structure): one gather
+        instead of the whole computation. The search prices thousands of such placements."""
+        if layout.cluster == "dp" or layout.num_row_slices * layout.num_col_slices != 1 or layout.ranks[0][0] == 0:
+            return None
+        k = layout.ranks[0][0]
+        base = self.table_load(name, layout.with_ranks(((0,),)))
+        lws, nodes = self.topology.local_world_size, self.topology.num_nodes
+        source = ((self._node - k // lws) % nodes) * lws + (self._local - k % lws) % lws
+        return RankLoad(base.rows[:, source], base.dp_intra, base.dp_inter)
 
     def _table_load(self, name: str, layout: TableLayout) -> RankLoad:
         t = self._tables[name]
@@ -301,10 +336,7 @@ class CostModel:
 
     def rank_load(self, plan: Plan | Mapping[str, TableLayout]) -> RankLoad:
         tables = plan.tables if isinstance(plan, Plan) else plan
-        total = RankLoad.zeros(self.topology.world_size)
-        for name, layout in tables.items():
-            total.add(self.table_load(name, layout))
-        return total
+        return RankLoad.total([self.table_load(n, layout) for n, layout in tables.items()], self.topology.world_size)
 
     def step_cost(self, load: RankLoad) -> StepCost:
         hw = self.topology.hardware

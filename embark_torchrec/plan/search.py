@@ -20,6 +20,7 @@ order, so the result is deterministic.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field, replace
 from typing import Iterator, Mapping
 
@@ -81,8 +82,14 @@ class GreedySearch:
             else:
                 self.movable.append(t.name)
         self._hier_cache: dict[TableLayout, bool] = {}
-        self._allowed_mask = {n: np.isin(np.arange(self.world_size), self._allowed(n)) for n in self.movable}
-        self._node = np.arange(self.world_size) // cost.topology.local_world_size
+        self._allowed_set = {n: set(self._allowed(n)) for n in self.movable}
+        self._lws = cost.topology.local_world_size
+        self._order = {n: i for i, n in enumerate(self.movable)}
+        self._cell_cache: dict[tuple[str, Shape], tuple[TableLayout, list]] = {}
+        self._fixed_memory = np.zeros(self.world_size)
+        for name, layout in self.fixed.items():
+            self._fixed_memory += cost.table_load(name, layout).memory
+        self.unplaced: list[str] = []
         # state of the plan under construction (phase 2 updates it one table at a time)
         self.layouts: dict[str, TableLayout] = {}
         self.loads: dict[str, RankLoad] = {}
@@ -111,6 +118,23 @@ class GreedySearch:
         cols = tuple(4 * round(i * quads / n_c) for i in range(n_c + 1))
         return TableLayout(self.clusters[name], rows, cols, ((0,) * n_c,) * n_r, self._precision(name))
 
+    def _cells(self, name: str, shape: Shape) -> tuple[TableLayout, list[tuple[float, int, int, int, str, float]]]:
+        """The unplaced grid of a table and its cells as (-cost ms, table order, r, c, name, bytes),
+        memoised: a round re-places every table but changes the shape of few."""
+        key = (name, shape)
+        if key not in self._cell_cache:
+            grid = self._grid(name, shape)
+            ms = self.cost.cell_ms(name, grid)
+            order = self._order[name]
+            cells = []
+            for r in range(grid.num_row_slices):
+                for c in range(grid.num_col_slices):
+                    width = grid.col_bounds[c + 1] - grid.col_bounds[c]
+                    need = (grid.row_bounds[r + 1] - grid.row_bounds[r]) * self.cost.row_memory(name, width)
+                    cells.append((-float(ms[r, c]), order, r, c, name, need))
+            self._cell_cache[key] = (grid, cells)
+        return self._cell_cache[key]
+
     def _hierarchy(self, name: str, layout: TableLayout) -> TableLayout:
         """Row-split RB tables reduce inside the node first when that lowers the table's own
         communication bottleneck."""
@@ -125,9 +149,7 @@ class GreedySearch:
     def _score(self, layouts: Mapping[str, TableLayout]) -> tuple[Objective, dict[str, RankLoad], RankLoad]:
         self.stats.evaluations += 1
         loads = {n: self.cost.table_load(n, lay) for n, lay in layouts.items()}
-        total = RankLoad.zeros(self.world_size)
-        for load in loads.values():
-            total.add(load)
+        total = RankLoad.total(list(loads.values()), self.world_size)
         return self._objective(self.cost.step_cost(total)), loads, total
 
     # ---- phase 1: split and re-place ----------------------------------------------------------
@@ -137,36 +159,41 @@ class GreedySearch:
 
         local_first puts a table's further cells on the nodes that already hold one, where a
         hierarchical reduction keeps their partial sums off the network."""
-        proxy = np.zeros(self.world_size)
-        memory = np.zeros(self.world_size)
-        for name, layout in self.fixed.items():
-            memory += self.cost.table_load(name, layout).memory
-        cells: list[tuple[float, int, int, int, str]] = []
-        grids: dict[str, TableLayout] = {}
-        for order, name in enumerate(self.movable):
-            grid = grids[name] = self._grid(name, shapes[name])
-            ms = self.cost.cell_ms(name, grid)
-            cells += [(-float(ms[r, c]), order, r, c, name) for r in range(ms.shape[0]) for c in range(ms.shape[1])]
-        cells.sort()
+        memory = self._fixed_memory.tolist()
+        grids = {name: self._cells(name, shapes[name])[0] for name in self.movable}
+        cells = sorted(c for name in self.movable for c in self._cells(name, shapes[name])[1])
         placed = {n: np.zeros((g.num_row_slices, g.num_col_slices), dtype=np.int64) for n, g in grids.items()}
-        holds = {n: np.zeros(self.world_size, dtype=bool) for n in grids}
-        for neg_ms, _, r, c, name in cells:
-            grid = grids[name]
-            width = grid.col_bounds[c + 1] - grid.col_bounds[c]
-            need = (grid.row_bounds[r + 1] - grid.row_bounds[r]) * self.cost.row_memory(name, width)
-            fits = self._allowed_mask[name] & (memory + need <= self.cap)
-            if not fits.any():
-                return None
-            fresh = fits & ~holds[name]
-            pools = [fresh, fits]
-            if local_first and holds[name].any():  # keep a row-split table on its nodes
-                pools.insert(0, fresh & np.isin(self._node, self._node[holds[name]]))
-            pool = next(p for p in pools if p.any())
-            k = int(np.argmin(np.where(pool, proxy, np.inf)))
+        holds: dict[str, set[int]] = {n: set() for n in grids}
+        heap = [(0.0, k) for k in range(self.world_size)]  # (estimated load, rank): least loaded first
+        self.unplaced = []
+        for neg_ms, _, r, c, name, need in cells:
+            allowed, held = self._allowed_set[name], holds[name]
+            nodes = {k // self._lws for k in held} if local_first and held else None
+            popped, best = [], [None, None, None]  # least loaded rank at each preference level
+            while heap:
+                load, k = heapq.heappop(heap)
+                popped.append((load, k))
+                if k not in allowed or memory[k] + need > self.cap:
+                    continue
+                level = 2 if k in held else 0 if nodes is None or k // self._lws in nodes else 1
+                if best[level] is None:
+                    best[level] = (load, k)
+                if level == 0:
+                    break
+            choice = next((b for b in best if b is not None), None)
+            for entry in popped:
+                if entry != choice:
+                    heapq.heappush(heap, entry)
+            if choice is None:
+                self.unplaced.append(name)
+                continue
+            load, k = choice
+            heapq.heappush(heap, (load - neg_ms, k))
             placed[name][r, c] = k
-            holds[name][k] = True
-            proxy[k] -= neg_ms
+            held.add(k)
             memory[k] += need
+        if self.unplaced:
+            return None
         layouts = dict(self.fixed)
         for name in self.movable:
             grid = grids[name].with_ranks(tuple(tuple(int(k) for k in row) for row in placed[name]))
@@ -209,20 +236,31 @@ class GreedySearch:
         return [n for n in self.movable if signature(n) == key]
 
     def _initial_shapes(self) -> tuple[dict[str, Shape], dict[str, TableLayout]]:
-        """Table-wise, with the biggest table that does not fit row-split until everything fits."""
+        """Table-wise; while some cells find no rank with memory, row-split the tables they belong
+        to (or, when those cannot be cut further, the table with the largest slices)."""
         shapes = self._shapes = {n: (1, 1) for n in self.movable}
+
+        def can_grow(n: str) -> bool:
+            return (2 * shapes[n][0], shapes[n][1]) in set(self._splits(n, shapes[n]))
+
         while True:
             layouts = self._place(shapes)
             if layouts is not None:
                 return shapes, layouts
-            growable = [(self.cost.table(n).rows / shapes[n][0], n) for n in self.movable if (2 * shapes[n][0], shapes[n][1]) in set(self._splits(n, shapes[n]))]
-            if not growable:
+            unplaced = list(dict.fromkeys(self.unplaced))
+            growing = [n for n in unplaced if can_grow(n)]
+            if not growing:
+                largest = [(self.cost.table(n).rows / shapes[n][0], n) for n in self.movable if can_grow(n)]
+                growing = [max(largest)[1]] if largest else []
+            if not growing:
+                need = sum(self.cost.table(n).rows * self.cost.row_memory(n, self.cost.table(n).dim) for n in self.movable)
                 raise PlanError(
-                    "the tables do not fit: embedding weights and optimizer state exceed the memory "
-                    f"of {self.world_size} ranks at {self.cap / 1e9:.1f} GB each"
+                    f"tables {unplaced} do not fit: the model-parallel tables need {need / 1e9:.1f} GB of weights and "
+                    f"optimizer state, beside {self._fixed_memory.max() / 1e9:.1f} GB per rank of data-parallel and fixed "
+                    f"tables, on {self.world_size} ranks of {self.cap / 1e9:.1f} GB"
                 )
-            _, name = max(growable)
-            shapes[name] = (2 * shapes[name][0], shapes[name][1])
+            for n in growing:
+                shapes[n] = (2 * shapes[n][0], shapes[n][1])
 
     def _split_rounds(self) -> None:
         self._shapes, layouts = self._initial_shapes()
