@@ -86,8 +86,15 @@ class TableLayout:
     def used_ranks(self) -> set[int]:
         return {k for row in self.ranks for k in row}
 
+    def __hash__(self) -> int:  # layouts key the cost model's caches; hash the grid once
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.cluster, self.row_bounds, self.col_bounds, self.ranks, self.precision, self.hierarchical))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     def with_ranks(self, ranks: tuple[tuple[int, ...], ...]) -> "TableLayout":
-        return replace(self, ranks=ranks)
+        return TableLayout(self.cluster, self.row_bounds, self.col_bounds, ranks, self.precision, self.hierarchical)
 
     def split_rows(self, r: int, at: int, new_ranks: tuple[int, ...]) -> "TableLayout":
         """Cut row slice r at row `at`; the lower part keeps its ranks, the upper goes to new_ranks."""

@@ -3,8 +3,8 @@
 Phase 1, split and re-place (after NVIDIA's planners): every model-parallel table starts as one
 cell (table-wise). Each round, all cells are placed from scratch, longest first, onto the allowed
 rank with the least estimated load that has memory left and, where possible, no other cell of the
-same table (CostModel.cell_ms prices a cell); a second placement also keeps each table's cells on
-the nodes it already uses, so that hierarchical reduction pays. The plan is then scored exactly. The costliest rank (most
+same table (CostModel.cell_ms prices a cell); for row-split tables a second placement also keeps
+each table's cells on the nodes it already uses, so that hierarchical reduction pays. The plan is then scored exactly. The costliest rank (most
 lookups + communication) names the table that loads it most; we try doubling its row slices and
 doubling its column slices, for it alone and for it with its twins (identical tables), and keep
 whichever gives the lower estimated step time, even when that
@@ -36,7 +36,7 @@ Shape = tuple[int, int]  # (row slices, column slices)
 
 @dataclass(frozen=True)
 class SearchConfig:
-    patience: int = 32  # split rounds past the best plan seen before phase 1 stops
+    patience: int = 16  # split rounds past the best plan seen before phase 1 stops
     max_rounds: int = 2000
     polish_moves: int = 200
     placement_candidates: int = 6  # least loaded ranks tried for a cut or moved cell in phase 2
@@ -162,7 +162,7 @@ class GreedySearch:
         memory = self._fixed_memory.tolist()
         grids = {name: self._cells(name, shapes[name])[0] for name in self.movable}
         cells = sorted(c for name in self.movable for c in self._cells(name, shapes[name])[1])
-        placed = {n: np.zeros((g.num_row_slices, g.num_col_slices), dtype=np.int64) for n, g in grids.items()}
+        placed = {n: [[0] * g.num_col_slices for _ in range(g.num_row_slices)] for n, g in grids.items()}
         holds: dict[str, set[int]] = {n: set() for n in grids}
         heap = [(0.0, k) for k in range(self.world_size)]  # (estimated load, rank): least loaded first
         self.unplaced = []
@@ -189,14 +189,14 @@ class GreedySearch:
                 continue
             load, k = choice
             heapq.heappush(heap, (load - neg_ms, k))
-            placed[name][r, c] = k
+            placed[name][r][c] = k
             held.add(k)
             memory[k] += need
         if self.unplaced:
             return None
         layouts = dict(self.fixed)
         for name in self.movable:
-            grid = grids[name].with_ranks(tuple(tuple(int(k) for k in row) for row in placed[name]))
+            grid = grids[name].with_ranks(tuple(map(tuple, placed[name])))
             layouts[name] = self._hierarchy(name, grid)
         return layouts
 
@@ -278,7 +278,7 @@ class GreedySearch:
             for shape in self._splits(name, self._shapes[name]):
                 for group in ([name], twins) if len(twins) > 1 else ([name],):
                     trial = {**self._shapes, **{n: shape for n in group}}
-                    for local_first in (False, True):
+                    for local_first in (False, True) if shape[0] > 1 else (False,):
                         placed = self._place(trial, local_first)
                         if placed is not None:
                             options.append((self._score(placed), trial, placed))
