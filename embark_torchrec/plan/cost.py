@@ -163,7 +163,10 @@ class CostModel:
         self.local_batch = spec.batch_size // topology.world_size
         self._tables: dict[str, TableSpec] = {t.name: t for t in spec.tables}
         self.unique_ratios: dict[str, float] = {}
-        self._loads: dict[tuple[str, TableLayout], RankLoad] = {}
+        self._loads: dict[tuple[tuple, TableLayout], RankLoad] = {}
+        self._signature = {
+            t.name: (t.rows, t.dim, t.pooling, len(t.feature_names), spec.distribution(t), t.unique_ratio) for t in spec.tables
+        }
         w, lws = topology.world_size, topology.local_world_size
         self._node = np.arange(w) // lws
         self._local = np.arange(w) % lws
@@ -234,9 +237,10 @@ class CostModel:
             recv_x[(n + 1) * lws :] += nbytes
 
     def table_load(self, name: str, layout: TableLayout) -> RankLoad:
-        """What one table adds to each rank (memoised: the search prices the same layouts often;
-        callers must not modify the result)."""
-        key = (name, layout)
+        """What one table adds to each rank (memoised by what the cost depends on, so identical
+        tables share entries: the search prices the same layouts often; callers must not modify
+        the result)."""
+        key = (self._signature[name], layout)
         cached = self._loads.get(key)
         if cached is None:
             if len(self._loads) >= _LOAD_CACHE_SIZE:

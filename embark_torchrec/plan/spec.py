@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -58,6 +59,7 @@ class IdDistribution:
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "alpha": self.alpha} if self.kind == "zipf" else {"kind": "uniform"}
 
+    @lru_cache(maxsize=4096)  # models repeat tables; the sum costs milliseconds
     def expected_distinct(self, rows: int, draws: float) -> float:
         """Expected number of distinct rows hit by `draws` independent draws.
 
