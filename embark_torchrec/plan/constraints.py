@@ -25,8 +25,8 @@ class TableConstraints:
 
 
 def from_torchrec(constraints: Mapping[str, Any] | None) -> dict[str, TableConstraints]:
-    """torchrec ParameterConstraints -> ours: sharding_types == ["data_parallel"] forces DP,
-    a list without data_parallel forbids it (forces RB unless "ub" is also ours to choose)."""
+    """torchrec ParameterConstraints -> ours: sharding_types == ["data_parallel"] forces DP; a
+    list without data_parallel forbids replication, so the table goes to the RB cluster."""
     out: dict[str, TableConstraints] = {}
     for name, c in (constraints or {}).items():
         if isinstance(c, TableConstraints):
