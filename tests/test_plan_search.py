@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections import Counter
 from functools import lru_cache
-from typing import Any, Mapping
 
 import numpy as np
 import pytest
