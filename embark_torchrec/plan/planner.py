@@ -10,9 +10,9 @@ import os
 from typing import Any, Mapping
 
 import torch
-from torchrec.distributed.types import ShardingPlanner
+from torchrec.distributed.types import ShardingPlan, ShardingPlanner
 
-from .constraints import TableConstraints, from_torchrec
+from .constraints import from_torchrec
 from .cost import OptimizerMemory
 from .layout import Plan, TableLayout, sharding_type_name
 from .plan_model import PlannedModel, plan_model
@@ -127,10 +127,9 @@ class EmbarkPlanner(ShardingPlanner):
         lws = self.local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", str(ws)))
         return Topology(ws, lws, self.hardware)
 
-    def plan(self, module: Any, sharders: list[Any]) -> Any:
-        from torchrec.distributed.types import ShardingPlan
-
+    def plan(self, module: Any, sharders: list[Any]) -> ShardingPlan:
         topology = self._topology()
+        constraints = from_torchrec(self.torchrec_constraints)
         result = ShardingPlan(plan={})
         for path, sub in module.named_modules():
             if not _sharders_accept(sub, sharders) or not hasattr(sub, "embedding_bag_configs"):
@@ -142,10 +141,9 @@ class EmbarkPlanner(ShardingPlanner):
                 name=path or "model",
                 id_distribution=self.id_distribution,
             )
-            ours = {k: v for k, v in self.torchrec_constraints.items() if isinstance(v, TableConstraints)}
-            constraints = {**from_torchrec(self.torchrec_constraints), **ours}
-            constraints = {k: v for k, v in constraints.items() if k in {t.name for t in spec.tables}}
-            planned = plan_model(spec, topology, constraints, self.config, self.optimizer)
+            names = {t.name for t in spec.tables}
+            here = {k: v for k, v in constraints.items() if k in names}
+            planned = plan_model(spec, topology, here, self.config, self.optimizer)
             self.plans[path] = planned
             result.plan[path] = module_sharding_plan(planned.plan, spec, self.compute_device)
         if not result.plan:
