@@ -151,7 +151,7 @@ class EmbarkPlanner(ShardingPlanner):
         return result
 
     def collective_plan(self, module: Any, sharders: list[Any] | None = None, pg: Any = None) -> Any:
-        """Rank 0 plans; every rank gets the same ShardingPlan."""
+        """Rank 0 plans (and keeps the details in `plans`); every rank gets the same ShardingPlan."""
         import torch.distributed as dist
         from torchrec.distributed.collective_utils import invoke_on_rank_and_broadcast_result
         from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
