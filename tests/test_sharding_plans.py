@@ -230,14 +230,15 @@ def test_load_plan_refuses_the_wrong_process_group_size() -> None:
             load_plan(SMALL_PLAN, _Model(SMALL), compute_device="cpu")
 
 
-def test_reduced_wire_precision_is_refused_not_ignored() -> None:
-    """A plan asking for fp16 on the wire is refused with an error naming the table, never run at fp32 silently."""
+def test_unsupported_wire_precision_is_refused_not_ignored() -> None:
+    """A plan asking for fp8 on the wire (not run yet) is refused with an error naming the table, never run at
+    fp32 silently."""
     ebc = EmbeddingBagCollection(
         tables=[EmbeddingBagConfig(name="narrow", embedding_dim=8, num_embeddings=20, feature_names=["f"])],
         device=torch.device("meta"),
     )
-    layout = TableLayout("rb", (0, 10, 20), (0, 8), ((0,), (1,)), WirePrecision("fp16", "fp16"))
+    layout = TableLayout("rb", (0, 10, 20), (0, 8), ((0,), (1,)), WirePrecision("fp8", "fp8"))
     params = module_sharding_plan(Plan(2, 2, {"narrow": layout}), ModelSpec.from_module(ebc, batch_size=2), "cpu")
     with fake_world(2) as pg:
-        with pytest.raises(NotImplementedError, match="'narrow'.*fp16/fp16"):
+        with pytest.raises(NotImplementedError, match="'narrow'.*fp8"):
             EmbarkEmbeddingBagCollectionSharder().shard(ebc, dict(params), ShardingEnv.from_process_group(pg), torch.device("cpu"))

@@ -28,6 +28,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensorMetadata
 from torch.distributed._shard.sharding_spec import ShardMetadata
 from torchrec.distributed.comm import get_local_size, intra_and_cross_node_pg
 from torchrec.distributed.comm_ops import get_gradient_division
+from torchrec.distributed.fbgemm_qcomm_codec import CommOp
 from torchrec.distributed.embedding_sharding import (
     BaseEmbeddingDist,
     BaseSparseFeaturesDist,
@@ -202,21 +203,33 @@ class GridPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.
 
 
 class _AllToAll(torch.autograd.Function):
-    """Differentiable all_to_all_single of a 1-D tensor: backward sends the gradients back."""
+    """Differentiable all_to_all_single of a 1-D tensor: backward sends the gradients back. With
+    codecs, values travel in the codec's precision (forward codec out, backward codec back)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, out_sizes: List[int], in_sizes: List[int], group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
-        ctx.sizes, ctx.group = (out_sizes, in_sizes), group
-        out = x.new_empty(sum(out_sizes))
-        dist.all_to_all_single(out, x.contiguous(), out_sizes, in_sizes, group=group)
-        return out
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        out_sizes: List[int],
+        in_sizes: List[int],
+        group: dist.ProcessGroup,
+        codecs: Optional[QuantizedCommCodecs],
+    ) -> torch.Tensor:
+        ctx.sizes, ctx.group, ctx.codecs = (out_sizes, in_sizes), group, codecs
+        return _exchange(x, out_sizes, in_sizes, group, codecs.forward if codecs else None)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:  # type: ignore[override]
         out_sizes, in_sizes = ctx.sizes
-        back = grad.new_empty(sum(in_sizes))
-        dist.all_to_all_single(back, grad.contiguous(), in_sizes, out_sizes, group=ctx.group)
-        return back, None, None, None
+        codec = ctx.codecs.backward if ctx.codecs else None
+        return _exchange(grad, in_sizes, out_sizes, ctx.group, codec), None, None, None, None
+
+
+def _exchange(x: torch.Tensor, out_sizes: List[int], in_sizes: List[int], group: dist.ProcessGroup, codec: Any) -> torch.Tensor:
+    send = codec.encode(x.contiguous()) if codec is not None else x.contiguous()
+    out = send.new_empty(sum(out_sizes))
+    dist.all_to_all_single(out, send, out_sizes, in_sizes, group=group)
+    return codec.decode(out) if codec is not None else out
 
 
 class _DivideGradient(torch.autograd.Function):
@@ -248,8 +261,10 @@ class HierarchicalPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext
         dims_per_rank: List[int],
         targets_per_rank: List[torch.Tensor],
         out_dim: int,
+        codecs: Optional[QuantizedCommCodecs] = None,
     ) -> None:
         super().__init__()
+        self._codecs = codecs
         self._world_size = dist.get_world_size(pg)
         self._rank = dist.get_rank(pg)
         self._lws = local_world_size
@@ -284,7 +299,9 @@ class HierarchicalPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext
         send_sizes = [sum(batch_per_rank[n * lws + lr] for n in range(nodes)) * dim for lr in range(lws)]
         mine = [batch_per_rank[n * lws + local] for n in range(nodes)]
         recv_sizes = [sum(mine) * self._dims[node * lws + m] for m in range(lws)]
-        received = _AllToAll.apply(local_embs.index_select(0, order).reshape(-1), recv_sizes, send_sizes, self._intra)
+        received = _AllToAll.apply(
+            local_embs.index_select(0, order).reshape(-1), recv_sizes, send_sizes, self._intra, self._codecs
+        )
         width = self._node_widths[node]
         blocks = [
             block.view(sum(mine), self._dims[node * lws + m])
@@ -295,7 +312,9 @@ class HierarchicalPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext
         # stage 2: to node n's rank with my local rank, my node's sums (its columns only) for its samples
         here = batch_per_rank[self._rank]
         widths = self._node_widths
-        gathered = _AllToAll.apply(node_sum.reshape(-1), [here * w for w in widths], [b * width for b in mine], self._cross)
+        gathered = _AllToAll.apply(
+            node_sum.reshape(-1), [here * w for w in widths], [b * width for b in mine], self._cross, self._codecs
+        )
         blocks = [b.view(here, w) for b, w in zip(torch.split(gathered, [here * w for w in widths]), widths) if w]
         return self._cross_fold(blocks)
 
@@ -430,8 +449,14 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
                 target.extend(range(start, start + width))
             targets_per_rank.append(torch.tensor(target, dtype=torch.int64, device=device))
         if self._hierarchical:
+            registry = self.qcomm_codecs_registry or {}
             return HierarchicalPooledEmbeddingDist(
-                self._pg, get_local_size(self._world_size), self._dim_sum_per_rank(), targets_per_rank, offsets[-1]
+                self._pg,
+                get_local_size(self._world_size),
+                self._dim_sum_per_rank(),
+                targets_per_rank,
+                offsets[-1],
+                registry.get(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name),
             )
         all_to_all = TwPooledEmbeddingDist(
             pg=self._pg,

@@ -8,11 +8,31 @@ import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from torchrec.distributed.fbgemm_qcomm_codec import CommOp, CommType, QCommsConfig, get_qcomm_codecs
 from torchrec.distributed.types import QuantizedCommCodecs, ShardingEnv
 from torchrec.modules.embedding_configs import PoolingType
 
-from ..plan.layout import SHARDING_TYPE_PREFIX, parse_sharding_type
+from ..plan.layout import SHARDING_TYPE_PREFIX, WirePrecision, parse_sharding_type
 from .grid import GridPooledEmbeddingSharding
+
+_COMM_TYPES = {"fp32": CommType.FP32, "fp16": CommType.FP16, "bf16": CommType.BF16}
+
+
+def wire_codecs(sharding_infos: List[EmbeddingShardingInfo], precision: WirePrecision) -> Optional[Dict[str, QuantizedCommCodecs]]:
+    """The codecs of one cluster's pooled-embedding all-to-alls, from the plan's precision: fp16 and
+    bf16 through torchrec's fbgemm codecs (built directly, so torchrec's CPU fallback from bf16 to
+    fp16 does not apply). The plan decides an embark cluster's precision, not module-wide qcomms."""
+    if (precision.forward, precision.backward) == ("fp32", "fp32"):
+        return None
+    unsupported = {precision.forward, precision.backward} - set(_COMM_TYPES)
+    if unsupported:
+        tables = [info.embedding_config.name for info in sharding_infos]
+        raise NotImplementedError(
+            f"tables {tables}: wire precision {sorted(unsupported)} is not supported by this runtime yet "
+            f"(supported: {sorted(_COMM_TYPES)})"
+        )
+    config = QCommsConfig(forward_precision=_COMM_TYPES[precision.forward], backward_precision=_COMM_TYPES[precision.backward])
+    return {CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name: get_qcomm_codecs(config)}
 
 
 class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
@@ -48,14 +68,8 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 sharding_infos, env, device, permute_embeddings=permute_embeddings, qcomm_codecs_registry=qcomm_codecs_registry
             )
         _, hierarchical, precision = parse_sharding_type(sharding_type)
-        if (precision.forward, precision.backward) != ("fp32", "fp32"):
-            tables = [info.embedding_config.name for info in sharding_infos]
-            raise NotImplementedError(
-                f"tables {tables}: wire precision {precision.forward}/{precision.backward} is not supported by this "
-                "runtime yet; plan them with fp32 on the wire"
-            )
         return GridPooledEmbeddingSharding(
-            sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry, hierarchical=hierarchical
+            sharding_infos, env, device, qcomm_codecs_registry=wire_codecs(sharding_infos, precision), hierarchical=hierarchical
         )
 
     @staticmethod
