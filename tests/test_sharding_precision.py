@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
 from embark_torchrec.plan.layout import TableLayout, WirePrecision
