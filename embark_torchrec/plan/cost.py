@@ -164,7 +164,8 @@ class CostModel:
         self._tables: dict[str, TableSpec] = {t.name: t for t in spec.tables}
         self.unique_ratios: dict[str, float] = {}
         self._loads: dict[tuple[tuple, TableLayout], RankLoad] = {}
-        self._signature = {
+        # what a table's cost depends on: tables with equal signatures cost the same in any layout
+        self.signature = {
             t.name: (t.rows, t.dim, t.pooling, len(t.feature_names), spec.distribution(t), t.unique_ratio) for t in spec.tables
         }
         w, lws = topology.world_size, topology.local_world_size
@@ -240,7 +241,7 @@ class CostModel:
         """What one table adds to each rank (memoised by what the cost depends on, so identical
         tables share entries: the search prices the same layouts often; callers must not modify
         the result)."""
-        key = (self._signature[name], layout)
+        key = (self.signature[name], layout)
         cached = self._loads.get(key)
         if cached is None:
             if len(self._loads) >= _LOAD_CACHE_SIZE:

@@ -223,16 +223,11 @@ class GreedySearch:
         """Movable tables identical to `name` for the cost model (same sizes, traffic, cluster,
         shape and allowed ranks): models repeat tables, and twins tie on a plateau, so a round
         also tries cutting them all at once."""
-        t = self.cost.table(name)
 
         def signature(n: str) -> tuple:
-            u = self.cost.table(n)
-            return (
-                u.rows, u.dim, u.pooling, len(u.feature_names), self.cost.spec.distribution(u), u.unique_ratio,
-                self.clusters[n], self._shapes[n], tuple(self._allowed(n)), self._precision(n),
-            )
+            return self.cost.signature[n], self.clusters[n], self._shapes[n], tuple(self._allowed(n)), self._precision(n)
 
-        key = signature(t.name)
+        key = signature(name)
         return [n for n in self.movable if signature(n) == key]
 
     def _initial_shapes(self) -> tuple[dict[str, Shape], dict[str, TableLayout]]:
