@@ -136,9 +136,11 @@ class GridSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         n_features = len(features)
         buckets = max(len(bounds) - 1 for bounds in row_bounds)
         self._buckets = buckets
-        self._bucket_pos = [
-            torch.tensor(list(bounds) + [bounds[-1]] * (buckets + 1 - len(bounds)), dtype=torch.int64) for bounds in row_bounds
-        ]
+        self.register_buffer(  # one row of bucket bounds per feature; a buffer, so it follows the module's device
+            "_bucket_pos",
+            torch.tensor([list(b) + [b[-1]] * (buckets + 1 - len(b)) for b in row_bounds], dtype=torch.int64),
+            persistent=False,
+        )
         self.register_buffer("_rows", torch.tensor(table_rows), persistent=False)
         self.register_buffer("_block_sizes", torch.tensor([max(1, -(-rows // buckets)) for rows in table_rows]), persistent=False)
         self.register_buffer("_mean", torch.tensor(mean), persistent=False)
@@ -170,7 +172,7 @@ class GridSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
             scale = torch.where(self._mean.repeat_interleave(stride), 1.0 / lengths.clamp(min=1), 1.0).to(weights.dtype)
             weights = weights * scale[bag]
         bucket_lengths, local, bucket_weights, _, _ = torch.ops.fbgemm.block_bucketize_sparse_features(
-            lengths, ids, False, False, self._block_sizes, self._buckets, weights, None, -1, self._bucket_pos
+            lengths, ids, False, False, self._block_sizes, self._buckets, weights, None, -1, list(self._bucket_pos.unbind(0))
         )
         out_lengths, out_values, out_weights = torch.ops.fbgemm.permute_2D_sparse_data(
             self._route_rows, bucket_lengths.view(-1, stride), local, bucket_weights, None
