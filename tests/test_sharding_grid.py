@@ -22,6 +22,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
 from embark_torchrec.plan.layout import TableLayout
 from embark_torchrec.sharding.grid import GridPooledEmbeddingSharding
+from embark_torchrec.sharding.unique import UniquePooledEmbeddingSharding
 from embark_torchrec.sharding.sharded_ebc import EmbarkShardedEmbeddingBagCollection
 from embark_torchrec.testing import copy_global_weights, global_kjt_batch, run_ranks
 from embark_torchrec.testing.training import SparseArch, compare_sharded_training, sharded_model
@@ -405,14 +406,16 @@ def test_row_wise_mean_beside_other_tables(ws: int, runs: Any) -> None:
 @pytest.mark.parametrize("ws", sorted(WORLDS))
 def test_layouts_get_the_intended_sharding_types(ws: int, runs: Any) -> None:
     """Each layout kind runs as intended: TW/CW/RW/TWRW/DP on torchrec's own shardings, grids and irregular row
-    splits on GridPooledEmbeddingSharding (flat, hierarchical, UB), so the equality test covers both paths."""
+    splits on GridPooledEmbeddingSharding (flat, hierarchical), UB tables on UniquePooledEmbeddingSharding, so the
+    equality test covers every path."""
     tables, _ = _tables(ws, "mean")
     want_types = {TABLES[t.name][3] if t.name in TABLES else "embark_rb" for t in tables}
     for rank, result in enumerate(runs(ws)):
         shardings = result["inspect"]["shardings"]
         assert set(shardings) == want_types, (rank, shardings)
         for kind, cls in shardings.items():
-            assert (cls == GridPooledEmbeddingSharding.__name__) == kind.startswith("embark_"), (kind, cls)
+            expected = {"embark_ub": UniquePooledEmbeddingSharding, "embark_rb": GridPooledEmbeddingSharding}.get(kind[:9])
+            assert cls == (expected.__name__ if expected else cls) and (expected is None) != kind.startswith("embark_"), (kind, cls)
 
 
 @pytest.mark.parametrize("ws", sorted(WORLDS))

@@ -44,6 +44,7 @@ TABLES = [
     EmbeddingBagConfig(name="hier", num_embeddings=30, embedding_dim=8, feature_names=["h"], pooling=PoolingType.MEAN),
     EmbeddingBagConfig(name="dp", num_embeddings=10, embedding_dim=4, feature_names=["d"]),
     EmbeddingBagConfig(name="tw", num_embeddings=20, embedding_dim=12, feature_names=["t"]),
+    EmbeddingBagConfig(name="ub", num_embeddings=24, embedding_dim=8, feature_names=["u"], pooling=PoolingType.MEAN),
 ]
 FEATURES = [f for t in TABLES for f in t.feature_names]
 LAYOUTS = {
@@ -51,6 +52,8 @@ LAYOUTS = {
     "hier": TableLayout("rb", (0, 10, 30), (0, 8), ((1,), (2,)), hierarchical=True),
     "dp": TableLayout.data_parallel(),
     "tw": TableLayout.table_wise(20, 12, 3),
+    # unique-based: its de-duplication state must stay with its batch while the next batch's input dist runs
+    "ub": TableLayout("ub", (0, 9, 24), (0, 4, 8), ((3, 0), (1, 3))),
 }
 
 
@@ -99,7 +102,7 @@ def _sharded(reference: nn.Module) -> tuple[DistributedModelParallel, CombinedOp
 def _batches(rank: int) -> list[Batch]:
     out = []
     for step in range(STEPS):
-        sparse = global_kjt_batch(TABLES, WORLD_SIZE, BATCH_PER_RANK, seed=SEED + 10 * step)[rank]
+        sparse = global_kjt_batch(TABLES, WORLD_SIZE, BATCH_PER_RANK, seed=SEED + 10 * step, ids="zipf")[rank]
         gen = torch.Generator().manual_seed(1000 * step + rank)
         out.append(
             Batch(
@@ -210,7 +213,7 @@ def test_pipelined_weights_equal_plain_weights(results: list[dict[str, Any]]) ->
             held[k] += n
     # not vacuous: the shards held across ranks are the plan's cells, and training changed every table
     assert held["ebc.embedding_bags.grid.weight"] == 4 and held["ebc.embedding_bags.hier.weight"] == 2
-    assert held["ebc.embedding_bags.tw.weight"] == 1
+    assert held["ebc.embedding_bags.tw.weight"] == 1 and held["ebc.embedding_bags.ub.weight"] == 4
     for t in TABLES:
         key = f"ebc.embedding_bags.{t.name}.weight"
         assert max(r["trained"][key] for r in results) > 1e-4, key

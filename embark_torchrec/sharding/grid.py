@@ -41,6 +41,8 @@ from torchrec.distributed.types import Awaitable, NoWait, QuantizedCommCodecs, S
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from .comm_stats import CountsComm, Ledger, group_ranks, table_widths
+
 
 @dataclass(frozen=True)
 class CellRoute:
@@ -57,6 +59,36 @@ class InvalidIdError(ValueError):
 
 def virtual_feature(feature: str, row_slice: int, col_slice: int) -> str:
     return f"{feature}#{row_slice}.{col_slice}"
+
+
+def id_features(lengths: torch.Tensor, stride: int) -> torch.Tensor:
+    """The feature index of each ID of a KJT (key-major, `stride` bags per key)."""
+    per_key = lengths.view(-1, stride).sum(dim=1)
+    return torch.repeat_interleave(torch.arange(per_key.numel(), device=lengths.device), per_key)
+
+
+def check_ids(
+    ids: torch.Tensor, feature: torch.Tensor, rows: torch.Tensor, features: List[str], tables: List[str], rank: int
+) -> None:
+    """Refuses IDs outside [0, rows) of their table, naming table, feature and rank."""
+    bad = (ids < 0) | (ids >= rows[feature])
+    if bool(bad.any()):
+        f = int(feature[bad][0])
+        sample = ids[bad & (feature == f)][:5].tolist()
+        raise InvalidIdError(
+            f"rank {rank}: feature {features[f]!r} of table {tables[f]!r} has IDs {sample} outside [0, {int(rows[f])})"
+        )
+
+
+def bag_weights(kjt: KeyedJaggedTensor, mean: torch.Tensor) -> torch.Tensor:
+    """Per-ID weights that make a SUM of the IDs' rows equal the bag's pooled value: the feature's
+    weights (or 1), times 1 / (bag length) for MEAN features (`mean`: one flag per key)."""
+    lengths = kjt.lengths().long()
+    weights = kjt.weights_or_none()
+    weights = weights if weights is not None else torch.ones(int(lengths.sum()), device=lengths.device)
+    bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+    scale = torch.where(mean.repeat_interleave(kjt.stride()), 1.0 / lengths.clamp(min=1), 1.0).to(weights.dtype)
+    return weights * scale[bag]
 
 
 class ColumnFold:
@@ -149,28 +181,12 @@ class GridSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         )
         self._dist = KJTAllToAll(pg=pg, splits=features_per_rank)
 
-    def _check_ids(self, ids: torch.Tensor, feature: torch.Tensor) -> None:
-        bad = (ids < 0) | (ids >= self._rows[feature])
-        if bool(bad.any()):
-            f = int(feature[bad][0])
-            sample = ids[bad & (feature == f)][:5].tolist()
-            raise InvalidIdError(
-                f"rank {self._rank}: feature {self._features[f]!r} of table {self._tables[f]!r} has IDs {sample} "
-                f"outside [0, {int(self._rows[f])})"
-            )
-
     def _cut(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         stride = kjt.stride()
         lengths = kjt.lengths().long()
         ids = kjt.values().long()
-        per_key = lengths.view(-1, stride).sum(dim=1)
-        self._check_ids(ids, torch.repeat_interleave(torch.arange(per_key.numel(), device=ids.device), per_key))
-        weights = kjt.weights_or_none()
-        if self._weighted:
-            weights = weights if weights is not None else torch.ones(ids.numel(), device=ids.device)
-            bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=ids.device), lengths)
-            scale = torch.where(self._mean.repeat_interleave(stride), 1.0 / lengths.clamp(min=1), 1.0).to(weights.dtype)
-            weights = weights * scale[bag]
+        check_ids(ids, id_features(lengths, stride), self._rows, self._features, self._tables, self._rank)
+        weights = bag_weights(kjt, self._mean) if self._weighted else None
         bucket_lengths, local, bucket_weights, _, _ = torch.ops.fbgemm.block_bucketize_sparse_features(
             lengths, ids, False, False, self._block_sizes, self._buckets, weights, None, -1, list(self._bucket_pos.unbind(0))
         )
@@ -180,7 +196,7 @@ class GridSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         return KeyedJaggedTensor(
             keys=self._virtual_names,
             values=out_values,
-            lengths=out_lengths.reshape(-1).to(kjt.lengths().dtype),
+            lengths=out_lengths.reshape(-1).to(torch.int32),
             weights=out_weights if self._weighted else None,
             stride=stride,
         )
@@ -206,7 +222,8 @@ class GridPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.
 
 class _AllToAll(torch.autograd.Function):
     """Differentiable all_to_all_single of a 1-D tensor: backward sends the gradients back. With
-    codecs, values travel in the codec's precision (forward codec out, backward codec back)."""
+    codecs, values travel in the codec's precision (forward codec out, backward codec back); with
+    a ledger, both directions are counted when they are sent."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -216,15 +233,38 @@ class _AllToAll(torch.autograd.Function):
         in_sizes: List[int],
         group: dist.ProcessGroup,
         codecs: Optional[QuantizedCommCodecs],
+        ledger: Optional[Ledger],
     ) -> torch.Tensor:
-        ctx.sizes, ctx.group, ctx.codecs = (out_sizes, in_sizes), group, codecs
-        return _exchange(x, out_sizes, in_sizes, group, codecs.forward if codecs else None)
+        ctx.sizes, ctx.group, ctx.codecs, ctx.ledger = (out_sizes, in_sizes), group, codecs, ledger
+        codec = codecs.forward if codecs else None
+        if ledger is not None:
+            ledger.record(codec, backward=False)
+        return _exchange(x, out_sizes, in_sizes, group, codec)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None]:  # type: ignore[override]
         out_sizes, in_sizes = ctx.sizes
         codec = ctx.codecs.backward if ctx.codecs else None
-        return _exchange(grad, in_sizes, out_sizes, ctx.group, codec), None, None, None, None
+        if ctx.ledger is not None:
+            ctx.ledger.record(codec, backward=True)
+        return _exchange(grad, in_sizes, out_sizes, ctx.group, codec), None, None, None, None, None
+
+
+def all_to_all(
+    x: torch.Tensor,
+    out_sizes: List[int],
+    in_sizes: List[int],
+    group: dist.ProcessGroup,
+    codecs: Optional[QuantizedCommCodecs] = None,
+    ledger: Optional[Ledger] = None,
+) -> torch.Tensor:
+    """Sends x[sum(in_sizes[:i]) : ...] to member i of `group`; differentiable (see _AllToAll).
+
+    Under autograd every member must join the backward exchange, also one whose input needs no
+    gradient (it holds no cells): such an input becomes a leaf that requires one."""
+    if torch.is_grad_enabled() and not x.requires_grad:
+        x = x.detach().requires_grad_()
+    return _AllToAll.apply(x, out_sizes, in_sizes, group, codecs, ledger)
 
 
 def _exchange(x: torch.Tensor, out_sizes: List[int], in_sizes: List[int], group: dist.ProcessGroup, codec: Any) -> torch.Tensor:
@@ -247,7 +287,7 @@ class _DivideGradient(torch.autograd.Function):
         return (grad / ctx.world_size if get_gradient_division() else grad), None
 
 
-class HierarchicalPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.Tensor, torch.Tensor]):
+class HierarchicalPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.Tensor, torch.Tensor], CountsComm):
     """Partial sums reduced inside each node first, then once across nodes (EMBark's hierarchical RB).
 
     Stage 1, intra-node all-to-all: for destination j, every rank sends its partial sums to the rank
@@ -262,10 +302,11 @@ class HierarchicalPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext
         local_world_size: int,
         dims_per_rank: List[int],
         targets_per_rank: List[torch.Tensor],
-        out_dim: int,
+        column_tables: List[str],
         codecs: Optional[QuantizedCommCodecs] = None,
     ) -> None:
         super().__init__()
+        out_dim = len(column_tables)
         self._codecs = codecs
         self._world_size = dist.get_world_size(pg)
         self._rank = dist.get_rank(pg)
@@ -285,6 +326,27 @@ class HierarchicalPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext
             node_columns.append(columns)
             self._node_folds.append(ColumnFold([torch.searchsorted(columns, t) for t in members], len(columns)))
         self._cross_fold = ColumnFold([c for c in node_columns if len(c)], out_dim)  # the nodes' sums at home
+        # for counting: the columns per table of each rank's partial sums and of each node's sums
+        self._rank_widths = [table_widths(t.tolist(), column_tables) for t in targets_per_rank]
+        self._node_table_widths = [table_widths(c.tolist(), column_tables) for c in node_columns]
+        self._intra_peers, self._cross_peers = group_ranks(self._intra), group_ranks(self._cross)
+
+    def _ledgers(self, batch_per_rank: List[int]) -> tuple[Optional[Ledger], Optional[Ledger]]:
+        """What stage 1 and stage 2 exchange, per table and peer (None when not counting)."""
+        if self.comm_stats is None:
+            return None, None
+        lws, nodes = self._lws, self._nodes
+        node, local = divmod(self._rank, lws)
+        mine = sum(batch_per_rank[n * lws + local] for n in range(nodes))
+        intra = Ledger(self.comm_stats, self.comm_cluster, self._intra_peers)
+        for m in range(lws):
+            intra.add_columns(self._rank_widths[self._rank], m, False, sum(batch_per_rank[n * lws + m] for n in range(nodes)))
+            intra.add_columns(self._rank_widths[node * lws + m], m, True, mine)
+        cross = Ledger(self.comm_stats, self.comm_cluster, self._cross_peers)
+        for n in range(nodes):
+            cross.add_columns(self._node_table_widths[node], n, False, batch_per_rank[n * lws + local])
+            cross.add_columns(self._node_table_widths[n], n, True, batch_per_rank[self._rank])
+        return intra, cross
 
     def _reduce(self, local_embs: torch.Tensor, batch_per_rank: List[int]) -> torch.Tensor:
         lws, nodes = self._lws, self._nodes
@@ -301,8 +363,9 @@ class HierarchicalPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext
         send_sizes = [sum(batch_per_rank[n * lws + lr] for n in range(nodes)) * dim for lr in range(lws)]
         mine = [batch_per_rank[n * lws + local] for n in range(nodes)]
         recv_sizes = [sum(mine) * self._dims[node * lws + m] for m in range(lws)]
-        received = _AllToAll.apply(
-            local_embs.index_select(0, order).reshape(-1), recv_sizes, send_sizes, self._intra, self._codecs
+        intra_ledger, cross_ledger = self._ledgers(batch_per_rank)
+        received = all_to_all(
+            local_embs.index_select(0, order).reshape(-1), recv_sizes, send_sizes, self._intra, self._codecs, intra_ledger
         )
         width = self._node_widths[node]
         blocks = [
@@ -314,8 +377,8 @@ class HierarchicalPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext
         # stage 2: to node n's rank with my local rank, my node's sums (its columns only) for its samples
         here = batch_per_rank[self._rank]
         widths = self._node_widths
-        gathered = _AllToAll.apply(
-            node_sum.reshape(-1), [here * w for w in widths], [b * width for b in mine], self._cross, self._codecs
+        gathered = all_to_all(
+            node_sum.reshape(-1), [here * w for w in widths], [b * width for b in mine], self._cross, self._codecs, cross_ledger
         )
         blocks = [b.view(here, w) for b, w in zip(torch.split(gathered, [here * w for w in widths]), widths) if w]
         return self._cross_fold(blocks)
@@ -442,6 +505,7 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
         for d in self._feature_dims:
             offsets.append(offsets[-1] + d)
         device = device if device is not None else self._device
+        column_tables = [self._feature_tables[f] for f, d in enumerate(self._feature_dims) for _ in range(d)]
         targets_per_rank: List[torch.Tensor] = []
         for rank_names, rank_dims in zip(self.embedding_names_per_rank(), self._emb_dim_per_rank_per_feature()):
             target: List[int] = []
@@ -457,14 +521,14 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
                 get_local_size(self._world_size),
                 self._dim_sum_per_rank(),
                 targets_per_rank,
-                offsets[-1],
+                column_tables,
                 registry.get(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name),
             )
-        all_to_all = TwPooledEmbeddingDist(
+        tw_dist = TwPooledEmbeddingDist(
             pg=self._pg,
             dim_sum_per_rank=self._dim_sum_per_rank(),
             emb_dim_per_rank_per_feature=self._emb_dim_per_rank_per_feature(),
             device=device,
             qcomm_codecs_registry=self.qcomm_codecs_registry,
         )
-        return GridPooledEmbeddingDist(all_to_all, torch.cat(targets_per_rank), offsets[-1])
+        return GridPooledEmbeddingDist(tw_dist, torch.cat(targets_per_rank), offsets[-1])

@@ -5,15 +5,21 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
-from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from torchrec.distributed.comm import get_local_size
+from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo, KJTList
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionContext, ShardedEmbeddingBagCollection
 from torchrec.distributed.fbgemm_qcomm_codec import CommOp, CommType, QCommsConfig, get_qcomm_codecs
-from torchrec.distributed.types import QuantizedCommCodecs, ShardingEnv
+from torchrec.distributed.types import Awaitable, QuantizedCommCodecs, ShardingEnv
 from torchrec.modules.embedding_configs import PoolingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..plan.layout import SHARDING_TYPE_PREFIX, WirePrecision, parse_sharding_type
+from .comm_stats import CommStats, CountsComm
 from .grid import GridPooledEmbeddingSharding
+from .torchrec_counting import count_borrowed_dists
+from .unique import UniquePooledEmbeddingSharding, UniqueShardingContext, UniqueSparseFeaturesDist
 
 _COMM_TYPES = {"fp32": CommType.FP32, "fp16": CommType.FP16, "bf16": CommType.BF16}
 
@@ -48,6 +54,7 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.comm_stats: Optional[CommStats] = None
         if self._has_mean_pooling_callback:
             divided = set(self._pooling_type_to_rs_features[PoolingType.MEAN.value])
             features = [f for sharding in self._embedding_shardings for f in sharding.feature_names()]
@@ -67,10 +74,49 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             return super().create_embedding_bag_sharding(
                 sharding_infos, env, device, permute_embeddings=permute_embeddings, qcomm_codecs_registry=qcomm_codecs_registry
             )
-        _, hierarchical, precision = parse_sharding_type(sharding_type)
-        return GridPooledEmbeddingSharding(
-            sharding_infos, env, device, qcomm_codecs_registry=wire_codecs(sharding_infos, precision), hierarchical=hierarchical
-        )
+        cluster, hierarchical, precision = parse_sharding_type(sharding_type)
+        codecs = wire_codecs(sharding_infos, precision)
+        if cluster == "ub":
+            return UniquePooledEmbeddingSharding(sharding_infos, env, device, qcomm_codecs_registry=codecs)
+        return GridPooledEmbeddingSharding(sharding_infos, env, device, qcomm_codecs_registry=codecs, hierarchical=hierarchical)
+
+    def input_dist(self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor) -> Awaitable[Awaitable[KJTList]]:
+        """torchrec's input dist; then each UB dist's de-duplication state goes into this batch's
+        context, where its output dist finds it (pipelined batches each carry their own)."""
+        awaitable = super().input_dist(ctx, features)
+        first = len(ctx.sharding_contexts) - len(self._input_dists)
+        for i, input_dist in enumerate(self._input_dists):
+            if isinstance(input_dist, UniqueSparseFeaturesDist):
+                base = ctx.sharding_contexts[first + i]
+                ctx.sharding_contexts[first + i] = UniqueShardingContext(
+                    batch_size_per_rank=base.batch_size_per_rank,
+                    batch_size_per_rank_per_feature=base.batch_size_per_rank_per_feature,
+                    batch_size_per_feature_pre_a2a=base.batch_size_per_feature_pre_a2a,
+                    variable_batch_per_feature=base.variable_batch_per_feature,
+                    unique=input_dist.take_state(),
+                )
+        return awaitable
+
+    def new_comm_stats(self) -> CommStats:
+        pg = self._env.process_group
+        world = dist.get_world_size(pg)
+        return CommStats(dist.get_rank(pg), world, get_local_size(world))
+
+    def count_comm(self, stats: CommStats) -> None:
+        """Counts this module's collectives into `stats` (see comm_stats.enable_comm_stats)."""
+        if self.comm_stats is not None:
+            if self.comm_stats is not stats:
+                raise ValueError("this module already counts into another CommStats")
+            return
+        self.comm_stats = stats
+        feature_table = {f: c.name for c in self._embedding_bag_configs for f in c.feature_names}
+        for sharding_type, sharding, input_dist, output_dist in zip(
+            self._sharding_types, self._embedding_shardings, self._input_dists, self._output_dists
+        ):
+            for m in [*input_dist.modules(), *output_dist.modules()]:
+                if isinstance(m, CountsComm):
+                    m.comm_stats, m.comm_cluster = stats, sharding_type
+            count_borrowed_dists(sharding, input_dist, output_dist, stats, sharding_type, feature_table)
 
     @staticmethod
     def _pre_load_state_dict_hook(

@@ -10,6 +10,20 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 __all__ = ["global_kjt_batch"]
 
+_ID_KINDS = ("uniform", "zipf", "distinct")
+ZIPF_ALPHA = 1.1
+
+
+def _draw(kind: str, rows: int, n: int, generator: torch.Generator, feature: str) -> torch.Tensor:
+    if kind == "uniform":
+        return torch.randint(0, rows, (n,), generator=generator)
+    if kind == "zipf":
+        p = torch.arange(1, rows + 1, dtype=torch.float64) ** -ZIPF_ALPHA
+        return torch.multinomial(p, n, replacement=True, generator=generator) if n else torch.empty(0, dtype=torch.long)
+    if n > rows:
+        raise ValueError(f"feature {feature!r}: {n} distinct IDs asked of a table of {rows} rows")
+    return torch.randperm(rows, generator=generator)[:n]
+
 
 def global_kjt_batch(
     tables: Sequence[BaseEmbeddingConfig],
@@ -19,16 +33,20 @@ def global_kjt_batch(
     max_bag_size: int = 4,
     empty_fraction: float = 0.25,
     weighted: bool = False,
+    ids: str = "uniform",
 ) -> list[KeyedJaggedTensor]:
     """The global batch as ``world_size`` KJTs of ``batch_size`` samples each (rank r feeds element r).
 
     Built from ``seed`` alone, so every rank (and the unsharded reference) gets identical tensors. Keys are the
     tables' feature names in table order; ids are valid rows of the feature's table. A fraction of bags is empty,
     and every feature has at least one empty bag per slice, since empty bags are a classic source of pooling bugs.
-    ``weighted`` adds a per-ID weight in [0.5, 1.5).
+    ``weighted`` adds a per-ID weight in [0.5, 1.5). ``ids``: "uniform" over the rows; "zipf" (Zipf(1.1) over the
+    rows: heavy repetition, for de-duplication); "distinct" (no ID twice in a feature of one slice).
     """
     if batch_size < 1 or world_size < 1:
         raise ValueError("world_size and batch_size must be >= 1")
+    if ids not in _ID_KINDS:
+        raise ValueError(f"ids must be one of {_ID_KINDS}, got {ids!r}")
     features = [(name, table.num_embeddings) for table in tables for name in table.feature_names]
     generator = torch.Generator().manual_seed(seed)
     slices: list[KeyedJaggedTensor] = []
@@ -37,10 +55,7 @@ def global_kjt_batch(
         lengths[torch.rand(lengths.shape, generator=generator) < empty_fraction] = 0
         for index in range(len(features)):
             lengths[index, index % batch_size] = 0
-        values = [
-            torch.randint(0, rows, (int(lengths[index].sum()),), generator=generator)
-            for index, (_, rows) in enumerate(features)
-        ]
+        values = [_draw(ids, rows, int(lengths[index].sum()), generator, name) for index, (name, rows) in enumerate(features)]
         flat = torch.cat(values) if values else torch.empty(0, dtype=torch.long)
         slices.append(
             KeyedJaggedTensor.from_lengths_sync(

@@ -91,10 +91,12 @@ def compare_sharded_training(
     seed: int = 0,
     lr: float = 0.1,
     silent_rank: int | None = None,
+    ids: str = "uniform",
 ) -> dict[str, float]:
     """Max |sharded - unsharded| per output feature (each step) and per table weight (after all steps).
 
-    `silent_rank` sends no IDs at all (every bag empty), as a rank with nothing for a table would.
+    `silent_rank` sends no IDs at all (every bag empty), as a rank with nothing for a table would; `ids` as in
+    global_kjt_batch.
     """
     rank, ws = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
@@ -106,7 +108,7 @@ def compare_sharded_training(
     dense_opt = _reference_optimizer(dense, optimizer, lr) if dense else None
     diffs: dict[str, float] = {}
     for step in range(steps):
-        batch = global_kjt_batch(tables, ws, batch_per_rank, seed=seed + 100 * step, weighted=weighted)
+        batch = global_kjt_batch(tables, ws, batch_per_rank, seed=seed + 100 * step, weighted=weighted, ids=ids)
         if silent_rank is not None:
             batch[silent_rank] = KeyedJaggedTensor.from_lengths_sync(
                 keys=batch[silent_rank].keys(),

@@ -1,0 +1,188 @@
+"""Communication accounting: the bytes every embedding collective moves, per rank.
+
+`enable_comm_stats(model)` turns counting on for every EmbarkShardedEmbeddingBagCollection in a
+model and returns this rank's `CommStats`. Our own collectives (hierarchical reduction, unique-based
+dists) record each call's bytes per peer, cluster, table and kind; the TorchRec all-to-alls our
+grid borrows, and TorchRec's own shardings run by our sharder (table-wise, column-wise, row-wise,
+table-row-wise), are counted by hooks (torchrec_counting.py). Off by default: a dist that is not
+counting pays one `is None` check.
+
+Kinds: "ids", "lengths" (int32 bag lengths; for UB the per-group counts), "weights", "metadata"
+(TorchRec's split sizes), "embeddings" (forward) and "gradients" (backward). A message to oneself
+is not on the wire and is not counted. The gradients of TorchRec's pooled all-to-alls mirror their
+forward messages and are recorded at forward time; ours are recorded when backward sends them.
+Data-parallel tables are all-reduced by DDP with the dense part and are not counted here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+KINDS = ("metadata", "lengths", "ids", "weights", "embeddings", "gradients")
+_DIRECTIONS = ("sent", "received")
+
+
+@dataclass(frozen=True)
+class CommKey:
+    cluster: str
+    table: str
+    kind: str
+
+
+class CommStats:
+    """This rank's bytes, kept per (cluster, table, kind) as per-peer sent/received arrays."""
+
+    def __init__(self, rank: int, world_size: int, local_world_size: int) -> None:
+        self.rank, self.world_size, self.local_world_size = rank, world_size, local_world_size
+        self._bytes: Dict[CommKey, np.ndarray] = {}  # [2, world_size]: sent to / received from each peer
+        node = np.arange(world_size) // local_world_size
+        self._inter = node != rank // local_world_size
+        self._self = np.arange(world_size) == rank
+
+    def record(self, cluster: str, table: str, kind: str, sent: Sequence[float], received: Sequence[float]) -> None:
+        """Bytes sent to and received from each global rank (index = rank) in one collective."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown communication kind {kind!r}; known: {KINDS}")
+        key = CommKey(cluster, table, kind)
+        entry = self._bytes.get(key)
+        if entry is None:
+            entry = self._bytes[key] = np.zeros((2, self.world_size))
+        entry[0] += np.asarray(sent, dtype=np.float64)
+        entry[1] += np.asarray(received, dtype=np.float64)
+        entry[:, self._self] = 0.0
+
+    def reset(self) -> None:
+        self._bytes.clear()
+
+    def keys(self) -> List[CommKey]:
+        return sorted(self._bytes, key=lambda k: (k.cluster, k.table, KINDS.index(k.kind)))
+
+    def per_peer(self, key: CommKey) -> np.ndarray:
+        """[2, world_size] bytes sent to / received from each rank for one (cluster, table, kind)."""
+        return self._bytes.get(key, np.zeros((2, self.world_size))).copy()
+
+    def totals(self, keys: Optional[Iterable[CommKey]] = None) -> Dict[str, int]:
+        """Bytes sent and received, in all and split intra / inter node (over `keys`, default all)."""
+        arr = np.zeros((2, self.world_size))
+        for key in self._bytes if keys is None else keys:
+            if key in self._bytes:
+                arr += self._bytes[key]
+        out: Dict[str, int] = {}
+        for i, direction in enumerate(_DIRECTIONS):
+            out[direction] = int(arr[i].sum())
+            out[f"{direction}_intra"] = int(arr[i][~self._inter].sum())
+            out[f"{direction}_inter"] = int(arr[i][self._inter].sum())
+        return out
+
+    def by(self, field: str) -> Dict[str, Dict[str, int]]:
+        """totals() grouped by "cluster", "table" or "kind"."""
+        groups: Dict[str, List[CommKey]] = {}
+        for key in self.keys():
+            groups.setdefault(getattr(key, field), []).append(key)
+        return {name: self.totals(keys) for name, keys in groups.items()}
+
+    def render(self) -> str:
+        """A table of this rank's bytes per cluster, table and kind."""
+        head = f"{'cluster':<26} {'table':<14} {'kind':<10} {'sent':>13} {'received':>13} {'inter sent':>13} {'inter recv':>13}"
+        lines = [f"communication bytes of rank {self.rank}", head, "-" * len(head)]
+        rows = [(f"{k.cluster:<26} {k.table:<14} {k.kind:<10}", self.totals([k])) for k in self.keys()]
+        rows.append((f"{'total':<52}", self.totals()))
+        for label, t in rows:
+            lines.append(
+                f"{label} {t['sent']:>13,} {t['received']:>13,} {t['sent_inter']:>13,} {t['received_inter']:>13,}"
+            )
+        return "\n".join(lines)
+
+
+class CountsComm:
+    """Mixin of our dists that record their own collectives: `comm_stats` is set by
+    enable_comm_stats (None: off); `comm_cluster` names the sharding type."""
+
+    comm_stats: Optional[CommStats] = None
+    comm_cluster: str = ""
+
+
+def per_peer_bytes(world_size: int, peers: Sequence[int], nbytes: Sequence[float]) -> np.ndarray:
+    """Scatter bytes exchanged with `peers` (global ranks, in a subgroup's order) into a world array."""
+    out = np.zeros(world_size)
+    np.add.at(out, np.asarray(peers, dtype=np.int64), np.asarray(nbytes, dtype=np.float64))
+    return out
+
+
+def group_ranks(pg: Any) -> List[int]:
+    """The global rank of each member of a process group, in group order."""
+    import torch.distributed as dist
+
+    return [dist.get_global_rank(pg, i) for i in range(dist.get_world_size(pg))]
+
+
+def enable_comm_stats(model: torch.nn.Module) -> CommStats:
+    """Count every embedding collective of the sharded EBCs in `model` from now on; returns this
+    rank's counters (one object shared by all of the model's sharded EBCs; calling it again
+    returns the same object)."""
+    from .sharded_ebc import EmbarkShardedEmbeddingBagCollection
+
+    modules = [m for m in model.modules() if isinstance(m, EmbarkShardedEmbeddingBagCollection)]
+    if not modules:
+        raise ValueError("the model has no EmbarkShardedEmbeddingBagCollection: shard it with EmbarkEmbeddingBagCollectionSharder")
+    stats = next((m.comm_stats for m in modules if m.comm_stats is not None), None) or modules[0].new_comm_stats()
+    for module in modules:
+        module.count_comm(stats)
+    return stats
+
+
+def wire_bytes(codec: Any, elems: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Bytes on the wire for `elems` fp32 elements in `rows` row vectors, after an optional codec
+    (codecs with a per-row scale say so with `wire_bytes`)."""
+    if codec is None:
+        return elems * 4.0
+    if hasattr(codec, "wire_bytes"):
+        return codec.wire_bytes(elems, rows)
+    return elems * float(torch.empty(0, dtype=codec.quantized_dtype).element_size())
+
+
+class Ledger:
+    """Per table, the elements and rows one embedding all-to-all exchanges with each member of its
+    group; recorded as "embeddings" when forward sends them and as "gradients" (the same messages
+    reversed) when backward does."""
+
+    def __init__(self, stats: CommStats, cluster: str, peers: Sequence[int]) -> None:
+        self._stats, self._cluster, self._peers = stats, cluster, list(peers)
+        self._blocks: Dict[str, np.ndarray] = {}  # [4, members]: sent elems, sent rows, received elems, received rows
+
+    def add(self, table: str, member: int, received: bool, elems: float, rows: float) -> None:
+        block = self._blocks.get(table)
+        if block is None:
+            block = self._blocks[table] = np.zeros((4, len(self._peers)))
+        block[2 * received, member] += elems
+        block[2 * received + 1, member] += rows
+
+    def add_columns(self, widths: Dict[str, int], member: int, received: bool, rows: float) -> None:
+        for table, width in widths.items():
+            self.add(table, member, received, rows * width, rows)
+
+    def record(self, codec: Any, backward: bool) -> None:
+        world = self._stats.world_size
+        for table, b in self._blocks.items():
+            sent, received = wire_bytes(codec, b[0], b[1]), wire_bytes(codec, b[2], b[3])
+            if backward:
+                sent, received = received, sent
+            self._stats.record(
+                self._cluster,
+                table,
+                "gradients" if backward else "embeddings",
+                per_peer_bytes(world, self._peers, sent),
+                per_peer_bytes(world, self._peers, received),
+            )
+
+
+def table_widths(columns: Sequence[int], column_table: Sequence[str]) -> Dict[str, int]:
+    """How many of `columns` (output column indices) belong to each table."""
+    out: Dict[str, int] = {}
+    for c in columns:
+        out[column_table[c]] = out.get(column_table[c], 0) + 1
+    return out

@@ -1,0 +1,187 @@
+"""Byte counting for the all-to-alls our dists borrow from TorchRec and for TorchRec's own shardings.
+
+Hooks on TorchRec's collective modules (KJTAllToAll, PooledEmbeddingsAllToAll,
+PooledEmbeddingsReduceScatter) read the tensors each call sends and receives. KJTs are counted per
+key, so bytes go to the table of each key; pooled all-to-alls per column, from the sharding's
+per-rank embedding dims; reduce-scatters (torchrec's row-wise and table-row-wise) count their
+logical messages (each rank's chunk for each peer, and the all-gather of gradients back) and are
+attributed to the sharding's tables together ("*").
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+from torchrec.distributed.dist_data import KJTAllToAll, PooledEmbeddingsAllToAll, PooledEmbeddingsReduceScatter
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from .comm_stats import CommStats, group_ranks, wire_bytes
+
+ALL_TABLES = "*"
+
+
+def base_feature(key: str) -> str:
+    """The feature a KJT key stands for (our grid cells are virtual features "feature#r.c")."""
+    return key.split("#", 1)[0]
+
+
+class KJTCounter:
+    """Counts one KJTAllToAll per call: lengths, IDs and weights per key and peer, plus the split
+    sizes TorchRec exchanges first."""
+
+    def __init__(self, a2a: KJTAllToAll, stats: CommStats, cluster: str, feature_table: Dict[str, str]) -> None:
+        self._stats, self._cluster, self._feature_table = stats, cluster, feature_table
+        self._peers = group_ranks(a2a._pg)
+        self._splits: List[int] = list(a2a._splits)
+        self._rank_in_group = self._peers.index(stats.rank)
+
+    def __call__(self, module: KJTAllToAll, args: Any, awaitable: Any) -> Any:
+        sent = args[0]
+        awaitable.callbacks.append(lambda tensors: self._on_tensors(sent, tensors))
+        return awaitable
+
+    def _on_tensors(self, sent: KeyedJaggedTensor, tensors: Any) -> Any:
+        tensors.callbacks.append(lambda received: self._record(sent, received))
+        return tensors
+
+    def _record(self, sent: KeyedJaggedTensor, received: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        world = self._stats.world_size
+        n = len(self._peers)
+        peer_of_sent_key = np.repeat(np.arange(n), self._splits)
+        strides_in = [sent.stride()] * len(sent.keys())
+        strides_out = received.stride_per_key_per_rank()  # [key][sender]
+        per_table: Dict[tuple, np.ndarray] = {}
+
+        def add(table: str, kind: str, direction: int, peer: int, nbytes: float) -> None:
+            arr = per_table.setdefault((table, kind), np.zeros((2, world)))
+            arr[direction, self._peers[peer]] += nbytes
+
+        weights_in, weights_out = sent.weights_or_none(), received.weights_or_none()
+        lengths = sent.lengths().view(len(sent.keys()), -1).sum(dim=1).tolist() if sent.keys() else []
+        for key, peer, stride, ids in zip(sent.keys(), peer_of_sent_key, strides_in, lengths):
+            table = self._feature_table[base_feature(key)]
+            add(table, "lengths", 0, peer, stride * sent.lengths().element_size())
+            add(table, "ids", 0, peer, ids * sent.values().element_size())
+            if weights_in is not None:
+                add(table, "weights", 0, peer, ids * weights_in.element_size())
+        segments = [s for per_key in strides_out for s in per_key]
+        ids_out = torch.split(received.lengths(), segments) if segments else []
+        i = 0
+        for key, per_key in zip(received.keys(), strides_out):
+            table = self._feature_table[base_feature(key)]
+            for peer, stride in enumerate(per_key):
+                ids = int(ids_out[i].sum())
+                i += 1
+                add(table, "lengths", 1, peer, stride * received.lengths().element_size())
+                add(table, "ids", 1, peer, ids * received.values().element_size())
+                if weights_out is not None:
+                    add(table, "weights", 1, peer, ids * weights_out.element_size())
+        for (table, kind), arr in per_table.items():
+            self._stats.record(self._cluster, table, kind, arr[0], arr[1])
+        labels = 3 + (weights_in is not None)  # lengths, values, [weights,] and the batch size
+        meta = np.zeros(world)
+        meta[self._peers] = labels * 8.0
+        self._stats.record(self._cluster, ALL_TABLES, "metadata", meta, meta)
+        return received
+
+
+class PooledAllToAllCounter:
+    """Counts one PooledEmbeddingsAllToAll: each rank's columns for each peer's samples; the
+    gradients mirror them (recorded at forward time, see comm_stats)."""
+
+    def __init__(
+        self, a2a: PooledEmbeddingsAllToAll, stats: CommStats, cluster: str, table_widths_per_rank: List[Dict[str, int]]
+    ) -> None:
+        self._stats, self._cluster, self._widths = stats, cluster, table_widths_per_rank
+        self._peers = group_ranks(a2a._pg)
+        self._me = self._peers.index(stats.rank)
+        codecs = a2a._codecs
+        self._codecs = (codecs.forward, codecs.backward) if codecs is not None else (None, None)
+
+    def __call__(self, module: PooledEmbeddingsAllToAll, args: Any, kwargs: Any) -> None:
+        local_embs = args[0]
+        batch = kwargs.get("batch_size_per_rank") or (args[1] if len(args) > 1 else None)
+        n = len(self._peers)
+        batch = list(batch) if batch else [local_embs.size(0) // n] * n
+        world = self._stats.world_size
+        tables = {t for widths in self._widths for t in widths}
+        for table in tables:
+            mine = self._widths[self._me].get(table, 0)
+            out = np.zeros(world)
+            into = np.zeros(world)
+            for i, peer in enumerate(self._peers):
+                out[peer] = batch[i] * mine
+                into[peer] = batch[self._me] * self._widths[i].get(table, 0)
+            rows_out = np.zeros(world)
+            rows_into = np.zeros(world)
+            for i, peer in enumerate(self._peers):
+                rows_out[peer] = batch[i] if mine else 0
+                rows_into[peer] = batch[self._me] if self._widths[i].get(table, 0) else 0
+            for kind, codec, (s, sr, r, rr) in (
+                ("embeddings", self._codecs[0], (out, rows_out, into, rows_into)),
+                ("gradients", self._codecs[1], (into, rows_into, out, rows_out)),
+            ):
+                self._stats.record(self._cluster, table, kind, wire_bytes(codec, s, sr), wire_bytes(codec, r, rr))
+
+
+class ReduceScatterCounter:
+    """Counts one PooledEmbeddingsReduceScatter: rank i's chunk (its samples, every column) goes to
+    i from every member; backward all-gathers each member's gradient chunk to every member."""
+
+    def __init__(self, rs: PooledEmbeddingsReduceScatter, stats: CommStats, cluster: str) -> None:
+        self._stats, self._cluster = stats, cluster
+        self._peers = group_ranks(rs._pg)
+        self._me = self._peers.index(stats.rank)
+        codecs = rs._codecs
+        self._codecs = (codecs.forward, codecs.backward) if codecs is not None else (None, None)
+
+    def __call__(self, module: PooledEmbeddingsReduceScatter, args: Any, kwargs: Any) -> None:
+        local_embs = args[0]
+        splits: Optional[List[int]] = kwargs.get("input_splits") or (args[1] if len(args) > 1 else None)
+        n = len(self._peers)
+        rows = list(splits) if splits else [local_embs.size(0) // n] * n
+        dim = local_embs.size(1)
+        world = self._stats.world_size
+        out, into = np.zeros(world), np.zeros(world)
+        for i, peer in enumerate(self._peers):
+            out[peer] = rows[i]
+            into[peer] = rows[self._me]
+        for kind, codec, (s, r) in (("embeddings", self._codecs[0], (out, into)), ("gradients", self._codecs[1], (into, out))):
+            self._stats.record(self._cluster, ALL_TABLES, kind, wire_bytes(codec, s * dim, s), wire_bytes(codec, r * dim, r))
+
+
+def table_widths_per_rank(sharding: Any, feature_table: Dict[str, str]) -> List[Dict[str, int]]:
+    """For a table-wise-like sharding: on each rank, the output columns it holds per table."""
+    out: List[Dict[str, int]] = []
+    for names, dims in zip(sharding.embedding_names_per_rank(), sharding._emb_dim_per_rank_per_feature()):
+        widths: Dict[str, int] = {}
+        for name, width in zip(names, dims):
+            table = feature_table[base_feature(name)]
+            widths[table] = widths.get(table, 0) + int(width)
+        out.append(widths)
+    return out
+
+
+def count_borrowed_dists(
+    sharding: Any, input_dist: torch.nn.Module, output_dist: torch.nn.Module, stats: CommStats, cluster: str, feature_table: Dict[str, str]
+) -> List[Any]:
+    """Hooks the TorchRec collectives inside one sharding's dists; returns the hook handles."""
+    handles = []
+    for m in input_dist.modules():
+        if isinstance(m, KJTAllToAll):
+            handles.append(m.register_forward_hook(KJTCounter(m, stats, cluster, feature_table)))
+    for m in output_dist.modules():
+        if isinstance(m, PooledEmbeddingsAllToAll):
+            widths = (
+                table_widths_per_rank(sharding, feature_table)
+                if hasattr(sharding, "_emb_dim_per_rank_per_feature") and len(group_ranks(m._pg)) == stats.world_size
+                else None
+            )
+            if widths is None:  # table-row-wise's cross-node hop: every column of the sharding
+                widths = [{ALL_TABLES: int(d)} for d in m._dim_sum_per_rank]
+            handles.append(m.register_forward_pre_hook(PooledAllToAllCounter(m, stats, cluster, widths), with_kwargs=True))
+        elif isinstance(m, PooledEmbeddingsReduceScatter):
+            handles.append(m.register_forward_pre_hook(ReduceScatterCounter(m, stats, cluster), with_kwargs=True))
+    return handles
