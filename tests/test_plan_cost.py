@@ -10,63 +10,19 @@ import pytest
 from embark_torchrec.plan.cost import (
     BACKWARD_COMPUTE_MULTIPLIER,
     CostModel,
-    ID_BYTES,
-    LENGTH_BYTES,
     OptimizerMemory,
     vector_bytes,
 )
 from embark_torchrec.plan.layout import Plan, TableLayout, WirePrecision
 from embark_torchrec.plan.spec import ModelSpec, TableSpec
 from embark_torchrec.plan.topology import PRESETS, Topology
+from embark_torchrec.plan.traffic import Message, table_messages
 
 
-def _messages(cost: CostModel, name: str, layout: TableLayout) -> list[tuple[int, int, float]]:
-    """Every (src, dst, bytes) message of one step, enumerated one by one (the reference)."""
-    t = cost.table(name)
-    topo = cost.topology
-    w, lws = topo.world_size, topo.local_world_size
-    b = cost.local_batch
-    feats = len(t.feature_names)
-    msgs: list[tuple[int, int, float]] = []
-    mass = cost.row_mass(name, layout.row_bounds)
-    ub = layout.cluster == "ub"
-    distinct = cost.row_distinct(name, layout.row_bounds) if ub else None
-    for r in range(layout.num_row_slices):
-        for k in sorted(set(layout.ranks[r])):
-            for j in range(w):
-                ids = distinct[r] if ub else b * t.pooling * mass[r]
-                msgs.append((j, k, feats * (ids * ID_BYTES + (0 if ub else b * LENGTH_BYTES))))
-        if ub:
-            for c, k in enumerate(layout.ranks[r]):
-                width = layout.col_bounds[c + 1] - layout.col_bounds[c]
-                for j in range(w):
-                    msgs.append((k, j, feats * distinct[r] * vector_bytes(width, layout.precision.forward)))
-                    msgs.append((j, k, feats * distinct[r] * vector_bytes(width, layout.precision.backward)))
-    if not ub:
-        for c in range(layout.num_col_slices):
-            width = layout.col_bounds[c + 1] - layout.col_bounds[c]
-            holders = sorted({layout.ranks[r][c] for r in range(layout.num_row_slices)})
-            for prec, backward in ((layout.precision.forward, False), (layout.precision.backward, True)):
-                x = feats * b * vector_bytes(width, prec)
-                for j in range(w):
-                    for n in range(topo.num_nodes):
-                        ks = [k for k in holders if topo.node_of(k) == n]
-                        if not ks:
-                            continue
-                        if not layout.hierarchical or len(ks) == 1 or n == topo.node_of(j):
-                            hops = [(k, j) for k in ks]
-                        else:
-                            agg = n * lws + j % lws
-                            hops = [(k, agg) for k in ks] + [(agg, j)]
-                        for src, dst in hops:
-                            msgs.append((dst, src, x) if backward else (src, dst, x))
-    return [(s, d, x) for s, d, x in msgs if s != d]
-
-
-def _counted(cost: CostModel, msgs: list[tuple[int, int, float]]) -> dict[str, np.ndarray]:
+def _counted(cost: CostModel, msgs: list[Message]) -> dict[str, np.ndarray]:
     w = cost.topology.world_size
     out = {k: np.zeros(w) for k in ("send_intra", "recv_intra", "send_inter", "recv_inter")}
-    for s, d, x in msgs:
+    for s, d, _, x in ((m.src, m.dst, m.kind, m.nbytes) for m in msgs):
         kind = "intra" if cost.topology.node_of(s) == cost.topology.node_of(d) else "inter"
         out[f"send_{kind}"][s] += x
         out[f"recv_{kind}"][d] += x
@@ -86,6 +42,9 @@ LAYOUTS = {
     "grid_hier": TableLayout("rb", (0, 300, 1000), (0, 4, 16), ((0, 2), (3, 7)), hierarchical=True),
     "grid_same_rank": TableLayout("rb", (0, 300, 1000), (0, 4, 16), ((2, 2), (2, 5))),
     "ub_grid": TableLayout("ub", (0, 300, 1000), (0, 8, 16), ((0, 4), (4, 7))),
+    "ub_same_rank": TableLayout("ub", (0, 300, 1000), (0, 8, 16), ((3, 3), (3, 6))),
+    "grid_hier_same_rank": TableLayout("rb", (0, 200, 700, 1000), (0, 8, 16), ((1, 1), (1, 2), (5, 1)), hierarchical=True),
+    "table_wise_hier": TableLayout("rb", (0, 1000), (0, 16), ((3,),), hierarchical=True),
     "fp16_fp8": TableLayout("rb", (0, 500, 1000), (0, 16), ((0,), (6,)), WirePrecision("fp16", "fp8"), True),
 }
 
@@ -97,7 +56,7 @@ def test_closed_forms_equal_message_counting(name: str, lws: int) -> None:
     spec = _model(feature_names=("f1", "f2"), id_distribution=None)
     cost = CostModel(spec, Topology(8, lws))
     load = cost.table_load("t", LAYOUTS[name])
-    expected = _counted(cost, _messages(cost, "t", LAYOUTS[name]))
+    expected = _counted(cost, table_messages(cost, "t", LAYOUTS[name]))
     for key, arr in expected.items():
         np.testing.assert_allclose(getattr(load, key), arr, rtol=1e-12, atol=1e-9, err_msg=key)
 

@@ -5,16 +5,17 @@ each with `pooling` p IDs per sample; its row slice r holds the fraction m_r of 
 receives m_r of the lookups and U_r = m_r x u x b x p distinct IDs from each rank per feature, u
 being the table's unique ratio (ModelSpec.expected_unique_ratio). e_fwd / e_bwd: wire bytes per embedding element.
 
-Per table and cluster (bytes are counted at the sender and at the receiver):
-- RB input dist: every rank sends each distinct owner of row slice r F x (b p m_r x 8 + b x 4)
-  bytes (int64 IDs, int32 lengths).
-- RB output: per column slice c, every rank holding cells of c (its row slices pre-summed locally)
-  sends each other rank F x b x w_c x e_fwd bytes of partial sums. Hierarchical: a node holding
-  cells of c on several ranks first sums them on the rank whose local rank matches the
-  destination's (intra-node), which then sends once across nodes. Backward: the same bytes in
-  the opposite direction at e_bwd.
-- UB: IDs are de-duplicated per destination: F x U_r x 8 bytes in, F x U_r x w_c x e_fwd bytes
-  back (one vector per distinct ID), and the same back in backward at e_bwd.
+Per table and cluster (bytes are counted at the sender and at the receiver; traffic.py lists the
+same traffic message by message, and the runtime's dists send exactly that):
+- RB input dist: every rank sends each cell's holder F x (b p m_r x 8 + b x 4) bytes (int64 IDs,
+  int32 lengths), once per cell.
+- RB output: every cell sends each other rank F x b x w_c x e_fwd bytes of partial sums.
+  Hierarchical: a cell first sends its sums for destination j to the rank of its node whose local
+  rank is j's (intra-node), which sums the node's cells and sends each column slice once across
+  nodes. Backward: the same bytes in the opposite direction at e_bwd.
+- UB: IDs are de-duplicated per destination: F x (U_r x 8 + 4) bytes in to each distinct holder
+  of row slice r (IDs and one int32 count per feature), F x U_r x w_c x e_fwd bytes back from each
+  cell (one vector per distinct ID), and the same back in backward at e_bwd.
 - DP: no forward traffic; the gradient (rows x dim x e_bwd bytes) is all-reduced hierarchically:
   2 (L-1)/L of it over NVLink and 2 (N-1)/N / L of it across nodes, per rank.
 - Lookup work (bytes through HBM): RB cell: B F p m_r x w_c x 4 bytes forward; UB cell:
@@ -206,34 +207,25 @@ class CostModel:
             recv_i += node_sum - vec
             recv_x += vec.sum() - node_sum
 
-    def _hierarchical_to_all(
-        self, load: RankLoad, holders: list[int], nbytes: float, reverse: bool, direct: np.ndarray
-    ) -> None:
-        """Ranks `holders` (one column slice) reduce their partial sums to every rank, node first.
-
-        A holder alone on its node sends directly: that goes into `direct` (see _spread)."""
-        lws = self.topology.local_world_size
+    def _hierarchical_to_all(self, load: RankLoad, column_holders: list[int], nbytes: float, reverse: bool) -> None:
+        """Partial sums of one column slice, held by `column_holders` (one entry per cell), reduced
+        to every rank node first: each cell sends its sums for destination j to the rank of its
+        node with j's local rank (stage 1, intra-node); each node holding the column sends its sums
+        once to every rank on another node (stage 2). `reverse`: the gradients, the other way."""
+        lws, nodes = self.topology.local_world_size, self.topology.num_nodes
         send_i, recv_i, send_x, recv_x = (
             (load.recv_intra, load.send_intra, load.recv_inter, load.send_inter)
             if reverse
             else (load.send_intra, load.recv_intra, load.send_inter, load.recv_inter)
         )
-        nodes = self.topology.num_nodes
-        by_node: dict[int, list[int]] = {}
-        for k in holders:
-            by_node.setdefault(int(self._node[k]), []).append(k)
-        for n, ks in by_node.items():
-            if len(ks) == 1:
-                direct[ks[0]] += nbytes
-                continue
-            # Each holder sends to the L-1 others of its node for local destinations, and to the L-1
-            # aggregators for the N-1 remote destinations each; each aggregator sends once across.
+        for k in column_holders:
+            n = int(self._node[k])
             here = slice(n * lws, (n + 1) * lws)
-            held = np.zeros(lws)
-            held[np.asarray(ks) - n * lws] = 1.0
-            send_i[ks] += (lws - 1) * nodes * nbytes
-            recv_i[here] += nodes * (len(ks) - held) * nbytes
-            send_x[here] += (nodes - 1) * nbytes
+            send_i[k] += (lws - 1) * nodes * nbytes
+            recv_i[here] += nodes * nbytes
+            recv_i[k] -= nodes * nbytes
+        for n in sorted({int(self._node[k]) for k in column_holders}):
+            send_x[n * lws : (n + 1) * lws] += (nodes - 1) * nbytes
             recv_x[: n * lws] += nbytes
             recv_x[(n + 1) * lws :] += nbytes
 
@@ -288,9 +280,9 @@ class CostModel:
         for r in range(layout.num_row_slices):
             n_rows = rows[r + 1] - rows[r]
             ids = distinct[r] if ub else b * t.pooling * mass[r]
-            per_sender = feats * (ids * ID_BYTES + (0 if ub else b * LENGTH_BYTES))
-            for k in set(layout.ranks[r]):
-                from_all[k] += per_sender
+            # UB: IDs and one count per feature to each distinct holder; RB: IDs and lengths per cell
+            for k in set(layout.ranks[r]) if ub else layout.ranks[r]:
+                from_all[k] += feats * (ids * ID_BYTES + (LENGTH_BYTES if ub else b * LENGTH_BYTES))
             for c, k in enumerate(layout.ranks[r]):
                 width = int(widths[c])
                 load.memory[k] += n_rows * self.row_memory(name, width)
@@ -302,14 +294,14 @@ class CostModel:
                     load.lookup_bytes[k] += self.spec.batch_size * feats * t.pooling * mass[r] * width * lookup_factor
         if not ub:
             for c in range(layout.num_col_slices):
-                holders = sorted({layout.ranks[r][c] for r in range(layout.num_row_slices)})
+                holders = [layout.ranks[r][c] for r in range(layout.num_row_slices)]
                 width = int(widths[c])
                 for prec, direct, reverse in ((fwd, to_all, False), (bwd, from_all, True)):
                     nbytes = feats * b * vector_bytes(width, prec)
                     if layout.hierarchical:
-                        self._hierarchical_to_all(load, holders, nbytes, reverse, direct)
+                        self._hierarchical_to_all(load, holders, nbytes, reverse)
                     else:
-                        direct[holders] += nbytes
+                        np.add.at(direct, holders, nbytes)
         self._spread(load, to_all, from_all)
         return load
 

@@ -1,0 +1,94 @@
+"""The cost model's communication, message by message: what the runtime's dists send for one table.
+
+CostModel prices a layout with closed forms over expected counts; this module lists the same
+traffic as (sender, receiver, kind, bytes) messages, from expected counts or from a real batch's
+counts (IDs per row slice for RB, distinct IDs per row slice for UB, per sender and feature). The
+closed forms equal these messages summed (tests), and the runtime's counted bytes equal them for a
+real batch (tests), which ties the planner's numbers to what runs.
+
+What each cluster sends (F features, b samples per rank, cell (r, c) of width w_c on rank k):
+- RB input: every rank s sends each cell's holder k its IDs of row slice r (int64) and F x b bag
+  lengths (int32), once per cell.
+- RB output, flat: each cell's partial sums, F x b x w_c per destination; gradients back.
+  Hierarchical: stage 1 sends a cell's partial sums for destination j to the rank of k's node with
+  j's local rank (intra-node, unless that is k); stage 2 sends each node's sums of column slice c
+  once to every destination on another node (from the rank with the destination's local rank).
+- UB: every rank s sends each distinct holder of row slice r one int32 count per feature and its
+  distinct IDs of r (int64); each cell sends s one vector of w_c per distinct ID of s; gradients
+  back the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cost import ID_BYTES, LENGTH_BYTES, CostModel, vector_bytes
+from .layout import TableLayout
+
+
+@dataclass(frozen=True)
+class Message:
+    src: int
+    dst: int
+    kind: str  # "ids", "lengths", "embeddings" or "gradients", as comm_stats counts them
+    nbytes: float
+
+
+def expected_ids(cost: CostModel, name: str, layout: TableLayout) -> np.ndarray:
+    """[W, F, R] the IDs (RB) or distinct IDs (UB) each rank sends per feature and row slice, as
+    the cost model expects them."""
+    t = cost.table(name)
+    if layout.cluster == "ub":
+        per_slice = cost.row_distinct(name, layout.row_bounds)
+    else:
+        per_slice = cost.local_batch * t.pooling * cost.row_mass(name, layout.row_bounds)
+    return np.broadcast_to(per_slice, (cost.topology.world_size, len(t.feature_names), layout.num_row_slices)).copy()
+
+
+def table_messages(cost: CostModel, name: str, layout: TableLayout, ids: np.ndarray | None = None) -> list[Message]:
+    """Every message one step of this table sends (none to oneself); `ids` as expected_ids."""
+    if layout.cluster == "dp":
+        return []
+    ids = expected_ids(cost, name, layout) if ids is None else np.asarray(ids, dtype=np.float64)
+    t = cost.table(name)
+    topo = cost.topology
+    w, lws = topo.world_size, topo.local_world_size
+    b, feats = cost.local_batch, len(t.feature_names)
+    widths = np.diff(layout.col_bounds)
+    fwd, bwd = layout.precision.forward, layout.precision.backward
+    msgs: list[Message] = []
+    cells = [(r, c, layout.ranks[r][c]) for r in range(layout.num_row_slices) for c in range(layout.num_col_slices)]
+    if layout.cluster == "ub":
+        for r in range(layout.num_row_slices):
+            for k in sorted(set(layout.ranks[r])):
+                for s in range(w):
+                    msgs.append(Message(s, k, "lengths", feats * LENGTH_BYTES))
+                    msgs.append(Message(s, k, "ids", ids[s, :, r].sum() * ID_BYTES))
+        for r, c, k in cells:
+            for s in range(w):
+                distinct = ids[s, :, r].sum()
+                msgs.append(Message(k, s, "embeddings", distinct * vector_bytes(int(widths[c]), fwd)))
+                msgs.append(Message(s, k, "gradients", distinct * vector_bytes(int(widths[c]), bwd)))
+        return [m for m in msgs if m.src != m.dst]
+    for r, c, k in cells:
+        for s in range(w):
+            msgs.append(Message(s, k, "lengths", feats * b * LENGTH_BYTES))
+            msgs.append(Message(s, k, "ids", ids[s, :, r].sum() * ID_BYTES))
+    for prec, kind in ((fwd, "embeddings"), (bwd, "gradients")):
+        hops: list[tuple[int, int, float]] = []
+        for r, c, k in cells:
+            x = feats * b * vector_bytes(int(widths[c]), prec)
+            for j in range(w):
+                hops.append((k, topo.node_of(k) * lws + j % lws if layout.hierarchical else j, x))
+        if layout.hierarchical:
+            for c in range(layout.num_col_slices):
+                x = feats * b * vector_bytes(int(widths[c]), prec)
+                for n in sorted({topo.node_of(layout.ranks[r][c]) for r in range(layout.num_row_slices)}):
+                    for j in range(w):
+                        if topo.node_of(j) != n:
+                            hops.append((n * lws + j % lws, j, x))
+        for src, dst, x in hops:
+            msgs.append(Message(src, dst, kind, x) if kind == "embeddings" else Message(dst, src, kind, x))
+    return [m for m in msgs if m.src != m.dst]
