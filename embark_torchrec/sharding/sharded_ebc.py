@@ -109,14 +109,22 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 raise ValueError("this module already counts into another CommStats")
             return
         self.comm_stats = stats
+        self._count_dists(self._output_dists)
+        self._count_dists(self._input_dists)  # empty until the first batch: see _create_input_dist
+
+    def _create_input_dist(self, input_feature_names: List[str]) -> None:
+        super()._create_input_dist(input_feature_names)
+        if self.comm_stats is not None:
+            self._count_dists(self._input_dists)
+
+    def _count_dists(self, dists: Any) -> None:
+        assert self.comm_stats is not None
         feature_table = {f: c.name for c in self._embedding_bag_configs for f in c.feature_names}
-        for sharding_type, sharding, input_dist, output_dist in zip(
-            self._sharding_types, self._embedding_shardings, self._input_dists, self._output_dists
-        ):
-            for m in [*input_dist.modules(), *output_dist.modules()]:
+        for sharding_type, sharding, dist_module in zip(self._sharding_types, self._embedding_shardings, dists):
+            for m in dist_module.modules():
                 if isinstance(m, CountsComm):
-                    m.comm_stats, m.comm_cluster = stats, sharding_type
-            count_borrowed_dists(sharding, input_dist, output_dist, stats, sharding_type, feature_table)
+                    m.comm_stats, m.comm_cluster = self.comm_stats, sharding_type
+            count_borrowed_dists(sharding, dist_module, self.comm_stats, sharding_type, feature_table)
 
     @staticmethod
     def _pre_load_state_dict_hook(

@@ -43,15 +43,16 @@ class KJTCounter:
         return awaitable
 
     def _on_tensors(self, sent: KeyedJaggedTensor, tensors: Any) -> Any:
-        tensors.callbacks.append(lambda received: self._record(sent, received))
+        stride_per_rank = list(tensors._stride_per_rank or [sent.stride()] * len(self._peers))
+        tensors.callbacks.append(lambda received: self._record(sent, received, stride_per_rank))
         return tensors
 
-    def _record(self, sent: KeyedJaggedTensor, received: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    def _record(self, sent: KeyedJaggedTensor, received: KeyedJaggedTensor, stride_per_rank: List[int]) -> KeyedJaggedTensor:
         world = self._stats.world_size
         n = len(self._peers)
         peer_of_sent_key = np.repeat(np.arange(n), self._splits)
         strides_in = [sent.stride()] * len(sent.keys())
-        strides_out = received.stride_per_key_per_rank()  # [key][sender]
+        strides_out = [stride_per_rank] * len(received.keys())  # [key][sender]
         per_table: Dict[tuple, np.ndarray] = {}
 
         def add(table: str, kind: str, direction: int, peer: int, nbytes: float) -> None:
@@ -164,24 +165,24 @@ def table_widths_per_rank(sharding: Any, feature_table: Dict[str, str]) -> List[
     return out
 
 
-def count_borrowed_dists(
-    sharding: Any, input_dist: torch.nn.Module, output_dist: torch.nn.Module, stats: CommStats, cluster: str, feature_table: Dict[str, str]
-) -> List[Any]:
-    """Hooks the TorchRec collectives inside one sharding's dists; returns the hook handles."""
-    handles = []
-    for m in input_dist.modules():
+def count_borrowed_dists(sharding: Any, dist_module: torch.nn.Module, stats: CommStats, cluster: str, feature_table: Dict[str, str]) -> None:
+    """Hooks the TorchRec collectives inside one of a sharding's dists (input or output).
+
+    TorchRec's pooled output dists build their collective on first use; they are built here, as
+    forward would for a fixed batch size, so that counting covers the first step too."""
+    for m in list(dist_module.modules()):
+        if getattr(m, "_dist", False) is None and hasattr(m, "_create_output_dist_module"):
+            m._create_output_dist_module(None)
+        if getattr(m, "_intra_dist", False) is None and hasattr(m, "_create_output_dist_modules"):
+            m._create_output_dist_modules(None)
+    for m in dist_module.modules():
         if isinstance(m, KJTAllToAll):
-            handles.append(m.register_forward_hook(KJTCounter(m, stats, cluster, feature_table)))
-    for m in output_dist.modules():
-        if isinstance(m, PooledEmbeddingsAllToAll):
-            widths = (
-                table_widths_per_rank(sharding, feature_table)
-                if hasattr(sharding, "_emb_dim_per_rank_per_feature") and len(group_ranks(m._pg)) == stats.world_size
-                else None
-            )
-            if widths is None:  # table-row-wise's cross-node hop: every column of the sharding
+            m.register_forward_hook(KJTCounter(m, stats, cluster, feature_table))
+        elif isinstance(m, PooledEmbeddingsAllToAll):
+            if hasattr(sharding, "_emb_dim_per_rank_per_feature") and len(group_ranks(m._pg)) == stats.world_size:
+                widths = table_widths_per_rank(sharding, feature_table)
+            else:  # table-row-wise's cross-node hop: every column of the sharding
                 widths = [{ALL_TABLES: int(d)} for d in m._dim_sum_per_rank]
-            handles.append(m.register_forward_pre_hook(PooledAllToAllCounter(m, stats, cluster, widths), with_kwargs=True))
+            m.register_forward_pre_hook(PooledAllToAllCounter(m, stats, cluster, widths), with_kwargs=True)
         elif isinstance(m, PooledEmbeddingsReduceScatter):
-            handles.append(m.register_forward_pre_hook(ReduceScatterCounter(m, stats, cluster), with_kwargs=True))
-    return handles
+            m.register_forward_pre_hook(ReduceScatterCounter(m, stats, cluster), with_kwargs=True)
