@@ -36,11 +36,12 @@ from torchrec.distributed.embedding_sharding import (
     EmbeddingShardingInfo,
 )
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel, ShardedEmbeddingTable
-from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingDist, TwPooledEmbeddingSharding
+from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
 from torchrec.distributed.types import Awaitable, NoWait, QuantizedCommCodecs, ShardingEnv
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from .codecs import Segment, decode, encode, encoded_size
 from .comm_stats import CountsComm, Ledger, group_ranks, table_widths
 
 
@@ -205,73 +206,108 @@ class GridSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         return self._dist(self._cut(sparse_features))
 
 
-class GridPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.Tensor, torch.Tensor]):
+class GridPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.Tensor, torch.Tensor], CountsComm):
     """All-to-all of every cell's partial sums, then a sum per (feature, column) at home."""
 
-    def __init__(self, all_to_all: TwPooledEmbeddingDist, target_columns: torch.Tensor, out_dim: int) -> None:
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        dims_per_rank: List[int],
+        targets_per_rank: List[torch.Tensor],
+        column_tables: List[str],
+        codecs: Optional[QuantizedCommCodecs] = None,
+    ) -> None:
         super().__init__()
-        self._all_to_all = all_to_all
-        self._fold = ColumnFold([target_columns], out_dim)
-        all_to_all._callbacks = [lambda partial: self._fold([partial])]
+        self._pg, self._codecs, self._dims = pg, codecs, dims_per_rank
+        self._world_size, self._rank = dist.get_world_size(pg), dist.get_rank(pg)
+        self._out_dim = len(column_tables)
+        self._fold = ColumnFold([torch.cat(targets_per_rank)], self._out_dim)
+        self._widths = [table_widths(t.tolist(), column_tables) for t in targets_per_rank]
 
     def forward(
         self, local_embs: torch.Tensor, sharding_ctx: Optional[EmbeddingShardingContext] = None
     ) -> Awaitable[torch.Tensor]:
-        return self._all_to_all(local_embs, sharding_ctx)
+        batch = batch_per_rank(local_embs, sharding_ctx, self._world_size)
+        here, dim = batch[self._rank], self._dims[self._rank]
+        send = [[(b * dim, dim)] for b in batch]
+        recv = [[(here * d, d)] for d in self._dims]
+        ledger = None
+        if self.comm_stats is not None:
+            ledger = Ledger(self.comm_stats, self.comm_cluster, list(range(self._world_size)))
+            for k in range(self._world_size):
+                ledger.add_columns(self._widths[self._rank], k, False, batch[k])
+                ledger.add_columns(self._widths[k], k, True, here)
+        x = _DivideGradient.apply(local_embs, self._world_size).reshape(-1)
+        received = all_to_all(x, send, recv, self._pg, self._codecs, ledger)
+        blocks = [b.view(here, d) for b, d in zip(torch.split(received, [here * d for d in self._dims]), self._dims) if d]
+        return NoWait(self._fold([torch.cat(blocks, dim=1)]) if blocks else local_embs.new_zeros(here, self._out_dim))
+
+
+def batch_per_rank(local_embs: torch.Tensor, sharding_ctx: Optional[EmbeddingShardingContext], world_size: int) -> List[int]:
+    """Each rank's batch size: from the input dist's context, or equal parts of the lookup output."""
+    if sharding_ctx is not None and sharding_ctx.batch_size_per_rank:
+        return list(sharding_ctx.batch_size_per_rank)
+    return [local_embs.size(0) // world_size] * world_size
 
 
 class _AllToAll(torch.autograd.Function):
-    """Differentiable all_to_all_single of a 1-D tensor: backward sends the gradients back. With
-    codecs, values travel in the codec's precision (forward codec out, backward codec back); with
-    a ledger, both directions are counted when they are sent."""
+    """Differentiable all_to_all_single of a 1-D tensor: backward sends the gradients back. The
+    message to and from each peer is described as segments (elements, row width); with codecs,
+    values travel in the codec's precision (forward codec out, backward codec back); with a
+    ledger, both directions are counted when they are sent."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
         x: torch.Tensor,
-        out_sizes: List[int],
-        in_sizes: List[int],
+        send: List[List[Segment]],
+        recv: List[List[Segment]],
         group: dist.ProcessGroup,
         codecs: Optional[QuantizedCommCodecs],
         ledger: Optional[Ledger],
     ) -> torch.Tensor:
-        ctx.sizes, ctx.group, ctx.codecs, ctx.ledger = (out_sizes, in_sizes), group, codecs, ledger
+        ctx.segments, ctx.group, ctx.codecs, ctx.ledger = (send, recv), group, codecs, ledger
         codec = codecs.forward if codecs else None
         if ledger is not None:
             ledger.record(codec, backward=False)
-        return _exchange(x, out_sizes, in_sizes, group, codec)
+        return _exchange(x, send, recv, group, codec)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None]:  # type: ignore[override]
-        out_sizes, in_sizes = ctx.sizes
+        send, recv = ctx.segments
         codec = ctx.codecs.backward if ctx.codecs else None
         if ctx.ledger is not None:
             ctx.ledger.record(codec, backward=True)
-        return _exchange(grad, in_sizes, out_sizes, ctx.group, codec), None, None, None, None, None
+        return _exchange(grad, recv, send, ctx.group, codec), None, None, None, None, None
 
 
 def all_to_all(
     x: torch.Tensor,
-    out_sizes: List[int],
-    in_sizes: List[int],
+    send: List[List[Segment]],
+    recv: List[List[Segment]],
     group: dist.ProcessGroup,
     codecs: Optional[QuantizedCommCodecs] = None,
     ledger: Optional[Ledger] = None,
 ) -> torch.Tensor:
-    """Sends x[sum(in_sizes[:i]) : ...] to member i of `group`; differentiable (see _AllToAll).
+    """Sends member i of `group` the next message of x, described by send[i]; returns what the
+    members send, described by recv; differentiable (see _AllToAll).
 
     Under autograd every member must join the backward exchange, also one whose input needs no
     gradient (it holds no cells): such an input becomes a leaf that requires one."""
     if torch.is_grad_enabled() and not x.requires_grad:
         x = x.detach().requires_grad_()
-    return _AllToAll.apply(x, out_sizes, in_sizes, group, codecs, ledger)
+    return _AllToAll.apply(x, send, recv, group, codecs, ledger)
 
 
-def _exchange(x: torch.Tensor, out_sizes: List[int], in_sizes: List[int], group: dist.ProcessGroup, codec: Any) -> torch.Tensor:
-    send = codec.encode(x.contiguous()) if codec is not None else x.contiguous()
-    out = send.new_empty(sum(out_sizes))
-    dist.all_to_all_single(out, send, out_sizes, in_sizes, group=group)
-    return codec.decode(out) if codec is not None else out
+def _exchange(x: torch.Tensor, send: List[List[Segment]], recv: List[List[Segment]], group: dist.ProcessGroup, codec: Any) -> torch.Tensor:
+    flat_send = [seg for segs in send for seg in segs]
+    flat_recv = [seg for segs in recv for seg in segs]
+    payload = encode(codec, x.contiguous(), flat_send)
+    out = payload.new_empty(sum(encoded_size(codec, segs) for segs in recv))
+    dist.all_to_all_single(
+        out, payload, [encoded_size(codec, segs) for segs in recv], [encoded_size(codec, segs) for segs in send], group=group
+    )
+    return decode(codec, out, flat_recv)
 
 
 class _DivideGradient(torch.autograd.Function):
@@ -365,7 +401,12 @@ class HierarchicalPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext
         recv_sizes = [sum(mine) * self._dims[node * lws + m] for m in range(lws)]
         intra_ledger, cross_ledger = self._ledgers(batch_per_rank)
         received = all_to_all(
-            local_embs.index_select(0, order).reshape(-1), recv_sizes, send_sizes, self._intra, self._codecs, intra_ledger
+            local_embs.index_select(0, order).reshape(-1),
+            [[(size, dim)] for size in send_sizes],
+            [[(size, self._dims[node * lws + m])] for m, size in enumerate(recv_sizes)],
+            self._intra,
+            self._codecs,
+            intra_ledger,
         )
         width = self._node_widths[node]
         blocks = [
@@ -378,7 +419,12 @@ class HierarchicalPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext
         here = batch_per_rank[self._rank]
         widths = self._node_widths
         gathered = all_to_all(
-            node_sum.reshape(-1), [here * w for w in widths], [b * width for b in mine], self._cross, self._codecs, cross_ledger
+            node_sum.reshape(-1),
+            [[(b * width, width)] for b in mine],
+            [[(here * w, w)] for w in widths],
+            self._cross,
+            self._codecs,
+            cross_ledger,
         )
         blocks = [b.view(here, w) for b, w in zip(torch.split(gathered, [here * w for w in widths]), widths) if w]
         return self._cross_fold(blocks)
@@ -386,12 +432,8 @@ class HierarchicalPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext
     def forward(
         self, local_embs: torch.Tensor, sharding_ctx: Optional[EmbeddingShardingContext] = None
     ) -> Awaitable[torch.Tensor]:
-        batch_per_rank = (
-            list(sharding_ctx.batch_size_per_rank)
-            if sharding_ctx is not None and sharding_ctx.batch_size_per_rank
-            else [local_embs.size(0) // self._world_size] * self._world_size
-        )
-        return NoWait(self._reduce(_DivideGradient.apply(local_embs, self._world_size), batch_per_rank))
+        batch = batch_per_rank(local_embs, sharding_ctx, self._world_size)
+        return NoWait(self._reduce(_DivideGradient.apply(local_embs, self._world_size), batch))
 
 
 class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
@@ -514,8 +556,8 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
                 start = offsets[cell.feature] + cell.col_start
                 target.extend(range(start, start + width))
             targets_per_rank.append(torch.tensor(target, dtype=torch.int64, device=device))
+        registry = self.qcomm_codecs_registry or {}
         if self._hierarchical:
-            registry = self.qcomm_codecs_registry or {}
             return HierarchicalPooledEmbeddingDist(
                 self._pg,
                 get_local_size(self._world_size),
@@ -524,11 +566,6 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
                 column_tables,
                 registry.get(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name),
             )
-        tw_dist = TwPooledEmbeddingDist(
-            pg=self._pg,
-            dim_sum_per_rank=self._dim_sum_per_rank(),
-            emb_dim_per_rank_per_feature=self._emb_dim_per_rank_per_feature(),
-            device=device,
-            qcomm_codecs_registry=self.qcomm_codecs_registry,
+        return GridPooledEmbeddingDist(
+            self._pg, self._dim_sum_per_rank(), targets_per_rank, column_tables, registry.get(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name)
         )
-        return GridPooledEmbeddingDist(tw_dist, torch.cat(targets_per_rank), offsets[-1])

@@ -10,36 +10,16 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.distributed.comm import get_local_size
 from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo, KJTList
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionContext, ShardedEmbeddingBagCollection
-from torchrec.distributed.fbgemm_qcomm_codec import CommOp, CommType, QCommsConfig, get_qcomm_codecs
 from torchrec.distributed.types import Awaitable, QuantizedCommCodecs, ShardingEnv
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from ..plan.layout import SHARDING_TYPE_PREFIX, WirePrecision, parse_sharding_type
+from ..plan.layout import SHARDING_TYPE_PREFIX, parse_sharding_type
+from .codecs import wire_codecs
 from .comm_stats import CommStats, CountsComm
 from .grid import GridPooledEmbeddingSharding
 from .torchrec_counting import count_borrowed_dists
 from .unique import UniquePooledEmbeddingSharding, UniqueShardingContext, UniqueSparseFeaturesDist
-
-_COMM_TYPES = {"fp32": CommType.FP32, "fp16": CommType.FP16, "bf16": CommType.BF16}
-
-
-def wire_codecs(sharding_infos: List[EmbeddingShardingInfo], precision: WirePrecision) -> Optional[Dict[str, QuantizedCommCodecs]]:
-    """The codecs of one cluster's pooled-embedding all-to-alls, from the plan's precision: fp16 and
-    bf16 through torchrec's fbgemm codecs (built directly, so torchrec's CPU fallback from bf16 to
-    fp16 does not apply). The plan decides an embark cluster's precision, not module-wide qcomms."""
-    if (precision.forward, precision.backward) == ("fp32", "fp32"):
-        return None
-    unsupported = {precision.forward, precision.backward} - set(_COMM_TYPES)
-    if unsupported:
-        tables = [info.embedding_config.name for info in sharding_infos]
-        raise NotImplementedError(
-            f"tables {tables}: wire precision {sorted(unsupported)} is not supported by this runtime yet "
-            f"(supported: {sorted(_COMM_TYPES)})"
-        )
-    config = QCommsConfig(forward_precision=_COMM_TYPES[precision.forward], backward_precision=_COMM_TYPES[precision.backward])
-    return {CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name: get_qcomm_codecs(config)}
-
 
 class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     """torchrec builds one EmbeddingSharding per distinct sharding-type string, so each EMBark
@@ -75,7 +55,7 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 sharding_infos, env, device, permute_embeddings=permute_embeddings, qcomm_codecs_registry=qcomm_codecs_registry
             )
         cluster, hierarchical, precision = parse_sharding_type(sharding_type)
-        codecs = wire_codecs(sharding_infos, precision)
+        codecs = wire_codecs(precision)
         if cluster == "ub":
             return UniquePooledEmbeddingSharding(sharding_infos, env, device, qcomm_codecs_registry=codecs)
         return GridPooledEmbeddingSharding(sharding_infos, env, device, qcomm_codecs_registry=codecs, hierarchical=hierarchical)

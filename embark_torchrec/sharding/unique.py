@@ -258,20 +258,21 @@ class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.T
             offset_in_group[1:] = np.cumsum(np.asarray(received[:-1]), axis=0)
         x = _DivideGradient.apply(local_embs, world)
         widths, groups = layout.cell_widths_on[me], layout.cell_group_on[me]
-        pieces, send_sizes = [], []
+        pieces, send = [], []
         for s in range(world):
-            size = 0
+            segments = []
             for i, (w, g) in enumerate(zip(widths, groups)):
                 p = position[g]
                 start, n = int(offset_in_group[s, p]), received[s][p]
                 pieces.append(x[start : start + n, self._col_starts[i] : self._col_starts[i + 1]].reshape(-1))
-                size += n * w
-            send_sizes.append(size)
+                segments.append((n * w, w))
+            send.append(segments)
         counts = state.group_counts
-        recv_sizes = [sum(counts[g] * w for g, w in zip(layout.cell_group_on[k], layout.cell_widths_on[k])) for k in range(world)]
+        recv = [[(counts[g] * w, w) for g, w in zip(layout.cell_group_on[k], layout.cell_widths_on[k])] for k in range(world)]
+        recv_sizes = [sum(e for e, _ in segments) for segments in recv]
         ledger = self._ledger(received, counts) if self.comm_stats is not None else None
-        send = torch.cat(pieces) if pieces else local_embs.new_empty(0)
-        vectors = all_to_all(send, recv_sizes, send_sizes, self._pg, self._codecs, ledger)
+        payload = torch.cat(pieces) if pieces else local_embs.new_empty(0)
+        vectors = all_to_all(payload, send, recv, self._pg, self._codecs, ledger)
         return NoWait(self._expand(vectors, recv_sizes, state))
 
     def _expand(self, vectors: torch.Tensor, recv_sizes: List[int], state: UniqueState) -> torch.Tensor:

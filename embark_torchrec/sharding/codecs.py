@@ -1,0 +1,112 @@
+"""Per-cluster wire precision: what the plan's "precision" field turns into on the all-to-alls.
+
+fp16 and bf16 use torchrec's fbgemm codecs, built here directly so that torchrec's CPU fallback from
+bf16 to fp16 does not apply. fp8 is our own codec (Fp8RowwiseCodec): float8 e4m3 with one fp32
+scale per row vector, the bits carried as uint8 because gloo rejects float8 tensors.
+
+Per-element error bounds (round to nearest; |x| the element, a its row's largest magnitude):
+fp16 |e| <= 2^-11 |x| (|x| >= 2^-14), bf16 |e| <= 2^-8 |x|, fp8 |e| <= 2^-4 |x| + 2^-10 a / 448.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torchrec.distributed.fbgemm_qcomm_codec import CommOp, CommType, QCommsConfig, get_qcomm_codecs
+from torchrec.distributed.types import QuantizedCommCodecs
+
+from ..plan.layout import WirePrecision
+
+# A message part: `elems` values laid out as rows of `width` (row-wise codecs scale each row).
+Segment = Tuple[int, int]
+
+_TORCHREC_TYPES = {"fp32": CommType.FP32, "fp16": CommType.FP16, "bf16": CommType.BF16}
+FP8_MAX = 448.0  # largest finite float8 e4m3fn
+SCALE_BYTES = 4
+
+
+class Fp8RowwiseCodec:
+    """float8 e4m3fn values with one fp32 scale per row (row max / 448), as uint8 bytes on the wire.
+
+    A row of w values takes w + 4 bytes. Messages are described as segments (elements, row width),
+    since our dists send blocks of different widths in one all-to-all."""
+
+    quantized_dtype = torch.uint8
+    row_wise = True
+
+    def encode(self, x: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
+        parts = []
+        for piece, (elems, width) in zip(torch.split(x, [e for e, _ in segments]), segments):
+            if elems == 0:
+                continue
+            rows = piece.view(-1, width).float()
+            scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX
+            q = (rows / scale).to(torch.float8_e4m3fn).view(torch.uint8)
+            parts.append(torch.cat([q.reshape(-1), scale.reshape(-1).view(torch.uint8)]))
+        return torch.cat(parts) if parts else x.new_empty(0, dtype=torch.uint8)
+
+    def decode(self, y: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
+        parts = []
+        for piece, (elems, width) in zip(torch.split(y, [self.size(s) for s in segments]), segments):
+            if elems == 0:
+                continue
+            rows = elems // width
+            q = piece[:elems].view(torch.float8_e4m3fn).view(rows, width).float()
+            scale = piece[elems:].contiguous().view(torch.float32).view(rows, 1)
+            parts.append((q * scale).reshape(-1))
+        return torch.cat(parts) if parts else y.new_empty(0, dtype=torch.float32)
+
+    @staticmethod
+    def size(segment: Segment) -> int:
+        elems, width = segment
+        return elems + (elems // width) * SCALE_BYTES if elems else 0
+
+    @staticmethod
+    def wire_bytes(elems: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        return elems + rows * SCALE_BYTES
+
+
+class WireCodecs:
+    """A cluster's forward (embeddings) and backward (gradients) codecs, shaped like torchrec's
+    QuantizedCommCodecs; None: fp32."""
+
+    def __init__(self, forward: Any, backward: Any) -> None:
+        self.forward, self.backward = forward, backward
+
+
+def _codec(precision: str) -> Any:
+    if precision == "fp8":
+        return Fp8RowwiseCodec()
+    if precision == "fp32":
+        return None
+    config = QCommsConfig(forward_precision=_TORCHREC_TYPES[precision], backward_precision=_TORCHREC_TYPES[precision])
+    return get_qcomm_codecs(config).forward
+
+
+def wire_codecs(precision: WirePrecision) -> Optional[Dict[str, QuantizedCommCodecs]]:
+    """The codecs of one cluster's embedding all-to-alls, from the plan's precision (the plan decides
+    an embark cluster's precision, not module-wide qcomms)."""
+    if (precision.forward, precision.backward) == ("fp32", "fp32"):
+        return None
+    return {CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name: WireCodecs(_codec(precision.forward), _codec(precision.backward))}  # type: ignore[dict-item]
+
+
+def encoded_size(codec: Any, segments: Sequence[Segment]) -> int:
+    """Wire elements (of codec.quantized_dtype, or fp32 without a codec) of one peer's message."""
+    if codec is not None and getattr(codec, "row_wise", False):
+        return sum(codec.size(s) for s in segments)
+    return sum(e for e, _ in segments)
+
+
+def encode(codec: Any, x: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
+    if codec is None:
+        return x
+    return codec.encode(x, segments) if getattr(codec, "row_wise", False) else codec.encode(x)
+
+
+def decode(codec: Any, y: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
+    if codec is None:
+        return y
+    return codec.decode(y, segments) if getattr(codec, "row_wise", False) else codec.decode(y)
