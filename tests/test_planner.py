@@ -183,6 +183,28 @@ def test_cpu_placements_and_nested_modules() -> None:
                     assert str(m.placement) == f"rank:{m.placement.rank()}/cpu"
 
 
+def test_measured_spec_reaches_the_cost_model() -> None:
+    """A measured spec (as profile_features returns) replaces the guessed pooling and unique ratio of its tables in
+    what the planner costs; one with a table the model lacks, or other rows, is refused by name."""
+    module = _ebc(TABLES[:2])
+    guessed = EmbarkPlanner(world_size=4, local_world_size=2, compute_device="cpu")
+    guessed.plan(module, [EmbeddingBagCollectionSharder()])
+    base = guessed.plans[""].spec
+    big = base.table("big")
+    measured = ModelSpec("m", 8, (TableSpec("big", big.rows, big.dim, 7.5, big.feature_names, unique_ratio=0.02),))
+    planner = EmbarkPlanner(world_size=4, local_world_size=2, compute_device="cpu", measured=measured)
+    planner.plan(module, [EmbeddingBagCollectionSharder()])
+    used = planner.plans[""].spec
+    assert (used.table("big").pooling, used.table("big").unique_ratio) == (7.5, 0.02)
+    assert used.table("mid") == base.table("mid")
+    wrong = ModelSpec("m", 8, (TableSpec("nope", 10, 4, 1.0),))
+    with pytest.raises(ValueError, match="nope"):
+        EmbarkPlanner(world_size=4, measured=wrong).plan(module, [EmbeddingBagCollectionSharder()])
+    resized = ModelSpec("m", 8, (TableSpec("big", big.rows + 1, big.dim, 1.0),))
+    with pytest.raises(ValueError, match="'big'"):
+        EmbarkPlanner(world_size=4, measured=resized).plan(module, [EmbeddingBagCollectionSharder()])
+
+
 def test_plan_refuses_a_model_without_embedding_bags() -> None:
     """A model with nothing the sharders shard is an error, not an empty plan."""
     with pytest.raises(ValueError, match="EmbeddingBagCollection"):

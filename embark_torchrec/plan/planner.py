@@ -108,6 +108,7 @@ class EmbarkPlanner(ShardingPlanner):
         id_distribution: IdDistribution | None = None,
         config: SearchConfig | None = None,
         optimizer: OptimizerMemory | None = None,
+        measured: ModelSpec | None = None,
     ) -> None:
         self.world_size = world_size
         self.local_world_size = local_world_size
@@ -118,6 +119,7 @@ class EmbarkPlanner(ShardingPlanner):
         self.id_distribution = id_distribution
         self.config = config or SearchConfig()
         self.optimizer = optimizer
+        self.measured = measured
         self.plans: dict[str, PlannedModel] = {}
 
     def _topology(self) -> Topology:
@@ -131,6 +133,7 @@ class EmbarkPlanner(ShardingPlanner):
         topology = self._topology()
         constraints = from_torchrec(self.torchrec_constraints)
         result = ShardingPlan(plan={})
+        planned_tables: set[str] = set()
         for path, sub in module.named_modules():
             if not _sharders_accept(sub, sharders) or not hasattr(sub, "embedding_bag_configs"):
                 continue
@@ -141,13 +144,19 @@ class EmbarkPlanner(ShardingPlanner):
                 name=path or "model",
                 id_distribution=self.id_distribution,
             )
+            if self.measured is not None:
+                spec = spec.with_measured(self.measured)
             names = {t.name for t in spec.tables}
+            planned_tables.update(names)
             here = {k: v for k, v in constraints.items() if k in names}
             planned = plan_model(spec, topology, here, self.config, self.optimizer)
             self.plans[path] = planned
             result.plan[path] = module_sharding_plan(planned.plan, spec, self.compute_device)
         if not result.plan:
             raise ValueError("no module in the model is an EmbeddingBagCollection that the given sharders shard")
+        unknown = sorted({t.name for t in self.measured.tables} - planned_tables) if self.measured is not None else []
+        if unknown:
+            raise ValueError(f"measured tables {unknown} are not tables of the planned modules {sorted(planned_tables)}")
         return result
 
     def collective_plan(self, module: Any, sharders: list[Any] | None = None, pg: Any = None) -> Any:

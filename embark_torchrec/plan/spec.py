@@ -155,6 +155,18 @@ class ModelSpec:
     def distribution(self, table: TableSpec) -> IdDistribution:
         return table.id_distribution or self.id_distribution
 
+    def with_measured(self, measured: "ModelSpec") -> "ModelSpec":
+        """This spec with the pooling and unique ratio of its tables that `measured` also holds (e.g.
+        profile_features(...).spec); a table there with other rows or dim is refused."""
+        known = {t.name: t for t in measured.tables}
+        tables = []
+        for t in self.tables:
+            m = known.get(t.name)
+            if m is not None and (m.rows, m.dim) != (t.rows, t.dim):
+                raise SpecError(f"table {t.name!r}: measured spec has {m.rows} x {m.dim}, the model {t.rows} x {t.dim}")
+            tables.append(t if m is None else replace(t, pooling=m.pooling, unique_ratio=m.unique_ratio))
+        return replace(self, tables=tuple(tables))
+
     def with_batch_size(self, batch_size: int) -> "ModelSpec":
         return replace(self, batch_size=batch_size)
 
