@@ -54,31 +54,8 @@ class CellRoute:
     col_start: int
 
 
-class InvalidIdError(ValueError):
-    """An ID outside [0, rows) of its table; the message names table, feature and rank."""
-
-
 def virtual_feature(feature: str, row_slice: int, col_slice: int) -> str:
     return f"{feature}#{row_slice}.{col_slice}"
-
-
-def id_features(lengths: torch.Tensor, stride: int) -> torch.Tensor:
-    """The feature index of each ID of a KJT (key-major, `stride` bags per key)."""
-    per_key = lengths.view(-1, stride).sum(dim=1)
-    return torch.repeat_interleave(torch.arange(per_key.numel(), device=lengths.device), per_key)
-
-
-def check_ids(
-    ids: torch.Tensor, feature: torch.Tensor, rows: torch.Tensor, features: List[str], tables: List[str], rank: int
-) -> None:
-    """Refuses IDs outside [0, rows) of their table, naming table, feature and rank."""
-    bad = (ids < 0) | (ids >= rows[feature])
-    if bool(bad.any()):
-        f = int(feature[bad][0])
-        sample = ids[bad & (feature == f)][:5].tolist()
-        raise InvalidIdError(
-            f"rank {rank}: feature {features[f]!r} of table {tables[f]!r} has IDs {sample} outside [0, {int(rows[f])})"
-        )
 
 
 def bag_weights(kjt: KeyedJaggedTensor, mean: torch.Tensor) -> torch.Tensor:
@@ -147,8 +124,6 @@ class GridSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
     def __init__(
         self,
         pg: dist.ProcessGroup,
-        features: List[str],
-        tables: List[str],
         table_rows: List[int],
         mean: List[bool],
         row_bounds: List[List[int]],
@@ -160,13 +135,11 @@ class GridSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         super().__init__()
         from torchrec.distributed.dist_data import KJTAllToAll
 
-        self._features, self._tables = features, tables
         self._weighted = weighted or any(mean)
-        self._rank = dist.get_rank(pg)
         self._virtual_names = virtual_names
         # fbgemm cuts every feature into the same number of buckets (a feature with fewer row
         # slices gets empty trailing ones), bucket-major; a route is one (bucket, feature) row.
-        n_features = len(features)
+        n_features = len(row_bounds)
         buckets = max(len(bounds) - 1 for bounds in row_bounds)
         self._buckets = buckets
         self.register_buffer(  # one row of bucket bounds per feature; a buffer, so it follows the module's device
@@ -174,7 +147,6 @@ class GridSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
             torch.tensor([list(b) + [b[-1]] * (buckets + 1 - len(b)) for b in row_bounds], dtype=torch.int64),
             persistent=False,
         )
-        self.register_buffer("_rows", torch.tensor(table_rows), persistent=False)
         self.register_buffer("_block_sizes", torch.tensor([max(1, -(-rows // buckets)) for rows in table_rows]), persistent=False)
         self.register_buffer("_mean", torch.tensor(mean), persistent=False)
         self.register_buffer(
@@ -186,7 +158,6 @@ class GridSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         stride = kjt.stride()
         lengths = kjt.lengths().long()
         ids = kjt.values().long()
-        check_ids(ids, id_features(lengths, stride), self._rows, self._features, self._tables, self._rank)
         weights = bag_weights(kjt, self._mean) if self._weighted else None
         bucket_lengths, local, bucket_weights, _, _ = torch.ops.fbgemm.block_bucketize_sparse_features(
             lengths, ids, False, False, self._block_sizes, self._buckets, weights, None, -1, list(self._bucket_pos.unbind(0))
@@ -528,8 +499,6 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
         virtual = [v for names in self.feature_names_per_rank() for v in names]
         return GridSparseFeaturesDist(
             self._pg,
-            self._features,
-            self._feature_tables,
             self._feature_rows,
             self._feature_mean,
             self._feature_bounds,

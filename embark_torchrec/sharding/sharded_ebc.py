@@ -20,6 +20,7 @@ from .comm_stats import CommStats, CountsComm
 from .grid import GridPooledEmbeddingSharding
 from .torchrec_counting import count_borrowed_dists
 from .unique import UniquePooledEmbeddingSharding, UniqueShardingContext, UniqueSparseFeaturesDist
+from .validation import InputValidator
 
 class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     """torchrec builds one EmbeddingSharding per distinct sharding-type string, so each EMBark
@@ -32,9 +33,15 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
       differ in rows and widths, so weights are loaded shard by shard, matched by offsets.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, invalid_ids: str = "raise", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.comm_stats: Optional[CommStats] = None
+        self._validate = InputValidator(
+            {f: c.name for c in self._embedding_bag_configs for f in c.feature_names},
+            {c.name: c.num_embeddings for c in self._embedding_bag_configs},
+            self._env.rank,
+            invalid_ids,
+        )
         if self._has_mean_pooling_callback:
             divided = set(self._pooling_type_to_rs_features[PoolingType.MEAN.value])
             features = [f for sharding in self._embedding_shardings for f in sharding.feature_names()]
@@ -61,8 +68,11 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         return GridPooledEmbeddingSharding(sharding_infos, env, device, qcomm_codecs_registry=codecs, hierarchical=hierarchical)
 
     def input_dist(self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor) -> Awaitable[Awaitable[KJTList]]:
-        """torchrec's input dist; then each UB dist's de-duplication state goes into this batch's
-        context, where its output dist finds it (pipelined batches each carry their own)."""
+        """The batch checked (validation.py), then torchrec's input dist; then each UB dist's
+        de-duplication state goes into this batch's context, where its output dist finds it
+        (pipelined batches each carry their own)."""
+        if isinstance(features, KeyedJaggedTensor):
+            features = self._validate(features)
         awaitable = super().input_dist(ctx, features)
         first = len(ctx.sharding_contexts) - len(self._input_dists)
         for i, input_dist in enumerate(self._input_dists):

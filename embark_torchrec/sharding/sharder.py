@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Type
+from typing import Any, Dict, List, Optional, Type
 
 import torch
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -10,6 +10,7 @@ from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingT
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from .sharded_ebc import EmbarkShardedEmbeddingBagCollection
+from .validation import INVALID_ID_POLICIES
 
 _BUILTIN_TYPES = [
     ShardingType.DATA_PARALLEL.value,
@@ -28,7 +29,16 @@ class EmbarkEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     sharding_types() lists every built-in type on every device (stock torchrec hides row-wise,
     table-row-wise and grid on CPU, which run fine on gloo); our "embark_*" types are not listed
     because torchrec's own planner cannot cost them, but shard() runs them.
+
+    invalid_ids: what to do with IDs outside [0, rows) of their table: "raise" (default; the error
+    names table, feature and rank), "clamp" into range, or "drop" them from their bags.
     """
+
+    def __init__(self, *args: Any, invalid_ids: str = "raise", **kwargs: Any) -> None:
+        if invalid_ids not in INVALID_ID_POLICIES:
+            raise ValueError(f"invalid_ids must be one of {INVALID_ID_POLICIES}, got {invalid_ids!r}")
+        super().__init__(*args, **kwargs)
+        self.invalid_ids = invalid_ids
 
     def shard(
         self,
@@ -46,6 +56,7 @@ class EmbarkEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             device=device,
             qcomm_codecs_registry=self.qcomm_codecs_registry,
             module_fqn=module_fqn,
+            invalid_ids=self.invalid_ids,
         )
 
     def sharding_types(self, compute_device_type: str) -> List[str]:

@@ -33,10 +33,16 @@ from torchrec.distributed.types import Awaitable, NoWait, QuantizedCommCodecs
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from .comm_stats import CountsComm, Ledger, per_peer_bytes
-from .grid import CellRoute, GridPooledEmbeddingSharding, _DivideGradient, all_to_all, bag_weights, check_ids, id_features
+from .grid import CellRoute, GridPooledEmbeddingSharding, _DivideGradient, all_to_all, bag_weights
 
 ID_BYTES = 8
 COUNT_BYTES = 4
+
+
+def id_features(lengths: torch.Tensor, stride: int) -> torch.Tensor:
+    """The feature index of each ID of a KJT (key-major, `stride` bags per key)."""
+    per_key = lengths.view(-1, stride).sum(dim=1)
+    return torch.repeat_interleave(torch.arange(per_key.numel(), device=lengths.device), per_key)
 
 
 @dataclass
@@ -142,7 +148,6 @@ class UniqueSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor], Counts
         self._rank, self._world = dist.get_rank(pg), dist.get_world_size(pg)
         self._weighted = weighted or any(layout.mean)
         self._cell_names = cell_names
-        self.register_buffer("_rows", torch.tensor(layout.rows), persistent=False)
         self.register_buffer("_mean", torch.tensor(layout.mean), persistent=False)
         self.register_buffer("_key_start", torch.tensor(layout.key_start, dtype=torch.int64), persistent=False)
         self.register_buffer("_feature_key_start", torch.tensor(
@@ -156,7 +161,6 @@ class UniqueSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor], Counts
         lengths = kjt.lengths()
         ids = kjt.values().long()
         feature = id_features(lengths.long(), stride)
-        check_ids(ids, feature, self._rows, self._layout.features, self._layout.tables, self._rank)
         keys, inverse = torch.unique(ids + self._feature_key_start[feature], sorted=True, return_inverse=True)
         group = torch.bucketize(keys, self._key_start, right=True) - 1
         counts = torch.bincount(group, minlength=len(self._layout.group_feature)).tolist()

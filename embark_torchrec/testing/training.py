@@ -62,6 +62,7 @@ def sharded_model(
     weighted: bool = False,
     optimizer: str = "sgd",
     lr: float = 0.1,
+    invalid_ids: str = "raise",
 ) -> DistributedModelParallel:
     """A SparseArch sharded by `layouts` through EmbarkEmbeddingBagCollectionSharder."""
     ws = dist.get_world_size()
@@ -69,7 +70,7 @@ def sharded_model(
     plan = Plan(ws, local_world_size, dict(layouts))
     spec = ModelSpec.from_module(meta.ebc, batch_size=ws)
     sharder = EmbarkEmbeddingBagCollectionSharder(
-        fused_params={"optimizer": OPTIMIZERS[optimizer], "learning_rate": lr, "eps": ADAGRAD_EPS}
+        fused_params={"optimizer": OPTIMIZERS[optimizer], "learning_rate": lr, "eps": ADAGRAD_EPS}, invalid_ids=invalid_ids
     )
     return DistributedModelParallel(
         meta,

@@ -1,0 +1,80 @@
+"""Input checks at the door of the sharded EBC: bad input fails loudly, before any collective.
+
+TorchRec's own shardings trust their input: an ID past a table's rows reads another table's rows or
+memory, a KJT whose lengths disagree with its values shifts every bag after the fault. Every batch
+is checked here once, for every sharding type, and refused with an error that names the rank and
+the feature (and the table for IDs). IDs outside [0, rows) may instead be clamped into range or
+dropped (their bags get shorter), when the sharder is built with invalid_ids="clamp" / "drop".
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+INVALID_ID_POLICIES = ("raise", "clamp", "drop")
+_SHOWN = 5
+
+
+class InvalidInputError(ValueError):
+    """A batch the sharded EBC cannot run; the message names the rank and the features."""
+
+
+class InvalidIdError(InvalidInputError):
+    """An ID outside [0, rows) of its table; the message names table, feature and rank."""
+
+
+class InputValidator:
+    """Checks (and under clamp / drop, repairs) one rank's KeyedJaggedTensor for an EBC's features."""
+
+    def __init__(self, feature_tables: Dict[str, str], table_rows: Dict[str, int], rank: int, invalid_ids: str = "raise") -> None:
+        if invalid_ids not in INVALID_ID_POLICIES:
+            raise ValueError(f"invalid_ids must be one of {INVALID_ID_POLICIES}, got {invalid_ids!r}")
+        self._feature_tables, self._table_rows = feature_tables, table_rows
+        self._rank, self._policy = rank, invalid_ids
+
+    def __call__(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        keys: List[str] = kjt.keys()
+        missing = [f for f in self._feature_tables if f not in keys]
+        if missing:
+            raise InvalidInputError(f"rank {self._rank}: features {missing} are missing from the KeyedJaggedTensor (it has {keys})")
+        lengths, values, weights = kjt.lengths(), kjt.values(), kjt.weights_or_none()
+        if bool((lengths < 0).any()):
+            raise InvalidInputError(f"rank {self._rank}: negative bag lengths in the KeyedJaggedTensor")
+        total = int(lengths.sum())
+        if total != values.numel() or (weights is not None and weights.numel() != values.numel()):
+            detail = "" if weights is None else f" and {weights.numel()} weights"
+            raise InvalidInputError(
+                f"rank {self._rank}: the bag lengths add up to {total} IDs, but the KeyedJaggedTensor holds "
+                f"{values.numel()} values{detail}"
+            )
+        per_key = torch.tensor(kjt.length_per_key(), device=values.device)
+        rows = torch.tensor([self._table_rows[self._feature_tables[k]] if k in self._feature_tables else -1 for k in keys], device=values.device)
+        limit = torch.repeat_interleave(rows, per_key)
+        bad = (limit >= 0) & ((values < 0) | (values >= limit))
+        if not bool(bad.any()):
+            return kjt
+        if self._policy == "raise":
+            key_of = torch.repeat_interleave(torch.arange(len(keys), device=values.device), per_key)
+            k = int(key_of[bad][0])
+            feature = keys[k]
+            sample = values[bad & (key_of == k)][:_SHOWN].tolist()
+            raise InvalidIdError(
+                f"rank {self._rank}: feature {feature!r} of table {self._feature_tables[feature]!r} has IDs {sample} "
+                f"outside [0, {int(rows[k])}) ({int(bad.sum())} bad IDs in this batch)"
+            )
+        if self._policy == "clamp":
+            fixed = torch.where(bad, torch.where(values < 0, torch.zeros_like(values), limit - 1), values)
+            return KeyedJaggedTensor(keys=keys, values=fixed, lengths=lengths, weights=weights, stride=kjt.stride())
+        keep = ~bad
+        bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=values.device), lengths.long())
+        kept = torch.zeros_like(lengths).index_add_(0, bag, keep.to(lengths.dtype))
+        return KeyedJaggedTensor(
+            keys=keys,
+            values=values[keep],
+            lengths=kept,
+            weights=weights[keep] if weights is not None else None,
+            stride=kjt.stride(),
+        )
