@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from .baselines import table_row_wise_plan
 from .clusters import assign_clusters
 from .constraints import TableConstraints
 from .cost import CostModel, OptimizerMemory, StepCost
@@ -35,7 +36,10 @@ def plan_model(
     config: SearchConfig | None = None,
     optimizer: OptimizerMemory | None = None,
 ) -> PlannedModel:
-    """Clusters, then the greedy 3D search; the result is validated against every invariant."""
+    """Clusters, then the greedy 3D search; the result is validated against every invariant.
+
+    The search is greedy, so without constraints its plan is also compared with the table-row-wise
+    baseline (EMBark's reference layout), and the cheaper of the two that fits memory is returned."""
     start = time.perf_counter()
     constraints = dict(constraints or {})
     unknown = sorted(set(constraints) - {t.name for t in spec.tables})
@@ -47,5 +51,11 @@ def plan_model(
     search = GreedySearch(cost, clusters, constraints, config)
     plan = search.run()
     step = cost.evaluate(plan)
+    if not constraints:
+        baseline = table_row_wise_plan(spec, topology)
+        base_step = cost.evaluate(baseline)
+        if base_step.step_ms < step.step_ms and base_step.rank_memory.max() <= topology.hbm_cap_bytes:
+            plan, step = baseline, base_step
+            clusters = {t.name: "rb" for t in spec.tables}
     plan.validate(spec, step.rank_memory, topology.hbm_cap_bytes)
     return PlannedModel(spec, topology, plan, step, time.perf_counter() - start, clusters, search.stats)
