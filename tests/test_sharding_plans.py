@@ -13,16 +13,15 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.distributed.types import ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from embark_torchrec.plan.layout import Plan, PlanError, TableLayout, WirePrecision
+from embark_torchrec.plan.layout import Plan, PlanError, TableLayout
 from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.plan.planner import builtin_sharding_type, module_sharding_plan
 from embark_torchrec.plan.spec import ModelSpec, builtin_model
 from embark_torchrec.sharding.load_plan import load_plan
-from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 from embark_torchrec.testing import fake_world, run_ranks
 from embark_torchrec.testing.scaled import cpu_topology, ebc_tables, scaled_spec
 from embark_torchrec.testing.training import compare_sharded_training
@@ -228,17 +227,3 @@ def test_load_plan_refuses_the_wrong_process_group_size() -> None:
     with fake_world(2):
         with pytest.raises(PlanError, match=r"world size 4.*2 ranks"):
             load_plan(SMALL_PLAN, _Model(SMALL), compute_device="cpu")
-
-
-def test_unsupported_wire_precision_is_refused_not_ignored() -> None:
-    """A plan asking for fp8 on the wire (not run yet) is refused with an error naming the table, never run at
-    fp32 silently."""
-    ebc = EmbeddingBagCollection(
-        tables=[EmbeddingBagConfig(name="narrow", embedding_dim=8, num_embeddings=20, feature_names=["f"])],
-        device=torch.device("meta"),
-    )
-    layout = TableLayout("rb", (0, 10, 20), (0, 8), ((0,), (1,)), WirePrecision("fp8", "fp8"))
-    params = module_sharding_plan(Plan(2, 2, {"narrow": layout}), ModelSpec.from_module(ebc, batch_size=2), "cpu")
-    with fake_world(2) as pg:
-        with pytest.raises(NotImplementedError, match="'narrow'.*fp8"):
-            EmbarkEmbeddingBagCollectionSharder().shard(ebc, dict(params), ShardingEnv.from_process_group(pg), torch.device("cpu"))
