@@ -27,6 +27,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from embark_torchrec.plan.layout import Plan, TableLayout
+from embark_torchrec.sharding.comm_stats import enable_comm_stats
 from embark_torchrec.plan.planner import module_sharding_plan
 from embark_torchrec.plan.spec import ModelSpec
 from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
@@ -132,6 +133,7 @@ def _pipelined_vs_plain() -> dict[str, Any]:
     batches = _batches(rank)
 
     plain, plain_opt = _sharded(reference)
+    plain_stats = enable_comm_stats(plain)
     initial = _weights(plain)
     plain_losses, plain_logits = [], []
     for batch in batches:
@@ -143,6 +145,7 @@ def _pipelined_vs_plain() -> dict[str, Any]:
         plain_logits.append(logits)
 
     piped, piped_opt = _sharded(reference)
+    piped_stats = enable_comm_stats(piped)
     pipeline = TrainPipelineSparseDist(piped, piped_opt, torch.device("cpu"), execute_all_batches=True)
     iterator = iter(batches)
     piped_losses, piped_logits = [], []
@@ -168,6 +171,7 @@ def _pipelined_vs_plain() -> dict[str, Any]:
             for k in plain_w
         },
         "shards": {k: len(v) for k, v in plain_w.items()},
+        "bytes": [{str(k): s.per_peer(k).tolist() for k in s.keys()} for s in (plain_stats, piped_stats)],
         "trained": {
             k: max((float((a - b).abs().max()) for a, b in zip(initial[k], plain_w[k]) if a.numel()), default=0.0)
             for k in plain_w
@@ -195,6 +199,15 @@ def test_pipelined_losses_equal_plain_losses(results: list[dict[str, Any]]) -> N
         assert max(r["logit_diff"]) <= 1e-6, (rank, r["logit_diff"])
         # training moved: the loss is not the same at every step
         assert len({round(l, 6) for l in r["losses"]}) > 1, (rank, r["losses"])
+
+
+def test_pipelined_bytes_equal_plain_bytes(results: list[dict[str, Any]]) -> None:
+    """Communication counting sees the same bytes per cluster, table, kind and peer with and without the pipeline
+    (which fuses TorchRec's split exchanges and builds the KJT all-to-alls itself)."""
+    for rank, r in enumerate(results):
+        plain, piped = r["bytes"]
+        assert plain == piped, rank
+        assert any("'ids'" in k and "embark_ub" in k for k in plain) and any("'ids'" in k and "table_wise" in k for k in plain)
 
 
 def test_pipelined_weights_equal_plain_weights(results: list[dict[str, Any]]) -> None:

@@ -18,7 +18,7 @@ from ..plan.layout import SHARDING_TYPE_PREFIX, parse_sharding_type
 from .codecs import wire_codecs
 from .comm_stats import CommStats, CountsComm
 from .grid import GridPooledEmbeddingSharding
-from .torchrec_counting import count_borrowed_dists
+from .torchrec_counting import KJTCounter, count_borrowed_dists
 from .unique import UniquePooledEmbeddingSharding, UniqueShardingContext, UniqueSparseFeaturesDist
 from .validation import InputValidator
 
@@ -36,6 +36,7 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def __init__(self, *args: Any, invalid_ids: str = "raise", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.comm_stats: Optional[CommStats] = None
+        self._kjt_counters: Dict[int, KJTCounter] = {}  # sharding index -> its input KJT all-to-all's counter
         self._validate = InputValidator(
             {f: c.name for c in self._embedding_bag_configs for f in c.feature_names},
             {c.name: c.num_embeddings for c in self._embedding_bag_configs},
@@ -110,11 +111,21 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def _count_dists(self, dists: Any) -> None:
         assert self.comm_stats is not None
         feature_table = {f: c.name for c in self._embedding_bag_configs for f in c.feature_names}
-        for sharding_type, sharding, dist_module in zip(self._sharding_types, self._embedding_shardings, dists):
+        for i, (sharding_type, sharding, dist_module) in enumerate(zip(self._sharding_types, self._embedding_shardings, dists)):
             for m in dist_module.modules():
                 if isinstance(m, CountsComm):
                     m.comm_stats, m.comm_cluster = self.comm_stats, sharding_type
-            count_borrowed_dists(sharding, dist_module, self.comm_stats, sharding_type, feature_table)
+            counter = count_borrowed_dists(sharding, dist_module, self.comm_stats, sharding_type, feature_table)
+            if counter is not None:
+                self._kjt_counters[i] = counter
+
+    def compute_and_output_dist(self, ctx: EmbeddingBagCollectionContext, input: KJTList) -> Any:
+        """torchrec's; when counting, the KJT all-to-alls' received bytes are read off their
+        output here (the same path with and without TrainPipelineSparseDist)."""
+        for i, counter in self._kjt_counters.items():
+            sharding_ctx = ctx.sharding_contexts[i]
+            counter.record_received(input[i], sharding_ctx.batch_size_per_rank if sharding_ctx is not None else None)
+        return super().compute_and_output_dist(ctx, input)
 
     @staticmethod
     def _pre_load_state_dict_hook(

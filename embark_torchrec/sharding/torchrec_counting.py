@@ -28,64 +28,58 @@ def base_feature(key: str) -> str:
 
 
 class KJTCounter:
-    """Counts one KJTAllToAll per call: lengths, IDs and weights per key and peer, plus the split
-    sizes TorchRec exchanges first."""
+    """Counts one KJTAllToAll: lengths, IDs and weights per key and peer, plus the split sizes
+    TorchRec exchanges first. The sent side is read when the all-to-all is called; the received
+    side from what the lookup gets (record_received), since TrainPipelineSparseDist fuses the
+    splits exchange and builds the tensor all-to-all itself."""
 
     def __init__(self, a2a: KJTAllToAll, stats: CommStats, cluster: str, feature_table: Dict[str, str]) -> None:
         self._stats, self._cluster, self._feature_table = stats, cluster, feature_table
         self._peers = group_ranks(a2a._pg)
         self._splits: List[int] = list(a2a._splits)
-        self._rank_in_group = self._peers.index(stats.rank)
 
-    def __call__(self, module: KJTAllToAll, args: Any, awaitable: Any) -> Any:
+    def __call__(self, module: KJTAllToAll, args: Any, output: Any) -> None:
         sent = args[0]
-        awaitable.callbacks.append(lambda tensors: self._on_tensors(sent, tensors))
-        return awaitable
-
-    def _on_tensors(self, sent: KeyedJaggedTensor, tensors: Any) -> Any:
-        stride_per_rank = list(tensors._stride_per_rank or [sent.stride()] * len(self._peers))
-        tensors.callbacks.append(lambda received: self._record(sent, received, stride_per_rank))
-        return tensors
-
-    def _record(self, sent: KeyedJaggedTensor, received: KeyedJaggedTensor, stride_per_rank: List[int]) -> KeyedJaggedTensor:
-        world = self._stats.world_size
-        n = len(self._peers)
-        peer_of_sent_key = np.repeat(np.arange(n), self._splits)
-        strides_in = [sent.stride()] * len(sent.keys())
-        strides_out = [stride_per_rank] * len(received.keys())  # [key][sender]
         per_table: Dict[tuple, np.ndarray] = {}
-
-        def add(table: str, kind: str, direction: int, peer: int, nbytes: float) -> None:
-            arr = per_table.setdefault((table, kind), np.zeros((2, world)))
-            arr[direction, self._peers[peer]] += nbytes
-
-        weights_in, weights_out = sent.weights_or_none(), received.weights_or_none()
-        lengths = sent.lengths().view(len(sent.keys()), -1).sum(dim=1).tolist() if sent.keys() else []
-        for key, peer, stride, ids in zip(sent.keys(), peer_of_sent_key, strides_in, lengths):
-            table = self._feature_table[base_feature(key)]
-            add(table, "lengths", 0, peer, stride * sent.lengths().element_size())
-            add(table, "ids", 0, peer, ids * sent.values().element_size())
-            if weights_in is not None:
-                add(table, "weights", 0, peer, ids * weights_in.element_size())
-        segments = [s for per_key in strides_out for s in per_key]
-        ids_out = torch.split(received.lengths(), segments) if segments else []
-        i = 0
-        for key, per_key in zip(received.keys(), strides_out):
-            table = self._feature_table[base_feature(key)]
-            for peer, stride in enumerate(per_key):
-                ids = int(ids_out[i].sum())
-                i += 1
-                add(table, "lengths", 1, peer, stride * received.lengths().element_size())
-                add(table, "ids", 1, peer, ids * received.values().element_size())
-                if weights_out is not None:
-                    add(table, "weights", 1, peer, ids * weights_out.element_size())
-        for (table, kind), arr in per_table.items():
-            self._stats.record(self._cluster, table, kind, arr[0], arr[1])
-        labels = 3 + (weights_in is not None)  # lengths, values, [weights,] and the batch size
-        meta = np.zeros(world)
+        peer_of_key = np.repeat(np.arange(len(self._peers)), self._splits)
+        ids = sent.lengths().view(len(sent.keys()), -1).sum(dim=1).tolist() if sent.keys() else []
+        for key, peer, n in zip(sent.keys(), peer_of_key, ids):
+            self._add(per_table, key, 0, int(peer), sent.stride(), n, sent)
+        self._flush(per_table)
+        labels = 3 + (sent.weights_or_none() is not None)  # lengths, values, [weights,] and the batch size
+        meta = np.zeros(self._stats.world_size)
         meta[self._peers] = labels * 8.0
         self._stats.record(self._cluster, ALL_TABLES, "metadata", meta, meta)
-        return received
+
+    def record_received(self, received: KeyedJaggedTensor, stride_per_rank: Optional[List[int]]) -> None:
+        """The all-to-all's output: per key, one segment of bags from each peer."""
+        n = len(self._peers)
+        keys = received.keys()
+        strides = list(stride_per_rank) if stride_per_rank else [received.stride() // n] * n
+        segments = [s for _ in keys for s in strides]
+        ids = [int(x.sum()) for x in torch.split(received.lengths(), segments)] if segments else []
+        per_table: Dict[tuple, np.ndarray] = {}
+        for i, key in enumerate(keys):
+            for peer, stride in enumerate(strides):
+                self._add(per_table, key, 1, peer, stride, ids[i * n + peer], received)
+        self._flush(per_table)
+
+    def _add(self, per_table: Dict[tuple, np.ndarray], key: str, direction: int, peer: int, bags: int, ids: int, kjt: KeyedJaggedTensor) -> None:
+        table = self._feature_table[base_feature(key)]
+        weights = kjt.weights_or_none()
+        for kind, nbytes in (
+            ("lengths", bags * kjt.lengths().element_size()),
+            ("ids", ids * kjt.values().element_size()),
+            ("weights", ids * weights.element_size() if weights is not None else 0),
+        ):
+            if kind == "weights" and weights is None:
+                continue
+            arr = per_table.setdefault((table, kind), np.zeros((2, self._stats.world_size)))
+            arr[direction, self._peers[peer]] += nbytes
+
+    def _flush(self, per_table: Dict[tuple, np.ndarray]) -> None:
+        for (table, kind), arr in per_table.items():
+            self._stats.record(self._cluster, table, kind, arr[0], arr[1])
 
 
 class PooledAllToAllCounter:
@@ -165,8 +159,11 @@ def table_widths_per_rank(sharding: Any, feature_table: Dict[str, str]) -> List[
     return out
 
 
-def count_borrowed_dists(sharding: Any, dist_module: torch.nn.Module, stats: CommStats, cluster: str, feature_table: Dict[str, str]) -> None:
-    """Hooks the TorchRec collectives inside one of a sharding's dists (input or output).
+def count_borrowed_dists(
+    sharding: Any, dist_module: torch.nn.Module, stats: CommStats, cluster: str, feature_table: Dict[str, str]
+) -> Optional[KJTCounter]:
+    """Hooks the TorchRec collectives inside one of a sharding's dists (input or output); returns
+    the KJT counter of an input dist, whose received side the caller records (KJTCounter).
 
     TorchRec's pooled output dists build their collective on first use; they are built here, as
     forward would for a fixed batch size, so that counting covers the first step too."""
@@ -175,9 +172,11 @@ def count_borrowed_dists(sharding: Any, dist_module: torch.nn.Module, stats: Com
             m._create_output_dist_module(None)
         if getattr(m, "_intra_dist", False) is None and hasattr(m, "_create_output_dist_modules"):
             m._create_output_dist_modules(None)
+    kjt_counter = None
     for m in dist_module.modules():
         if isinstance(m, KJTAllToAll):
-            m.register_forward_hook(KJTCounter(m, stats, cluster, feature_table))
+            kjt_counter = KJTCounter(m, stats, cluster, feature_table)
+            m.register_forward_hook(kjt_counter)
         elif isinstance(m, PooledEmbeddingsAllToAll):
             if hasattr(sharding, "_emb_dim_per_rank_per_feature") and len(group_ranks(m._pg)) == stats.world_size:
                 widths = table_widths_per_rank(sharding, feature_table)
@@ -186,3 +185,4 @@ def count_borrowed_dists(sharding: Any, dist_module: torch.nn.Module, stats: Com
             m.register_forward_pre_hook(PooledAllToAllCounter(m, stats, cluster, widths), with_kwargs=True)
         elif isinstance(m, PooledEmbeddingsReduceScatter):
             m.register_forward_pre_hook(ReduceScatterCounter(m, stats, cluster), with_kwargs=True)
+    return kjt_counter
