@@ -27,7 +27,7 @@ test: $(VENV)/.stamp
 	$(PY) -m pytest -q tests
 
 demo: $(VENV)/.stamp
-	$(PY) -m embark_torchrec.plan embark_torchrec/models/dcnv2.json --world-size 16 --local-world-size 8 --compare trw
+	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 examples/dlrm/train.py
 
 clean:
 	rm -rf $(VENV)

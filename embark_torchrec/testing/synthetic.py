@@ -4,9 +4,10 @@ Why a pure function of (seed, split, step, rank): every planner trains on identi
 resumed from a checkpoint at step k continues the very stream an uninterrupted run would have seen.
 
 Each feature of a table draws `round(pooling)` IDs per sample (at least one) from the table's ID
-distribution: Zipf(alpha) over popularity ranks (exact for the hottest ranks, the continuous power law
-for the tail, so tables of any size need no per-row arrays) or uniform. Popularity ranks are hashed onto rows by a bijection, since
-the planner's cost model assumes hot IDs sit at no particular row positions (as with hashed inputs).
+distribution: Zipf(alpha) over popularity ranks (exact for the hottest ranks, the continuous power
+law for the tail, so tables of any size need no per-row arrays) or uniform. Popularity ranks are
+hashed onto rows by a bijection, since the planner's cost model assumes hot IDs sit at no particular
+row positions (as with hashed inputs).
 
 The label is Bernoulli(sigmoid(logit)), with logit = a hidden score per row averaged over the bag,
 summed over a few "label features", plus a fixed linear function of the dense features. So a model
