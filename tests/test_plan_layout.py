@@ -41,7 +41,7 @@ def _plan() -> Plan:
             "cw": TableLayout("rb", (0, 500), (0, 12, 40, 64), ((2, 7, 0),), WirePrecision("fp16", "fp16")),
             "uneven": TableLayout("ub", (0, 1, 400, 1001), (0, 16), ((3,), (3,), (6,)), WirePrecision("fp8", "bf16")),
             # a grid whose ranks repeat across cells, rows and columns
-            "grid": TableLayout("rb", (0, 333, 334, 999), (0, 8, 24), ((1, 1), (4, 1), (1, 4)), hierarchical=True),
+            "grid": TableLayout("rb", (0, 333, 334, 999), (0, 8, 24), ((1, 3), (4, 3), (1, 3)), hierarchical=True),
             "twrw": TableLayout("rb", (0, 1000, 2000, 3000, 4000), (0, 8), ((4,), (5,), (6,), (7,)), hierarchical=True),
         },
     )
@@ -80,11 +80,11 @@ def test_plan_file_format() -> None:
     assert _entry(d, "tw")["shards"] == [{"rows": [0, 1000], "cols": [0, 32], "rank": 5}]
     assert _entry(d, "grid")["shards"] == [
         {"rows": [0, 333], "cols": [0, 8], "rank": 1},
-        {"rows": [0, 333], "cols": [8, 24], "rank": 1},
+        {"rows": [0, 333], "cols": [8, 24], "rank": 3},
         {"rows": [333, 334], "cols": [0, 8], "rank": 4},
-        {"rows": [333, 334], "cols": [8, 24], "rank": 1},
+        {"rows": [333, 334], "cols": [8, 24], "rank": 3},
         {"rows": [334, 999], "cols": [0, 8], "rank": 1},
-        {"rows": [334, 999], "cols": [8, 24], "rank": 4},
+        {"rows": [334, 999], "cols": [8, 24], "rank": 3},
     ]
     assert _entry(d, "grid")["hierarchical"] is True
     assert "hierarchical" not in _entry(d, "tw")
@@ -131,6 +131,7 @@ VALIDATE_CASES = {
     "overlapping columns": ("cw", TableLayout("rb", (0, 500), (0, 40, 12, 64), ((2, 7, 0),))),
     "column bound not multiple of 4": ("cw", TableLayout("rb", (0, 500), (0, 10, 40, 64), ((2, 7, 0),))),
     "ranks grid too short": ("grid", TableLayout("rb", (0, 333, 334, 999), (0, 8, 24), ((1, 1), (4, 1)))),
+    "one rank, two widths": ("grid", TableLayout("rb", (0, 333, 334, 999), (0, 8, 24), ((1, 1), (4, 3), (1, 3)))),
     "ranks grid ragged": ("grid", TableLayout("rb", (0, 333, 334, 999), (0, 8, 24), ((1, 1), (4,), (1, 4)))),
     "rank at world size": ("tw", TableLayout.table_wise(1000, 32, W)),
     "negative rank": ("grid", TableLayout("rb", (0, 333, 334, 999), (0, 8, 24), ((1, 1), (-1, 1), (1, 4)))),

@@ -227,7 +227,7 @@ BUILTIN_CASES = {
     "dp fp16": (TableLayout.data_parallel(FP16), "data_parallel"),
     "table-wise": (TableLayout.table_wise(ROWS, 64, 11), "table_wise"),
     "table-wise hier flag": (TableLayout("rb", (0, ROWS), (0, 64), ((3,),), hierarchical=True), "table_wise"),
-    "column-wise": (TableLayout("rb", (0, ROWS), (0, 16, 48, 64), ((3, 3, 9),)), "column_wise"),
+    "column-wise": (TableLayout("rb", (0, ROWS), (0, 16, 32, 64), ((3, 3, 9),)), "column_wise"),
     "row-wise": (_rows(_ceil(ROWS, W), list(range(W))), "row_wise"),
     "row-wise even split": (_rows(tuple(round(i * ROWS / W) for i in range(W + 1)), list(range(W))), None),
     "row-wise permuted": (_rows(_ceil(ROWS, W), [1, 0] + list(range(2, W))), None),
@@ -343,10 +343,10 @@ def _builtin_plan() -> Plan:
         {
             "dp": TableLayout.data_parallel(),
             "tw": TableLayout.table_wise(1000, 64, 7),
-            "cw": TableLayout("rb", (0, 1000), (0, 16, 48, 64), ((3, 3, 9),)),
+            "cw": TableLayout("rb", (0, 1000), (0, 16, 32, 64), ((3, 3, 9),)),
             "rw": _rows(_ceil(1000, W), list(range(W))),
             "twrw": _rows(_ceil(1000, L), list(range(L, 2 * L)), hier=True),
-            "flatgrid": TableLayout("rb", (0, 1, 999, 1000), (0, 28, 64), ((0, 15), (15, 15), (4, 0))),
+            "flatgrid": TableLayout("rb", (0, 1, 999, 1000), (0, 28, 64), ((0, 15), (0, 15), (4, 15))),
             "uneven": _rows((0, 10, 600, 1000), [2, 12, 2]),
         },
     )

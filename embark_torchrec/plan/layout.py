@@ -129,6 +129,22 @@ class TableLayout:
         for k in self.used_ranks():
             if not 0 <= k < world_size:
                 raise PlanError(f"{where}: rank {k} is outside world size {world_size}")
+        mixed = self.mixed_width_rank()
+        if mixed is not None:
+            raise PlanError(
+                f"{where}: rank {mixed} holds cells of different widths; TorchRec 1.8 assumes one width per table on a rank"
+            )
+
+    def mixed_width_rank(self) -> int | None:
+        """A rank holding cells of this table with different widths, if any."""
+        width_on: dict[int, int] = {}
+        for c in range(self.num_col_slices):
+            w = self.col_bounds[c + 1] - self.col_bounds[c]
+            for r in range(self.num_row_slices):
+                k = self.ranks[r][c]
+                if width_on.setdefault(k, w) != w:
+                    return k
+        return None
 
 
 @dataclass(frozen=True)

@@ -164,16 +164,19 @@ class GreedySearch:
         cells = sorted(c for name in self.movable for c in self._cells(name, shapes[name])[1])
         placed = {n: [[0] * g.num_col_slices for _ in range(g.num_row_slices)] for n, g in grids.items()}
         holds: dict[str, set[int]] = {n: set() for n in grids}
+        width_on: dict[str, dict[int, int]] = {n: {} for n in grids}  # one cell width per table on a rank
         heap = [(0.0, k) for k in range(self.world_size)]  # (estimated load, rank): least loaded first
         self.unplaced = []
         for neg_ms, _, r, c, name, need in cells:
             allowed, held = self._allowed_set[name], holds[name]
+            bounds = grids[name].col_bounds
+            width, widths = bounds[c + 1] - bounds[c], width_on[name]
             nodes = {k // self._lws for k in held} if local_first and held else None
             popped, best = [], [None, None, None]  # least loaded rank at each preference level
             while heap:
                 load, k = heapq.heappop(heap)
                 popped.append((load, k))
-                if k not in allowed or memory[k] + need > self.cap:
+                if k not in allowed or memory[k] + need > self.cap or widths.get(k, width) != width:
                     continue
                 level = 2 if k in held else 0 if nodes is None or k // self._lws in nodes else 1
                 if best[level] is None:
@@ -191,6 +194,7 @@ class GreedySearch:
             heapq.heappush(heap, (load - neg_ms, k))
             placed[name][r][c] = k
             held.add(k)
+            widths[k] = width
             memory[k] += need
         if self.unplaced:
             return None
@@ -323,6 +327,8 @@ class GreedySearch:
         return [(self.movable[o], r, c) for _, o, r, c in scored[: self.config.cells_per_rank]]
 
     def _try(self, name: str, layout: TableLayout) -> tuple[Objective, TableLayout, RankLoad, RankLoad] | None:
+        if layout.mixed_width_rank() is not None:
+            return None
         self.stats.evaluations += 1
         layout = self._hierarchy(name, layout)
         new = self.cost.table_load(name, layout)
