@@ -143,3 +143,17 @@ def test_single_cell_shortcut_equals_full_computation(cluster: str) -> None:
         layout = TableLayout(cluster, (0, 1000), (0, 16), ((k,),), WirePrecision("fp16", "fp32"))
         fast, slow = cost.table_load("t", layout), cost._table_load("t", layout)
         np.testing.assert_allclose(fast.rows, slow.rows, rtol=1e-12, err_msg=f"rank {k}")
+
+
+def test_ub_pays_de_duplication_where_it_is_slow() -> None:
+    """A UB table costs every rank b F p x unique_ns_per_id of de-duplication (its IDs, sorted on the CPU); RB
+    tables and the GPU presets (zero) pay none; it is part of each rank's lookup time."""
+    spec = _model(feature_names=("f1", "f2"))
+    hw = PRESETS["cpu-gloo"]
+    cost = CostModel(spec, Topology(4, 2, hw))
+    ub = cost.table_load("t", TableLayout("ub", (0, 1000), (0, 16), ((1,),)))
+    rb = cost.table_load("t", TableLayout("rb", (0, 1000), (0, 16), ((1,),)))
+    per_rank = cost.local_batch * 2 * 3.0 * hw.unique_ns_per_id / 1e6
+    np.testing.assert_allclose(ub.dedup_ms, per_rank)
+    assert rb.dedup_ms.sum() == 0.0 and hw.unique_ns_per_id > 0 and PRESETS["dgx-h100"].unique_ns_per_id == 0.0
+    np.testing.assert_allclose(cost.step_cost(ub).rank_lookup_ms, ub.lookup_bytes / (hw.hbm_bw_gbps * 1e6) + per_rank)

@@ -61,7 +61,8 @@ def _spec_and_topology(ws: int, index: int, salt: int) -> tuple[ModelSpec, Topol
     spec = ModelSpec(f"random_w{ws}_{index}", ws * 64, tuple(tables))
     need = sum(t.rows * (t.dim * 4 + 4) for t in tables)  # weights + row-wise optimizer state, as the planner counts
     cap = float(rng.choice(CAP_FACTORS)) * need / ws
-    hardware = PRESETS["cpu-gloo"].with_overrides(hbm_gb=PRESETS["cpu-gloo"].hbm_reserve_gb + cap / 1e9)
+    # free de-duplication (as on GPUs), so that unique-based tables appear among the kinds checked
+    hardware = PRESETS["cpu-gloo"].with_overrides(hbm_gb=PRESETS["cpu-gloo"].hbm_reserve_gb + cap / 1e9, unique_ns_per_id=0.0)
     return spec, Topology(ws, lws, hardware)
 
 

@@ -21,6 +21,8 @@ same traffic message by message, and the runtime's dists send exactly that):
 - Lookup work (bytes through HBM): RB cell: B F p m_r x w_c x 4 bytes forward; UB cell:
   W F U_r x w_c x 4 on its owner, plus b F p x dim x 4 on every rank to expand the unique vectors
   back into its samples' bags; DP: b F p x dim x 4. Backward costs BACKWARD_COMPUTE_MULTIPLIER x forward.
+  UB also costs every rank b F p x unique_ns_per_id to de-duplicate its IDs (a CPU sort is slow;
+  zero in the GPU presets).
 - Memory per rank: per row of a cell, w_c x (4 + optimizer bytes per element) + optimizer bytes
   per row; DP tables in full on every rank.
 
@@ -63,7 +65,7 @@ class OptimizerMemory:
     bytes_per_row: float = 4.0
 
 
-_ROWS = ("lookup_bytes", "send_intra", "recv_intra", "send_inter", "recv_inter", "memory")
+_ROWS = ("lookup_bytes", "send_intra", "recv_intra", "send_inter", "recv_inter", "memory", "dedup_ms")
 
 
 def _row_accessors(i: int) -> tuple:
@@ -79,9 +81,9 @@ def _row_accessors(i: int) -> tuple:
 
 
 class RankLoad:
-    """Per-rank quantities, summed over tables, as the rows of one [6, W] array (so that adding a
+    """Per-rank quantities, summed over tables, as the rows of one [7, W] array (so that adding a
     table is one array operation): lookup bytes, bytes sent / received intra and inter node,
-    memory bytes; plus the DP all-reduce bytes per rank, intra and inter node."""
+    memory bytes, de-duplication ms; plus the DP all-reduce bytes per rank, intra and inter node."""
 
     def __init__(self, rows: np.ndarray, dp_intra: float = 0.0, dp_inter: float = 0.0) -> None:
         self.rows = rows
@@ -108,6 +110,7 @@ class RankLoad:
     send_inter = property(*_row_accessors(3))
     recv_inter = property(*_row_accessors(4))
     memory = property(*_row_accessors(5))
+    dedup_ms = property(*_row_accessors(6))
 
     def add(self, other: "RankLoad", sign: float = 1.0) -> None:
         self.rows += other.rows if sign == 1.0 else sign * other.rows
@@ -275,8 +278,9 @@ class CostModel:
         distinct = self.row_distinct(name, rows) if ub else None
         widths = np.diff(layout.col_bounds)
         to_all, from_all = np.zeros(w), np.zeros(w)
-        if ub:  # every rank expands its unique vectors back into its own lookups
+        if ub:  # every rank de-duplicates its IDs and expands the unique vectors back into its bags
             load.lookup_bytes += b * feats * t.pooling * t.dim * lookup_factor
+            load.dedup_ms += b * feats * t.pooling * self.topology.hardware.unique_ns_per_id / 1e6
         for r in range(layout.num_row_slices):
             n_rows = rows[r + 1] - rows[r]
             ids = distinct[r] if ub else b * t.pooling * mass[r]
@@ -338,7 +342,7 @@ class CostModel:
     def step_cost(self, load: RankLoad) -> StepCost:
         hw = self.topology.hardware
         to_ms = lambda nbytes, gbps: nbytes / (gbps * 1e6)  # noqa: E731
-        lookup = to_ms(load.lookup_bytes, hw.hbm_bw_gbps)
+        lookup = to_ms(load.lookup_bytes, hw.hbm_bw_gbps) + load.dedup_ms
         intra = to_ms(np.maximum(load.send_intra, load.recv_intra), hw.intra_node_bw_gbps)
         inter = to_ms(np.maximum(load.send_inter, load.recv_inter), hw.inter_node_bw_gbps)
         dp = to_ms(load.dp_intra, hw.intra_node_bw_gbps) + to_ms(load.dp_inter, hw.inter_node_bw_gbps)
