@@ -59,7 +59,9 @@ TABLES_SPEC = [
 ]
 TABLES = [EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=f) for n, r, d, f in TABLES_SPEC]
 _BYTES = sum(r * (d * 4 + 4) for _, r, d, _ in TABLES_SPEC)  # weights + row-wise optimizer state, as the planner counts
-HARDWARE = PRESETS["cpu-gloo"].with_overrides(hbm_gb=PRESETS["cpu-gloo"].hbm_reserve_gb + 1.6 * _BYTES / WORLD / 1e9)
+HARDWARE = PRESETS["cpu-gloo"].with_overrides(  # free de-duplication (as on GPUs), so the plan has UB tables
+    hbm_gb=PRESETS["cpu-gloo"].hbm_reserve_gb + 1.6 * _BYTES / WORLD / 1e9, unique_ns_per_id=0.0
+)
 CONSTRAINTS: dict[str, Any] = {
     "hot": ParameterConstraints(pooling_factors=[8.0]),
     "big": ParameterConstraints(pooling_factors=[8.0, 2.0]),
