@@ -17,7 +17,7 @@ import torch
 from torchrec.distributed.dist_data import KJTAllToAll, PooledEmbeddingsAllToAll, PooledEmbeddingsReduceScatter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from .comm_stats import CommStats, group_ranks, wire_bytes
+from .comm_stats import CommStats, Ledger, group_ranks
 
 ALL_TABLES = "*"
 
@@ -82,69 +82,59 @@ class KJTCounter:
             self._stats.record(self._cluster, table, kind, arr[0], arr[1])
 
 
-class PooledAllToAllCounter:
+class _PooledCounter:
+    """What the pooled collectives' counters share: the group's members and the codecs. Messages go
+    into a comm_stats.Ledger, which records them as embeddings and, reversed, as gradients."""
+
+    def __init__(self, module: Any, stats: CommStats, cluster: str) -> None:
+        self._stats, self._cluster = stats, cluster
+        self._peers = group_ranks(module._pg)
+        self._me = self._peers.index(stats.rank)
+        codecs = module._codecs
+        self._codecs = (codecs.forward, codecs.backward) if codecs is not None else (None, None)
+
+    def _rows(self, local_embs: torch.Tensor, given: Optional[List[int]]) -> List[int]:
+        """Rows per member: as given, or equal parts of the input."""
+        n = len(self._peers)
+        return list(given) if given else [local_embs.size(0) // n] * n
+
+    def _record(self, ledger: Ledger) -> None:
+        ledger.record(self._codecs[0], backward=False)
+        ledger.record(self._codecs[1], backward=True)
+
+
+class PooledAllToAllCounter(_PooledCounter):
     """Counts one PooledEmbeddingsAllToAll: each rank's columns for each peer's samples; the
     gradients mirror them (recorded at forward time, see comm_stats)."""
 
     def __init__(
         self, a2a: PooledEmbeddingsAllToAll, stats: CommStats, cluster: str, table_widths_per_rank: List[Dict[str, int]]
     ) -> None:
-        self._stats, self._cluster, self._widths = stats, cluster, table_widths_per_rank
-        self._peers = group_ranks(a2a._pg)
-        self._me = self._peers.index(stats.rank)
-        codecs = a2a._codecs
-        self._codecs = (codecs.forward, codecs.backward) if codecs is not None else (None, None)
+        super().__init__(a2a, stats, cluster)
+        self._widths = table_widths_per_rank
 
     def __call__(self, module: PooledEmbeddingsAllToAll, args: Any, kwargs: Any) -> None:
-        local_embs = args[0]
-        batch = kwargs.get("batch_size_per_rank") or (args[1] if len(args) > 1 else None)
-        n = len(self._peers)
-        batch = list(batch) if batch else [local_embs.size(0) // n] * n
-        world = self._stats.world_size
-        tables = {t for widths in self._widths for t in widths}
-        for table in tables:
-            mine = self._widths[self._me].get(table, 0)
-            out = np.zeros(world)
-            into = np.zeros(world)
-            for i, peer in enumerate(self._peers):
-                out[peer] = batch[i] * mine
-                into[peer] = batch[self._me] * self._widths[i].get(table, 0)
-            rows_out = np.zeros(world)
-            rows_into = np.zeros(world)
-            for i, peer in enumerate(self._peers):
-                rows_out[peer] = batch[i] if mine else 0
-                rows_into[peer] = batch[self._me] if self._widths[i].get(table, 0) else 0
-            for kind, codec, (s, sr, r, rr) in (
-                ("embeddings", self._codecs[0], (out, rows_out, into, rows_into)),
-                ("gradients", self._codecs[1], (into, rows_into, out, rows_out)),
-            ):
-                self._stats.record(self._cluster, table, kind, wire_bytes(codec, s, sr), wire_bytes(codec, r, rr))
+        batch = self._rows(args[0], kwargs.get("batch_size_per_rank") or (args[1] if len(args) > 1 else None))
+        ledger = Ledger(self._stats, self._cluster, self._peers)
+        for i in range(len(self._peers)):
+            ledger.add_columns(self._widths[self._me], i, False, batch[i])
+            ledger.add_columns(self._widths[i], i, True, batch[self._me])
+        self._record(ledger)
 
 
-class ReduceScatterCounter:
+class ReduceScatterCounter(_PooledCounter):
     """Counts one PooledEmbeddingsReduceScatter: rank i's chunk (its samples, every column) goes to
     i from every member; backward all-gathers each member's gradient chunk to every member."""
 
-    def __init__(self, rs: PooledEmbeddingsReduceScatter, stats: CommStats, cluster: str) -> None:
-        self._stats, self._cluster = stats, cluster
-        self._peers = group_ranks(rs._pg)
-        self._me = self._peers.index(stats.rank)
-        codecs = rs._codecs
-        self._codecs = (codecs.forward, codecs.backward) if codecs is not None else (None, None)
-
     def __call__(self, module: PooledEmbeddingsReduceScatter, args: Any, kwargs: Any) -> None:
         local_embs = args[0]
-        splits: Optional[List[int]] = kwargs.get("input_splits") or (args[1] if len(args) > 1 else None)
-        n = len(self._peers)
-        rows = list(splits) if splits else [local_embs.size(0) // n] * n
-        dim = local_embs.size(1)
-        world = self._stats.world_size
-        out, into = np.zeros(world), np.zeros(world)
-        for i, peer in enumerate(self._peers):
-            out[peer] = rows[i]
-            into[peer] = rows[self._me]
-        for kind, codec, (s, r) in (("embeddings", self._codecs[0], (out, into)), ("gradients", self._codecs[1], (into, out))):
-            self._stats.record(self._cluster, ALL_TABLES, kind, wire_bytes(codec, s * dim, s), wire_bytes(codec, r * dim, r))
+        rows = self._rows(local_embs, kwargs.get("input_splits") or (args[1] if len(args) > 1 else None))
+        columns = {ALL_TABLES: local_embs.size(1)}
+        ledger = Ledger(self._stats, self._cluster, self._peers)
+        for i in range(len(self._peers)):
+            ledger.add_columns(columns, i, False, rows[i])
+            ledger.add_columns(columns, i, True, rows[self._me])
+        self._record(ledger)
 
 
 def table_widths_per_rank(sharding: Any, feature_table: Dict[str, str]) -> List[Dict[str, int]]:

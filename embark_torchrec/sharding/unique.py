@@ -32,7 +32,7 @@ from torchrec.distributed.fbgemm_qcomm_codec import CommOp
 from torchrec.distributed.types import Awaitable, NoWait, QuantizedCommCodecs
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from .comm_stats import CountsComm, Ledger, per_peer_bytes
+from .comm_stats import CountsComm, Ledger
 from .grid import CellRoute, GridPooledEmbeddingSharding, _DivideGradient, all_to_all, bag_weights
 
 ID_BYTES = 8
@@ -47,15 +47,15 @@ def id_features(lengths: torch.Tensor, stride: int) -> torch.Tensor:
 
 @dataclass
 class UniqueState:
-    """One batch's de-duplication: the sender's side (filled by the input dist) and the owner's
-    side (filled when the IDs arrive)."""
+    """One batch's de-duplication, as its input dist leaves it: the sender's side and, from the
+    counts exchanged first, how many IDs each sender sent this rank per group."""
 
     stride: int
     inverse: torch.Tensor  # per ID of the batch: its index among the distinct (feature, ID) keys
     group_counts: List[int]  # distinct IDs per group, on this rank
     lengths: torch.Tensor  # the batch's bag lengths, [features x stride]
     weights: Optional[torch.Tensor]  # per-ID weights for the expansion (None: all 1)
-    received: Optional[List[List[int]]] = None  # [sender][group held here]: IDs received
+    received: List[List[int]]  # [sender][group held here]: IDs received
 
 
 @dataclass
@@ -198,7 +198,7 @@ class UniqueSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor], Counts
         """One bag of one ID per distinct ID received, per cell; cells of the same group share IDs."""
         layout, me = self._layout, self._rank
         mine = layout.groups_on[me]
-        received = state.received or []
+        received = state.received
         sender_start = np.concatenate([[0], np.cumsum([sum(r) for r in received])]).tolist()
         per_group: Dict[int, List[torch.Tensor]] = {g: [] for g in mine}
         for s, counts in enumerate(received):
@@ -231,11 +231,10 @@ class UniqueSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor], Counts
                 t = per[layout.tables[layout.group_feature[g]]]
                 t[1, s] += n * ID_BYTES
                 t[3, s] += COUNT_BYTES
-        peers = list(range(world))
         for table, arr in per.items():
             if arr.any():
-                self.comm_stats.record(self.comm_cluster, table, "ids", per_peer_bytes(world, peers, arr[0]), per_peer_bytes(world, peers, arr[1]))
-                self.comm_stats.record(self.comm_cluster, table, "lengths", per_peer_bytes(world, peers, arr[2]), per_peer_bytes(world, peers, arr[3]))
+                self.comm_stats.record(self.comm_cluster, table, "ids", arr[0], arr[1])
+                self.comm_stats.record(self.comm_cluster, table, "lengths", arr[2], arr[3])
 
 
 class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.Tensor, torch.Tensor], CountsComm):
@@ -253,7 +252,7 @@ class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.T
             raise RuntimeError("UniquePooledEmbeddingDist needs its batch's UniqueShardingContext (set by the sharded EBC's input_dist)")
         state = sharding_ctx.unique
         layout, me, world = self._layout, self._rank, self._world
-        received = state.received or [[] for _ in range(world)]
+        received = state.received
         mine = layout.groups_on[me]
         position = {g: i for i, g in enumerate(mine)}
         # owner: for each sender, the rows of its distinct IDs in each of my cells

@@ -34,6 +34,16 @@ class InputValidator:
             raise ValueError(f"invalid_ids must be one of {INVALID_ID_POLICIES}, got {invalid_ids!r}")
         self._feature_tables, self._table_rows = feature_tables, table_rows
         self._rank, self._policy = rank, invalid_ids
+        self._rows: Dict[tuple, torch.Tensor] = {}  # per key order: each key's table rows (-1: not ours)
+
+    def _rows_of(self, keys: List[str], device: torch.device) -> torch.Tensor:
+        rows = self._rows.get(tuple(keys))
+        if rows is None or rows.device != device:
+            known = self._feature_tables
+            rows = self._rows[tuple(keys)] = torch.tensor(
+                [self._table_rows[known[k]] if k in known else -1 for k in keys], device=device
+            )
+        return rows
 
     def __call__(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         keys: List[str] = kjt.keys()
@@ -51,7 +61,7 @@ class InputValidator:
                 f"{values.numel()} values{detail}"
             )
         per_key = torch.tensor(kjt.length_per_key(), device=values.device)
-        rows = torch.tensor([self._table_rows[self._feature_tables[k]] if k in self._feature_tables else -1 for k in keys], device=values.device)
+        rows = self._rows_of(keys, values.device)
         limit = torch.repeat_interleave(rows, per_key)
         bad = (limit >= 0) & ((values < 0) | (values >= limit))
         if not bool(bad.any()):
