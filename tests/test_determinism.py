@@ -31,7 +31,7 @@ from embark_torchrec.plan.constraints import TableConstraints
 from embark_torchrec.plan.layout import TableLayout
 from embark_torchrec.plan.planner import EmbarkPlanner
 from embark_torchrec.plan.spec import IdDistribution
-from embark_torchrec.plan.topology import PRESETS, Topology
+from embark_torchrec.plan.topology import PRESETS, Hardware, Topology
 from embark_torchrec.testing import run_ranks
 from embark_torchrec.testing.checkpoints import (
     dense_optimizer,
@@ -59,8 +59,8 @@ TABLES_SPEC = [
 ]
 TABLES = [EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=f) for n, r, d, f in TABLES_SPEC]
 _BYTES = sum(r * (d * 4 + 4) for _, r, d, _ in TABLES_SPEC)  # weights + row-wise optimizer state, as the planner counts
-HARDWARE = PRESETS["cpu-gloo"].with_overrides(  # free de-duplication (as on GPUs), so the plan has UB tables
-    hbm_gb=PRESETS["cpu-gloo"].hbm_reserve_gb + 1.6 * _BYTES / WORLD / 1e9, unique_ns_per_id=0.0
+HARDWARE = Hardware(  # a network slower than the node's links, GPU-like free per-ID and per-collective overheads
+    "test", PRESETS["cpu-gloo"].hbm_reserve_gb + 1.6 * _BYTES / WORLD / 1e9, PRESETS["cpu-gloo"].hbm_reserve_gb, 5.0, 2.0, 1.0, 50.0
 )
 CONSTRAINTS: dict[str, Any] = {
     "hot": ParameterConstraints(pooling_factors=[8.0]),

@@ -156,4 +156,27 @@ def test_ub_pays_de_duplication_where_it_is_slow() -> None:
     per_rank = cost.local_batch * 2 * 3.0 * hw.unique_ns_per_id / 1e6
     np.testing.assert_allclose(ub.dedup_ms, per_rank)
     assert rb.dedup_ms.sum() == 0.0 and hw.unique_ns_per_id > 0 and PRESETS["dgx-h100"].unique_ns_per_id == 0.0
-    np.testing.assert_allclose(cost.step_cost(ub).rank_lookup_ms, ub.lookup_bytes / (hw.hbm_bw_gbps * 1e6) + per_rank)
+    np.testing.assert_allclose(
+        cost.step_cost(ub).rank_lookup_ms,
+        ub.lookup_bytes / (hw.hbm_bw_gbps * 1e6) + ub.lookup_ids * hw.lookup_ns_per_id / 1e6 + per_rank,
+    )
+
+
+def test_every_id_a_cell_looks_up_costs_lookup_ns_per_id() -> None:
+    """Each cell of a row slice looks up all of that slice's IDs, whatever its width: a column split doubles the
+    IDs looked up (and their per-ID cost) while the lookup bytes stay the same; a row split keeps both."""
+    spec = _model(feature_names=("f1", "f2"))
+    hw = PRESETS["cpu-gloo"]
+    cost = CostModel(spec, Topology(4, 2, hw))
+    t = spec.table("t")
+    tw = cost.table_load("t", TableLayout("rb", (0, 1000), (0, 16), ((1,),)))
+    cw = cost.table_load("t", TableLayout("rb", (0, 1000), (0, 8, 16), ((1, 2),)))
+    rw = cost.table_load("t", TableLayout("rb", (0, 300, 1000), (0, 16), ((1,), (2,))))
+    ids = spec.batch_size * 2 * t.pooling
+    assert tw.lookup_ids.tolist() == [0.0, ids, 0.0, 0.0]
+    assert cw.lookup_ids.tolist() == [0.0, ids, ids, 0.0]
+    np.testing.assert_allclose(rw.lookup_ids, [0.0, 0.3 * ids, 0.7 * ids, 0.0])
+    assert cw.lookup_bytes.sum() == pytest.approx(tw.lookup_bytes.sum()) == pytest.approx(rw.lookup_bytes.sum())
+    extra = cost.step_cost(cw).rank_lookup_ms - cw.lookup_bytes / (hw.hbm_bw_gbps * 1e6)
+    np.testing.assert_allclose(extra, cw.lookup_ids * hw.lookup_ns_per_id / 1e6)
+    assert hw.lookup_ns_per_id > 0 and PRESETS["dgx-h100"].lookup_ns_per_id == 0.0

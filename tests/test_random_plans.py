@@ -30,9 +30,9 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
 from embark_torchrec.plan.layout import PlanError, TableLayout
 from embark_torchrec.plan.plan_model import plan_model
-from embark_torchrec.plan.planner import builtin_sharding_type
+from embark_torchrec.plan.groups import builtin_sharding_type
 from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec
-from embark_torchrec.plan.topology import PRESETS, Topology
+from embark_torchrec.plan.topology import PRESETS, Hardware, Topology
 from embark_torchrec.testing import run_ranks
 from embark_torchrec.testing.training import compare_sharded_training, sharded_model
 
@@ -61,8 +61,10 @@ def _spec_and_topology(ws: int, index: int, salt: int) -> tuple[ModelSpec, Topol
     spec = ModelSpec(f"random_w{ws}_{index}", ws * 64, tuple(tables))
     need = sum(t.rows * (t.dim * 4 + 4) for t in tables)  # weights + row-wise optimizer state, as the planner counts
     cap = float(rng.choice(CAP_FACTORS)) * need / ws
-    # free de-duplication (as on GPUs), so that unique-based tables appear among the kinds checked
-    hardware = PRESETS["cpu-gloo"].with_overrides(hbm_gb=PRESETS["cpu-gloo"].hbm_reserve_gb + cap / 1e9, unique_ns_per_id=0.0)
+    # a network slower than the node's links and GPU-like free per-ID and per-collective overheads, so that
+    # unique-based tables, hierarchical reductions and mixed groups appear among the kinds checked
+    reserve = PRESETS["cpu-gloo"].hbm_reserve_gb
+    hardware = Hardware("test", reserve + cap / 1e9, reserve, 5.0, 2.0, 1.0, 50.0)
     return spec, Topology(ws, lws, hardware)
 
 

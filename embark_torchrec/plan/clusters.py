@@ -3,8 +3,11 @@
 Each table is priced alone under the cost model. A DP table adds its all-reduce and local lookups to
 every rank; a model-parallel table adds its total (summed over ranks) time, which a balanced plan
 spreads over W ranks. So DP wins when its per-rank time is below the model-parallel total / W, and
-UB wins over RB when de-duplicated traffic is cheaper than partial sums. DP tables are replicated, so
-they are accepted smallest first while they fit in `dp_memory_fraction` of a rank's memory.
+UB wins over RB when de-duplicated traffic is cheaper than partial sums. RB and UB tables run in
+different sharding groups, and a group costs its collectives (CostModel.group_ms) whatever it holds:
+so the cheapest of "each table its own choice", "all RB" and "all UB" is taken, the fixed cost of each
+group used counted once. DP tables are replicated, so they are accepted smallest first while they fit
+in `dp_memory_fraction` of a rank's memory.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Mapping
 
 from .constraints import TableConstraints
 from .cost import CostModel
+from .groups import sharding_type
 from .layout import TableLayout
 from .spec import TableSpec
 
@@ -29,17 +33,19 @@ def assign_clusters(
     dp_memory_fraction: float = 0.05,
 ) -> dict[str, str]:
     clusters: dict[str, str] = {}
-    dp_candidates: list[tuple[float, str]] = []
+    free: list[TableSpec] = []
     for t in cost.spec.tables:
         c = constraints.get(t.name, TableConstraints())
         if c.layout is not None:
             clusters[t.name] = c.layout.cluster
-            continue
-        if c.cluster is not None:
+        elif c.cluster is not None:
             clusters[t.name] = c.cluster
-            continue
-        clusters[t.name] = _cheaper_model_parallel(cost, t)
-        if c.ranks is None:
+        else:
+            free.append(t)
+    clusters.update(_model_parallel_clusters(cost, free, set(clusters.values())))
+    dp_candidates: list[tuple[float, str]] = []
+    for t in free:
+        if constraints.get(t.name, TableConstraints()).ranks is None:
             dp_ms = mean_rank_ms(cost, t.name, TableLayout.data_parallel())
             if dp_ms < mean_rank_ms(cost, t.name, _table_wise(t, clusters[t.name])):
                 dp_candidates.append((t.rows * cost.row_memory(t.name, t.dim), t.name))
@@ -49,14 +55,29 @@ def assign_clusters(
         if used + memory <= budget:
             clusters[name] = "dp"
             used += memory
-    return clusters
+    return {t.name: clusters[t.name] for t in cost.spec.tables}
 
 
 def _table_wise(t: TableSpec, cluster: str) -> TableLayout:
     return TableLayout.table_wise(t.rows, t.dim, 0, cluster)
 
 
-def _cheaper_model_parallel(cost: CostModel, t: TableSpec) -> str:
-    rb = mean_rank_ms(cost, t.name, _table_wise(t, "rb"))
-    ub = mean_rank_ms(cost, t.name, _table_wise(t, "ub"))
-    return "ub" if ub < rb else "rb"
+def _model_parallel_clusters(cost: CostModel, tables: list[TableSpec], forced: set[str]) -> dict[str, str]:
+    """RB or UB for each table: per table, all RB or all UB, whichever costs least with each sharding
+    group used paying its collectives once (groups that `forced` tables open anyway are free)."""
+    ms = {t.name: {k: mean_rank_ms(cost, t.name, _table_wise(t, k)) for k in ("rb", "ub")} for t in tables}
+    group = {k: 0.0 if k in forced else _group_ms(cost, tables, k) for k in ("rb", "ub")}
+
+    def total(choice: dict[str, str]) -> float:
+        return sum(ms[n][k] for n, k in choice.items()) + sum(group[k] for k in set(choice.values()))
+
+    own = {n: "ub" if m["ub"] < m["rb"] else "rb" for n, m in ms.items()}
+    options = [own, dict.fromkeys(ms, "rb"), dict.fromkeys(ms, "ub")]
+    return min(options, key=total)  # the first on a tie: each table its own choice
+
+
+def _group_ms(cost: CostModel, tables: list[TableSpec], cluster: str) -> float:
+    if not tables:
+        return 0.0
+    t = tables[0]
+    return cost.group_ms(sharding_type(_table_wise(t, cluster), t.rows, cost.topology.world_size, cost.topology.local_world_size))

@@ -22,14 +22,20 @@ same traffic message by message, and the runtime's dists send exactly that):
   W F U_r x w_c x 4 on its owner, plus b F p x dim x 4 on every rank to expand the unique vectors
   back into its samples' bags; DP: b F p x dim x 4. Backward costs BACKWARD_COMPUTE_MULTIPLIER x forward.
   UB also costs every rank b F p x unique_ns_per_id to de-duplicate its IDs (a CPU sort is slow;
-  zero in the GPU presets).
+  zero in the GPU presets). Every ID a cell looks up (the same counts, without the width) also costs
+  lookup_ns_per_id: indexing and optimizer bookkeeping per ID, whatever its width, which is why a
+  column split is not free on a CPU (zero in the GPU presets).
 - Memory per rank: per row of a cell, w_c x (4 + optimizer bytes per element) + optimizer bytes
   per row; DP tables in full on every rank.
 
-Time per rank: lookup_ms = lookup bytes / HBM bandwidth; comm_ms = max(sent, received) intra /
+- Collectives: each sharding group the plan runs (one per distinct sharding-type string, see
+  groups.py) issues a fixed number of collectives per step, each costing collective_us to launch
+  and synchronise, whatever its size (about 1 ms on gloo; zero in the GPU presets).
+
+Time per rank: lookup_ms = lookup bytes / HBM bandwidth + IDs x lookup_ns_per_id + de-duplication; comm_ms = max(sent, received) intra /
 NVLink bandwidth + max(sent, received) inter / network bandwidth. Step = max over ranks of lookup_ms
-+ max over ranks of comm_ms + DP all-reduce ms + dense ms (b / 1000 x dense_ms_per_ksample, plus
-the dense all-reduce), the same formulas for every plan.
++ max over ranks of comm_ms + collective ms + DP all-reduce ms + dense ms (b / 1000 x
+dense_ms_per_ksample, plus the dense all-reduce), the same formulas for every plan.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from typing import Mapping
 
 import numpy as np
 
+from .groups import collectives_per_step, sharding_type
 from .layout import Plan, TableLayout
 from .spec import ModelSpec, TableSpec
 from .topology import Topology
@@ -65,7 +72,7 @@ class OptimizerMemory:
     bytes_per_row: float = 4.0
 
 
-_ROWS = ("lookup_bytes", "send_intra", "recv_intra", "send_inter", "recv_inter", "memory", "dedup_ms")
+_ROWS = ("lookup_bytes", "send_intra", "recv_intra", "send_inter", "recv_inter", "memory", "dedup_ms", "lookup_ids")
 
 
 def _row_accessors(i: int) -> tuple:
@@ -81,14 +88,18 @@ def _row_accessors(i: int) -> tuple:
 
 
 class RankLoad:
-    """Per-rank quantities, summed over tables, as the rows of one [7, W] array (so that adding a
+    """Per-rank quantities, summed over tables, as the rows of one [8, W] array (so that adding a
     table is one array operation): lookup bytes, bytes sent / received intra and inter node,
-    memory bytes, de-duplication ms; plus the DP all-reduce bytes per rank, intra and inter node."""
+    memory bytes, de-duplication ms, IDs looked up; plus the DP all-reduce bytes per rank, intra and inter node,
+    and the tables per sharding group (a group costs its collectives while it has any table)."""
 
-    def __init__(self, rows: np.ndarray, dp_intra: float = 0.0, dp_inter: float = 0.0) -> None:
+    def __init__(
+        self, rows: np.ndarray, dp_intra: float = 0.0, dp_inter: float = 0.0, groups: Mapping[str, int] | None = None
+    ) -> None:
         self.rows = rows
         self.dp_intra = dp_intra
         self.dp_inter = dp_inter
+        self.groups: dict[str, int] = dict(groups or {})
 
     @classmethod
     def zeros(cls, world_size: int) -> "RankLoad":
@@ -98,10 +109,15 @@ class RankLoad:
     def total(cls, loads: "list[RankLoad]", world_size: int) -> "RankLoad":
         if not loads:
             return cls.zeros(world_size)
+        groups: dict[str, int] = {}
+        for load in loads:
+            for kind, n in load.groups.items():
+                groups[kind] = groups.get(kind, 0) + n
         return cls(
             np.sum([load.rows for load in loads], axis=0),
             sum(load.dp_intra for load in loads),
             sum(load.dp_inter for load in loads),
+            groups,
         )
 
     lookup_bytes = property(*_row_accessors(0))
@@ -111,14 +127,17 @@ class RankLoad:
     recv_inter = property(*_row_accessors(4))
     memory = property(*_row_accessors(5))
     dedup_ms = property(*_row_accessors(6))
+    lookup_ids = property(*_row_accessors(7))
 
     def add(self, other: "RankLoad", sign: float = 1.0) -> None:
         self.rows += other.rows if sign == 1.0 else sign * other.rows
         self.dp_intra += sign * other.dp_intra
         self.dp_inter += sign * other.dp_inter
+        for kind, n in other.groups.items():
+            self.groups[kind] = self.groups.get(kind, 0) + int(sign) * n
 
     def copy(self) -> "RankLoad":
-        return RankLoad(self.rows.copy(), self.dp_intra, self.dp_inter)
+        return RankLoad(self.rows.copy(), self.dp_intra, self.dp_inter, self.groups)
 
 
 @dataclass(frozen=True)
@@ -127,6 +146,7 @@ class StepCost:
 
     lookup_ms: float
     comm_ms: float
+    collective_ms: float
     dp_allreduce_ms: float
     dense_ms: float
     rank_lookup_ms: np.ndarray = field(repr=False)
@@ -138,7 +158,7 @@ class StepCost:
 
     @property
     def step_ms(self) -> float:
-        return self.lookup_ms + self.comm_ms + self.dp_allreduce_ms + self.dense_ms
+        return self.lookup_ms + self.comm_ms + self.collective_ms + self.dp_allreduce_ms + self.dense_ms
 
     @property
     def rank_load_ms(self) -> np.ndarray:
@@ -150,6 +170,7 @@ class StepCost:
             "step_ms": self.step_ms,
             "lookup_ms": self.lookup_ms,
             "comm_ms": self.comm_ms,
+            "collective_ms": self.collective_ms,
             "dp_allreduce_ms": self.dp_allreduce_ms,
             "dense_ms": self.dense_ms,
         }
@@ -254,18 +275,20 @@ class CostModel:
         base = self.table_load(name, layout.with_ranks(((0,),)))
         lws, nodes = self.topology.local_world_size, self.topology.num_nodes
         source = ((self._node - k // lws) % nodes) * lws + (self._local - k % lws) % lws
-        return RankLoad(base.rows[:, source], base.dp_intra, base.dp_inter)
+        return RankLoad(base.rows[:, source], base.dp_intra, base.dp_inter, base.groups)
 
     def _table_load(self, name: str, layout: TableLayout) -> RankLoad:
         t = self._tables[name]
         w = self.topology.world_size
         load = RankLoad.zeros(w)
+        load.groups[sharding_type(layout, t.rows, w, self.topology.local_world_size)] = 1
         feats = len(t.feature_names)
         b = self.local_batch
         fwd, bwd = layout.precision.forward, layout.precision.backward
         lookup_factor = WEIGHT_BYTES * (1.0 + BACKWARD_COMPUTE_MULTIPLIER)
         if layout.cluster == "dp":
             load.lookup_bytes += b * feats * t.pooling * t.dim * lookup_factor
+            load.lookup_ids += b * feats * t.pooling
             load.memory += t.rows * self.row_memory(name, t.dim)
             grad = t.rows * vector_bytes(t.dim, bwd)
             lws, nodes = self.topology.local_world_size, self.topology.num_nodes
@@ -280,6 +303,7 @@ class CostModel:
         to_all, from_all = np.zeros(w), np.zeros(w)
         if ub:  # every rank de-duplicates its IDs and expands the unique vectors back into its bags
             load.lookup_bytes += b * feats * t.pooling * t.dim * lookup_factor
+            load.lookup_ids += b * feats * t.pooling
             load.dedup_ms += b * feats * t.pooling * self.topology.hardware.unique_ns_per_id / 1e6
         for r in range(layout.num_row_slices):
             n_rows = rows[r + 1] - rows[r]
@@ -292,10 +316,12 @@ class CostModel:
                 load.memory[k] += n_rows * self.row_memory(name, width)
                 if ub:
                     load.lookup_bytes[k] += w * feats * distinct[r] * width * lookup_factor
+                    load.lookup_ids[k] += w * feats * distinct[r]
                     to_all[k] += feats * distinct[r] * vector_bytes(width, fwd)
                     from_all[k] += feats * distinct[r] * vector_bytes(width, bwd)
                 else:
                     load.lookup_bytes[k] += self.spec.batch_size * feats * t.pooling * mass[r] * width * lookup_factor
+                    load.lookup_ids[k] += self.spec.batch_size * feats * t.pooling * mass[r]
         if not ub:
             for c in range(layout.num_col_slices):
                 holders = [layout.ranks[r][c] for r in range(layout.num_row_slices)]
@@ -331,9 +357,14 @@ class CostModel:
         peers_ms = (lws - 1) / (hw.intra_node_bw_gbps * 1e6) + (w - lws) / (hw.inter_node_bw_gbps * 1e6)
         looked_up = (w * ids) if ub else (self.spec.batch_size * t.pooling * mass)
         lookup = feats * looked_up[:, None] * widths[None, :] * WEIGHT_BYTES * (1.0 + BACKWARD_COMPUTE_MULTIPLIER)
-        return lookup / (hw.hbm_bw_gbps * 1e6) + per_peer * peers_ms
+        per_id = feats * looked_up[:, None] * hw.lookup_ns_per_id / 1e6
+        return lookup / (hw.hbm_bw_gbps * 1e6) + per_id + per_peer * peers_ms
 
     # ---- whole plans ----------------------------------------------------------------------
+
+    def group_ms(self, kind: str) -> float:
+        """What one sharding group of this sharding type costs per step in collective launches."""
+        return collectives_per_step(kind) * self.topology.hardware.collective_us / 1e3
 
     def rank_load(self, plan: Plan | Mapping[str, TableLayout]) -> RankLoad:
         tables = plan.tables if isinstance(plan, Plan) else plan
@@ -342,7 +373,7 @@ class CostModel:
     def step_cost(self, load: RankLoad) -> StepCost:
         hw = self.topology.hardware
         to_ms = lambda nbytes, gbps: nbytes / (gbps * 1e6)  # noqa: E731
-        lookup = to_ms(load.lookup_bytes, hw.hbm_bw_gbps) + load.dedup_ms
+        lookup = to_ms(load.lookup_bytes, hw.hbm_bw_gbps) + load.lookup_ids * hw.lookup_ns_per_id / 1e6 + load.dedup_ms
         intra = to_ms(np.maximum(load.send_intra, load.recv_intra), hw.intra_node_bw_gbps)
         inter = to_ms(np.maximum(load.send_inter, load.recv_inter), hw.inter_node_bw_gbps)
         dp = to_ms(load.dp_intra, hw.intra_node_bw_gbps) + to_ms(load.dp_inter, hw.inter_node_bw_gbps)
@@ -354,6 +385,7 @@ class CostModel:
         return StepCost(
             lookup_ms=float(lookup.max()),
             comm_ms=float((intra + inter).max()),
+            collective_ms=sum(self.group_ms(kind) for kind, n in load.groups.items() if n > 0),
             dp_allreduce_ms=float(dp),
             dense_ms=self.local_batch / 1000.0 * hw.dense_ms_per_ksample + dense_ar,
             rank_lookup_ms=lookup,

@@ -14,40 +14,12 @@ from torchrec.distributed.types import ShardingPlan, ShardingPlanner
 
 from .constraints import from_torchrec
 from .cost import OptimizerMemory
-from .layout import Plan, TableLayout, sharding_type_name
+from .groups import DATA_PARALLEL, sharding_type
+from .layout import Plan
 from .plan_model import PlannedModel, plan_model
 from .search import SearchConfig
 from .spec import IdDistribution, ModelSpec
 from .topology import DEFAULT_HARDWARE, Hardware, Topology, hardware_preset
-
-def builtin_sharding_type(layout: TableLayout, rows: int, world_size: int, local_world_size: int) -> str | None:
-    """The torchrec sharding type that runs this layout exactly, or None.
-
-    RW and TWRW only when the row bounds are torchrec's own ceil blocks on the ranks it would use
-    (its bucketizer ignores our bounds), and only at fp32 (qcomms in torchrec are per module).
-    """
-    if layout.cluster == "dp":
-        return "data_parallel"
-    if layout.cluster != "rb" or layout.precision.forward != "fp32" or layout.precision.backward != "fp32":
-        return None
-    n_r, n_c = layout.num_row_slices, layout.num_col_slices
-    if n_r == 1:
-        return "table_wise" if n_c == 1 else "column_wise"
-    if n_c != 1:
-        return None
-    ranks = [row[0] for row in layout.ranks]
-    if n_r == world_size and ranks == list(range(world_size)) and not layout.hierarchical:
-        return "row_wise" if layout.row_bounds == _ceil_blocks(rows, world_size) else None
-    first = ranks[0]
-    node_ranks = list(range(first, first + local_world_size))
-    if n_r == local_world_size and first % local_world_size == 0 and ranks == node_ranks and layout.hierarchical:
-        return "table_row_wise" if layout.row_bounds == _ceil_blocks(rows, local_world_size) else None
-    return None
-
-
-def _ceil_blocks(rows: int, parts: int) -> tuple[int, ...]:
-    block = -(-rows // parts)
-    return tuple(min(i * block, rows) for i in range(parts + 1))
 
 
 def module_sharding_plan(plan: Plan, spec: ModelSpec, compute_device: str = "cuda") -> Any:
@@ -59,11 +31,9 @@ def module_sharding_plan(plan: Plan, spec: ModelSpec, compute_device: str = "cud
     out = EmbeddingModuleShardingPlan()
     for t in spec.tables:
         layout = plan[t.name]
-        kind = builtin_sharding_type(layout, t.rows, plan.world_size, lws)
-        if layout.cluster == "dp":
-            out[t.name] = ParameterSharding(
-                sharding_type="data_parallel", compute_kernel="dense", ranks=list(range(plan.world_size))
-            )
+        kind = sharding_type(layout, t.rows, plan.world_size, lws)
+        if kind == DATA_PARALLEL:
+            out[t.name] = ParameterSharding(sharding_type=kind, compute_kernel="dense", ranks=list(range(plan.world_size)))
             continue
         shards = list(layout.shards())
         device = (lambda k: f"rank:{k}/cuda:{k % lws}") if compute_device == "cuda" else (lambda k: f"rank:{k}/{compute_device}")
@@ -76,7 +46,7 @@ def module_sharding_plan(plan: Plan, spec: ModelSpec, compute_device: str = "cud
             for s in shards
         ]
         out[t.name] = ParameterSharding(
-            sharding_type=kind or sharding_type_name(layout),
+            sharding_type=kind,
             compute_kernel="fused",
             ranks=[s.rank for s in shards],
             sharding_spec=EnumerableShardingSpec(metadata),

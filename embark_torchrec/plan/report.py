@@ -82,14 +82,17 @@ def comparison_table(plans: Sequence[ScoredPlan]) -> str:
     """Every plan's estimate side by side; speedup = other plan's step / embark's step."""
     base = plans[0]
     lines = [
-        "| plan | step ms | lookup ms | comm ms | dp ms | dense ms | imbalance | planning s | speedup of " + base.name + " |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| plan | step ms | lookup ms | comm ms | collective ms | dp ms | dense ms | imbalance | planning s | speedup of "
+        + base.name
+        + " |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for p in plans:
         s = summary(p)
         seconds = "-" if p.seconds is None else f"{p.seconds:.1f}"
         lines.append(
-            f"| {p.name} | {s['step_ms']:.3f} | {s['lookup_ms']:.3f} | {s['comm_ms']:.3f} | {s['dp_allreduce_ms']:.3f} | "
+            f"| {p.name} | {s['step_ms']:.3f} | {s['lookup_ms']:.3f} | {s['comm_ms']:.3f} | {s['collective_ms']:.3f} | "
+            f"{s['dp_allreduce_ms']:.3f} | "
             f"{s['dense_ms']:.3f} | {s['imbalance']:.2f} | {seconds} | {p.cost.step_ms / base.cost.step_ms:.2f}x |"
         )
     return "\n".join(lines)
@@ -105,7 +108,7 @@ def render(plans: Sequence[ScoredPlan], topology: Topology, model_name: str) -> 
         f"{topology.local_world_size}), {hw.name}, cap {topology.hbm_cap_bytes / 1e9:.0f} GB per GPU",
         "",
         f"estimated step {s['step_ms']:.3f} ms = lookups {s['lookup_ms']:.3f} + embedding comm {s['comm_ms']:.3f} "
-        f"+ DP all-reduce {s['dp_allreduce_ms']:.3f} + dense {s['dense_ms']:.3f}",
+        f"+ collectives {s['collective_ms']:.3f} + DP all-reduce {s['dp_allreduce_ms']:.3f} + dense {s['dense_ms']:.3f}",
         f"imbalance (max/mean load) {s['imbalance']:.2f}; clusters {s['clusters']}; tables by layout {s['kinds']}; "
         f"{s['shards']} shards; {s['hierarchical_tables']} tables reduce inside nodes first",
         "",

@@ -137,12 +137,13 @@ class GreedySearch:
 
     def _hierarchy(self, name: str, layout: TableLayout) -> TableLayout:
         """Row-split RB tables reduce inside the node first when that lowers the table's own
-        communication bottleneck."""
+        communication bottleneck, counting the extra collectives of the two-stage reduction."""
         if layout.cluster != "rb" or layout.num_row_slices < 2:
             return layout
         if layout not in self._hier_cache:
             flat, hier = (replace(layout, hierarchical=h) for h in (False, True))
-            ms = [self.cost.step_cost(self.cost.table_load(name, v)).comm_ms for v in (flat, hier)]
+            steps = [self.cost.step_cost(self.cost.table_load(name, v)) for v in (flat, hier)]
+            ms = [step.comm_ms + step.collective_ms for step in steps]
             self._hier_cache[layout] = ms[1] < ms[0]
         return replace(layout, hierarchical=self._hier_cache[layout])
 

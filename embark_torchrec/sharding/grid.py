@@ -159,9 +159,12 @@ class GridSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         lengths = kjt.lengths().long()
         ids = kjt.values().long()
         weights = bag_weights(kjt, self._mean) if self._weighted else None
-        bucket_lengths, local, bucket_weights, _, _ = torch.ops.fbgemm.block_bucketize_sparse_features(
-            lengths, ids, False, False, self._block_sizes, self._buckets, weights, None, -1, list(self._bucket_pos.unbind(0))
-        )
+        if self._buckets == 1:  # no table is row-split: every ID is already its cell's local row
+            bucket_lengths, local, bucket_weights = lengths, ids, weights
+        else:
+            bucket_lengths, local, bucket_weights, _, _ = torch.ops.fbgemm.block_bucketize_sparse_features(
+                lengths, ids, False, False, self._block_sizes, self._buckets, weights, None, -1, list(self._bucket_pos.unbind(0))
+            )
         out_lengths, out_values, out_weights = torch.ops.fbgemm.permute_2D_sparse_data(
             self._route_rows, bucket_lengths.view(-1, stride), local, bucket_weights, None
         )

@@ -1,0 +1,75 @@
+"""Sharding groups: the sharding-type string each layout runs under, and what a group costs in collectives.
+
+TorchRec builds one EmbeddingSharding (one input dist and one output dist, each with its own
+collectives) per distinct sharding-type string in a module. So every distinct string a plan uses
+adds a fixed number of collectives per training step, whatever its tables' sizes; on a transport with
+a high launch cost (gloo) that count matters as much as the bytes. The counts below are those the
+runtime issues (counted by wrapping torch.distributed's collectives around a training step).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from .layout import TableLayout, parse_sharding_type, sharding_type_name
+
+DATA_PARALLEL = "data_parallel"
+# collectives per training step of one group, forward and backward: the KJT input dist (splits,
+# lengths, values), then the pooled output and its gradient; hierarchical (and TWRW) reductions add
+# an intra-node stage each way; UB sends counts and de-duplicated IDs, then vectors and their gradients
+FLAT_COLLECTIVES = 5
+HIERARCHICAL_COLLECTIVES = 7
+UNIQUE_COLLECTIVES = 4
+_BUILTIN_COLLECTIVES = {
+    DATA_PARALLEL: 0,  # its gradients are all-reduced with the dense ones, in DDP's buckets
+    "table_wise": FLAT_COLLECTIVES,
+    "column_wise": FLAT_COLLECTIVES,
+    "row_wise": FLAT_COLLECTIVES,
+    "table_row_wise": HIERARCHICAL_COLLECTIVES,
+}
+
+
+def builtin_sharding_type(layout: TableLayout, rows: int, world_size: int, local_world_size: int) -> str | None:
+    """The torchrec sharding type that runs this layout exactly, or None.
+
+    RW and TWRW only when the row bounds are torchrec's own ceil blocks on the ranks it would use
+    (its bucketizer ignores our bounds), and only at fp32 (qcomms in torchrec are per module).
+    """
+    if layout.cluster == "dp":
+        return DATA_PARALLEL
+    if layout.cluster != "rb" or layout.precision.forward != "fp32" or layout.precision.backward != "fp32":
+        return None
+    n_r, n_c = layout.num_row_slices, layout.num_col_slices
+    if n_r == 1:
+        return "table_wise" if n_c == 1 else "column_wise"
+    if n_c != 1:
+        return None
+    ranks = [row[0] for row in layout.ranks]
+    if n_r == world_size and ranks == list(range(world_size)) and not layout.hierarchical:
+        return "row_wise" if layout.row_bounds == _ceil_blocks(rows, world_size) else None
+    first = ranks[0]
+    node_ranks = list(range(first, first + local_world_size))
+    if n_r == local_world_size and first % local_world_size == 0 and ranks == node_ranks and layout.hierarchical:
+        return "table_row_wise" if layout.row_bounds == _ceil_blocks(rows, local_world_size) else None
+    return None
+
+
+def _ceil_blocks(rows: int, parts: int) -> tuple[int, ...]:
+    block = -(-rows // parts)
+    return tuple(min(i * block, rows) for i in range(parts + 1))
+
+
+def sharding_type(layout: TableLayout, rows: int, world_size: int, local_world_size: int) -> str:
+    """The sharding-type string the layout runs under: a built-in one where it exists, else ours."""
+    return builtin_sharding_type(layout, rows, world_size, local_world_size) or sharding_type_name(layout)
+
+
+@lru_cache(maxsize=None)
+def collectives_per_step(kind: str) -> int:
+    """Collectives one sharding group issues per training step (forward and backward)."""
+    if kind in _BUILTIN_COLLECTIVES:
+        return _BUILTIN_COLLECTIVES[kind]
+    cluster, hierarchical, _ = parse_sharding_type(kind)
+    if cluster == "ub":
+        return UNIQUE_COLLECTIVES
+    return HIERARCHICAL_COLLECTIVES if hierarchical else FLAT_COLLECTIVES

@@ -1,0 +1,146 @@
+"""Sharding groups: the collectives the cost model charges per group are the ones the runtime issues.
+
+For each sharding type (TorchRec's table-wise, column-wise, row-wise, table-row-wise; our flat and hierarchical
+RB grids and UB), 4 gloo ranks (2 nodes x 2, one spawn for all cases) train one step of a model whose tables all run in that group,
+and count every torch.distributed collective the step calls; a model with tables in three groups must issue the
+sum of the three. The count must equal groups.collectives_per_step, and the cost model must charge exactly
+group_ms for each distinct group, whatever the number of tables in it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import pytest
+import torch
+import torch.distributed as dist
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+from embark_torchrec.plan.cost import CostModel
+from embark_torchrec.plan.groups import collectives_per_step, sharding_type
+from embark_torchrec.plan.layout import Plan, TableLayout
+from embark_torchrec.plan.plan_model import plan_model
+from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec
+from embark_torchrec.plan.topology import PRESETS, Topology
+from embark_torchrec.testing import global_kjt_batch, run_ranks
+from embark_torchrec.testing.training import sharded_model
+
+WS, LWS, BATCH = 4, 2, 4
+ROWS, DIM = 40, 8
+COLLECTIVES = (
+    "all_to_all_single",
+    "all_to_all",
+    "reduce_scatter_tensor",
+    "reduce_scatter",
+    "all_gather_into_tensor",
+    "all_gather",
+    "all_reduce",
+    "broadcast",
+)
+# per sharding type: the layout of each of two tables
+LAYOUTS: dict[str, tuple[TableLayout, TableLayout]] = {
+    "table_wise": (TableLayout.table_wise(ROWS, DIM, 1), TableLayout.table_wise(ROWS, DIM, 2)),
+    "column_wise": (TableLayout("rb", (0, ROWS), (0, 4, 8), ((0, 3),)),) * 2,
+    "row_wise": (TableLayout("rb", (0, 10, 20, 30, 40), (0, DIM), ((0,), (1,), (2,), (3,))),) * 2,
+    "table_row_wise": (TableLayout("rb", (0, 20, 40), (0, DIM), ((2,), (3,)), hierarchical=True),) * 2,
+    "embark_rb": (TableLayout("rb", (0, 15, 40), (0, 4, 8), ((0, 1), (3, 2))),) * 2,
+    "embark_rb_hier": (TableLayout("rb", (0, 15, 40), (0, 4, 8), ((0, 1), (2, 3)), hierarchical=True),) * 2,
+    "embark_ub": (TableLayout.table_wise(ROWS, DIM, 0, "ub"), TableLayout("ub", (0, 25, 40), (0, DIM), ((1,), (3,)))),
+}
+TABLES = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=ROWS, embedding_dim=DIM, feature_names=[f"f{i}"]) for i in range(2)]
+MIXED_TABLES = TABLES + [EmbeddingBagConfig(name="t2", num_embeddings=ROWS, embedding_dim=DIM, feature_names=["f2"])]
+MIXED_LAYOUTS = {"t0": LAYOUTS["table_wise"][0], "t1": LAYOUTS["embark_ub"][1], "t2": LAYOUTS["embark_rb_hier"][0]}
+
+
+CASES: dict[str, tuple[list[EmbeddingBagConfig], dict[str, TableLayout]]] = {
+    **{kind: (TABLES, dict(zip(("t0", "t1"), pair))) for kind, pair in LAYOUTS.items()},
+    "mixed": (MIXED_TABLES, MIXED_LAYOUTS),
+}
+
+
+def _count_collectives() -> dict[str, int]:
+    """On each rank: the collectives of the second training step of each case (the first step builds the lazily
+    created dists), counted by wrapping torch.distributed's collectives."""
+    calls = [0]
+
+    def counted(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    for name in COLLECTIVES:
+        setattr(dist, name, counted(getattr(dist, name)))
+    result = {}
+    for case, (tables, layouts) in CASES.items():
+        model = sharded_model(tables, layouts, LWS)
+        for step in range(2):
+            kjt = global_kjt_batch(tables, WS, BATCH, seed=step)[dist.get_rank()]
+            before = calls[0]
+            out = model(kjt)
+            out = (out.wait() if hasattr(out, "wait") else out).to_dict()
+            torch.cat(list(out.values()), dim=1).sum().backward()
+            result[case] = calls[0] - before
+    return result
+
+
+@pytest.fixture(scope="module")
+def counted() -> list[dict[str, int]]:
+    return run_ranks(_count_collectives, WS, local_world_size=LWS, timeout_s=300)
+
+
+def _expected(tables: list[EmbeddingBagConfig], layouts: Mapping[str, TableLayout]) -> int:
+    kinds = {sharding_type(layouts[t.name], t.num_embeddings, WS, LWS) for t in tables}
+    return sum(collectives_per_step(k) for k in kinds)
+
+
+@pytest.mark.parametrize("kind", sorted(LAYOUTS))
+def test_group_issues_the_collectives_it_is_charged(counted: list[dict[str, int]], kind: str) -> None:
+    tables, layouts = CASES[kind]
+    assert {sharding_type(layouts[t.name], ROWS, WS, LWS) for t in tables} == {kind}
+    assert [c[kind] for c in counted] == [collectives_per_step(kind)] * WS
+
+
+def test_groups_add_up(counted: list[dict[str, int]]) -> None:
+    """Three tables in three groups: the step issues the sum of the groups' collectives."""
+    assert [c["mixed"] for c in counted] == [_expected(*CASES["mixed"])] * WS == [5 + 4 + 7] * WS
+
+
+def test_cost_model_charges_each_distinct_group_once() -> None:
+    hw = PRESETS["cpu-gloo"]
+    spec = ModelSpec("m", WS * 8, tuple(TableSpec(f"t{i}", ROWS, DIM, 2.0) for i in range(3)))
+    cost = CostModel(spec, Topology(WS, LWS, hw))
+
+    def collective_ms(layouts: Mapping[str, TableLayout]) -> float:
+        return cost.evaluate(Plan(WS, LWS, dict(layouts))).collective_ms
+
+    tw = {f"t{i}": TableLayout.table_wise(ROWS, DIM, i) for i in range(3)}
+    one_group = collectives_per_step("table_wise") * hw.collective_us / 1e3
+    assert collective_ms(tw) == pytest.approx(one_group)
+    assert collective_ms({**tw, "t2": TableLayout.data_parallel()}) == pytest.approx(one_group)  # DP rides in DDP
+    mixed = {**tw, "t1": LAYOUTS["embark_ub"][0], "t2": LAYOUTS["embark_rb_hier"][0]}
+    assert collective_ms(mixed) == pytest.approx((5 + 4 + 7) * hw.collective_us / 1e3)
+    step = cost.evaluate(Plan(WS, LWS, mixed))
+    assert step.step_ms == pytest.approx(step.lookup_ms + step.comm_ms + step.collective_ms + step.dp_allreduce_ms + step.dense_ms)
+    free = CostModel(spec, Topology(WS, LWS, hw.with_overrides(collective_us=0.0)))
+    assert free.evaluate(Plan(WS, LWS, mixed)).collective_ms == 0.0
+
+
+def _groups(plan: Plan, spec: ModelSpec) -> set[str]:
+    return {sharding_type(plan[t.name], t.rows, plan.world_size, plan.local_world_size) for t in spec.tables} - {"data_parallel"}
+
+
+def test_costly_collectives_keep_the_plan_in_one_group() -> None:
+    """With free collectives the planner mixes clusters and shapes (several groups); once a group's collectives
+    cost more than any table's traffic, the plan runs in a single sharding group."""
+    tables = tuple(
+        TableSpec(f"t{i}", rows, 32, pooling, id_distribution=IdDistribution("zipf", 1.1))
+        for i, (rows, pooling) in enumerate([(1_000, 1.0), (2_000, 2.0), (50_000, 6.0), (100_000, 12.0), (100_000, 20.0)])
+    )
+    spec = ModelSpec("m", 8 * 256, tables)
+    free = PRESETS["dgx-h100"].with_overrides(collective_us=0.0)
+    costly = free.with_overrides(collective_us=1e4)
+    assert len(_groups(plan_model(spec, Topology(8, 4, free)).plan, spec)) > 1
+    planned = plan_model(spec, Topology(8, 4, costly))
+    assert len(_groups(planned.plan, spec)) == 1
