@@ -1,8 +1,9 @@
 """Measures the figures of the cpu-gloo hardware preset on this machine, with the ranks the e2e
-benchmark runs (4 gloo processes): the launch cost of one collective, all-to-all bandwidth, and the
-cost of embedding lookups (fbgemm's CPU TBE, forward and backward with fused row-wise Adagrad) per ID
-and per byte, all while every rank runs at once, as in training. Prints medians and the Hardware
-figures they give.
+benchmark runs (4 gloo processes): the launch cost of one collective and all-to-all bandwidth, while
+every rank runs at once, as in training; and the cost of embedding lookups (fbgemm's CPU TBE, forward
+and backward with fused row-wise Adagrad) per ID and per byte on one rank while the others wait, since
+the cost model shares the host's cores among ranks itself (host_cores). Prints medians and the
+Hardware figures they give.
 
 Lookups: TBE time = fixed + IDs x (per ID + width x per element). Two poolings at width 8 give the cost
 of one more ID at that width; two widths at the same IDs give the cost per element, so per ID = the
@@ -33,12 +34,13 @@ LOOKUP_ROWS, LOOKUP_BATCH = 100_000, 2048
 NARROW, WIDE, FEW, MANY = 8, 128, 5, 20  # widths and poolings of the TBE runs
 
 
-def median_s(fn: Callable[[], object], repeats: int) -> float:
+def median_s(fn: Callable[[], object], repeats: int, every_rank: bool = True) -> float:
     for _ in range(repeats // 10):
         fn()
     times = []
     for _ in range(repeats):
-        dist.barrier()
+        if every_rank:
+            dist.barrier()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
@@ -65,7 +67,7 @@ def lookup_s(dim: int, pooling: int) -> float:
     def step() -> None:
         tbe(ids, offsets).sum().backward()
 
-    return median_s(step, REPEATS // 4)
+    return median_s(step, REPEATS // 4, every_rank=False)
 
 
 def main() -> None:
@@ -73,18 +75,18 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     small = all_to_all_s(SMALL_PER_PEER, REPEATS)
     large = all_to_all_s(LARGE_PER_PEER, REPEATS // 4)
-    lookups = [lookup_s(NARROW, FEW), lookup_s(NARROW, MANY), lookup_s(WIDE, MANY)]
     results: list = [None] * world
-    dist.all_gather_object(results, [small, large, *lookups])
+    dist.all_gather_object(results, [small, large])
     if rank == 0:
-        small, large, few, narrow, wide = (statistics.median(r[i] for r in results) for i in range(5))
+        small, large = (statistics.median(r[i] for r in results) for i in range(2))
+        few, narrow, wide = lookup_s(NARROW, FEW), lookup_s(NARROW, MANY), lookup_s(WIDE, MANY)
         ids = LOOKUP_BATCH * MANY
         per_element = (wide - narrow) / (ids * (WIDE - NARROW))
         per_id = (narrow - few) / (LOOKUP_BATCH * (MANY - FEW)) - NARROW * per_element
         element_bytes = WEIGHT_BYTES * (1.0 + BACKWARD_COMPUTE_MULTIPLIER)
         peer_bytes = (world - 1) * LARGE_PER_PEER * 4  # sent by each rank (and received)
         bw = peer_bytes / max(large - small, 1e-9) / 1e9
-        print(f"{world} gloo ranks, medians over ranks of per-call medians:")
+        print(f"{world} gloo ranks; collectives: medians over ranks of per-call medians; lookups: rank 0 alone")
         print(f"  all_to_all_single, {SMALL_PER_PEER} floats per peer: {small * 1e6:.0f} us")
         print(f"  all_to_all_single, {LARGE_PER_PEER * 4 >> 20} MiB per peer: {large * 1e3:.2f} ms")
         for (dim, pooling), t in zip(((NARROW, FEW), (NARROW, MANY), (WIDE, MANY)), (few, narrow, wide)):
@@ -93,6 +95,7 @@ def main() -> None:
             f"Hardware figures: collective_us={small * 1e6:.0f}, intra/inter_node_bw_gbps={bw:.2f} (all loopback), "
             f"lookup_ns_per_id={per_id * 1e9:.0f}, hbm_bw_gbps={element_bytes / per_element / 1e9:.2f}"
         )
+    dist.barrier()  # the other ranks wait here while rank 0 measures lookups alone
     dist.destroy_process_group()
 
 

@@ -180,3 +180,16 @@ def test_every_id_a_cell_looks_up_costs_lookup_ns_per_id() -> None:
     extra = cost.step_cost(cw).rank_lookup_ms - cw.lookup_bytes / (hw.hbm_bw_gbps * 1e6)
     np.testing.assert_allclose(extra, cw.lookup_ids * hw.lookup_ns_per_id / 1e6)
     assert hw.lookup_ns_per_id > 0 and PRESETS["dgx-h100"].lookup_ns_per_id == 0.0
+
+
+def test_ranks_sharing_a_hosts_cores_look_up_no_faster_than_the_cores_allow() -> None:
+    """With host_cores, the step's lookups take max(slowest rank, all ranks' lookups / cores): on a CPU box that
+    hosts every rank, spreading a table over more ranks does not help once the cores are busy."""
+    spec = _model()
+    layout = TableLayout("rb", (0, 250, 500, 750, 1000), (0, 16), ((0,), (1,), (2,), (3,)))
+    for cores in (0, 1, 2, 4):
+        hw = PRESETS["cpu-gloo"].with_overrides(host_cores=cores)
+        step = CostModel(spec, Topology(4, 2, hw)).evaluate(Plan(4, 2, {"t": layout}))
+        per_rank = step.rank_lookup_ms
+        assert step.lookup_ms == pytest.approx(max(per_rank.max(), per_rank.sum() / cores) if cores else per_rank.max())
+        assert (step.lookup_ms > per_rank.max()) == (0 < cores < 4)

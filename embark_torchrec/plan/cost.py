@@ -7,13 +7,14 @@ being the table's unique ratio (ModelSpec.expected_unique_ratio). e_fwd / e_bwd:
 
 Per table and cluster (bytes are counted at the sender and at the receiver; traffic.py lists the
 same traffic message by message, and the runtime's dists send exactly that):
-- RB input dist: every rank sends each cell's holder F x (b p m_r x 8 + b x 4) bytes (int64 IDs,
-  int32 lengths), once per cell.
+- RB input dist: every rank sends each cell's holder F x (b p m_r x i + b x 4) bytes (IDs of i
+  bytes: 8 on TorchRec's sharding types, which send the input's int64 IDs, 4 on ours, which send
+  row-local int32 IDs; int32 lengths), once per cell.
 - RB output: every cell sends each other rank F x b x w_c x e_fwd bytes of partial sums.
   Hierarchical: a cell first sends its sums for destination j to the rank of its node whose local
   rank is j's (intra-node), which sums the node's cells and sends each column slice once across
   nodes. Backward: the same bytes in the opposite direction at e_bwd.
-- UB: IDs are de-duplicated per destination: F x (U_r x 8 + 4) bytes in to each distinct holder
+- UB: IDs are de-duplicated per destination: F x (U_r x 4 + 4) bytes in to each distinct holder
   of row slice r (IDs and one int32 count per feature), F x U_r x w_c x e_fwd bytes back from each
   cell (one vector per distinct ID), and the same back in backward at e_bwd.
 - DP: no forward traffic; the gradient (rows x dim x e_bwd bytes) is all-reduced hierarchically:
@@ -35,7 +36,9 @@ same traffic message by message, and the runtime's dists send exactly that):
 Time per rank: lookup_ms = lookup bytes / HBM bandwidth + IDs x lookup_ns_per_id + de-duplication; comm_ms = max(sent, received) intra /
 NVLink bandwidth + max(sent, received) inter / network bandwidth. Step = max over ranks of lookup_ms
 + max over ranks of comm_ms + collective ms + DP all-reduce ms + dense ms (b / 1000 x
-dense_ms_per_ksample, plus the dense all-reduce), the same formulas for every plan.
+dense_ms_per_ksample, plus the dense all-reduce), the same formulas for every plan. When every rank
+shares one host's cores (host_cores > 0: our CPU test box), the lookups take at least the sum over
+ranks / host_cores: there, balancing the ranks does not shorten the step, less total work does.
 """
 
 from __future__ import annotations
@@ -45,12 +48,11 @@ from typing import Mapping
 
 import numpy as np
 
-from .groups import collectives_per_step, sharding_type
+from .groups import collectives_per_step, id_bytes, sharding_type
 from .layout import Plan, TableLayout
 from .spec import ModelSpec, TableSpec
 from .topology import Topology
 
-ID_BYTES = 8
 LENGTH_BYTES = 4
 WEIGHT_BYTES = 4
 BACKWARD_COMPUTE_MULTIPLIER = 2.0
@@ -281,7 +283,8 @@ class CostModel:
         t = self._tables[name]
         w = self.topology.world_size
         load = RankLoad.zeros(w)
-        load.groups[sharding_type(layout, t.rows, w, self.topology.local_world_size)] = 1
+        kind = sharding_type(layout, t.rows, w, self.topology.local_world_size)
+        load.groups[kind] = 1
         feats = len(t.feature_names)
         b = self.local_batch
         fwd, bwd = layout.precision.forward, layout.precision.backward
@@ -310,7 +313,7 @@ class CostModel:
             ids = distinct[r] if ub else b * t.pooling * mass[r]
             # UB: IDs and one count per feature to each distinct holder; RB: IDs and lengths per cell
             for k in set(layout.ranks[r]) if ub else layout.ranks[r]:
-                from_all[k] += feats * (ids * ID_BYTES + (LENGTH_BYTES if ub else b * LENGTH_BYTES))
+                from_all[k] += feats * (ids * id_bytes(kind) + (LENGTH_BYTES if ub else b * LENGTH_BYTES))
             for c, k in enumerate(layout.ranks[r]):
                 width = int(widths[c])
                 load.memory[k] += n_rows * self.row_memory(name, width)
@@ -353,7 +356,8 @@ class CostModel:
         widths = np.diff(np.asarray(layout.col_bounds))
         fwd, bwd = layout.precision.forward, layout.precision.backward
         wire = np.array([vector_bytes(int(x), fwd) + vector_bytes(int(x), bwd) for x in widths])
-        per_peer = feats * (ids * ID_BYTES + (0 if ub else b * LENGTH_BYTES))[:, None] + feats * vectors[:, None] * wire
+        kind = sharding_type(layout, t.rows, w, lws)
+        per_peer = feats * (ids * id_bytes(kind) + (0 if ub else b * LENGTH_BYTES))[:, None] + feats * vectors[:, None] * wire
         peers_ms = (lws - 1) / (hw.intra_node_bw_gbps * 1e6) + (w - lws) / (hw.inter_node_bw_gbps * 1e6)
         looked_up = (w * ids) if ub else (self.spec.batch_size * t.pooling * mass)
         lookup = feats * looked_up[:, None] * widths[None, :] * WEIGHT_BYTES * (1.0 + BACKWARD_COMPUTE_MULTIPLIER)
@@ -382,8 +386,9 @@ class CostModel:
         dense_ar = to_ms(2.0 * (lws - 1) / lws * dense_grad, hw.intra_node_bw_gbps) + to_ms(
             2.0 * (nodes - 1) / nodes * dense_grad / lws, hw.inter_node_bw_gbps
         )
+        slowest = float(lookup.max())
         return StepCost(
-            lookup_ms=float(lookup.max()),
+            lookup_ms=max(slowest, float(lookup.sum()) / hw.host_cores) if hw.host_cores else slowest,
             comm_ms=float((intra + inter).max()),
             collective_ms=sum(self.group_ms(kind) for kind, n in load.groups.items() if n > 0),
             dp_allreduce_ms=float(dp),

@@ -14,6 +14,11 @@ from functools import lru_cache
 from .layout import TableLayout, parse_sharding_type, sharding_type_name
 
 DATA_PARALLEL = "data_parallel"
+# IDs on the wire: TorchRec's input dists send the input's int64 IDs; ours send row-local IDs as int32
+# (a row slice of 2^31 rows or more is refused when sharding)
+TORCHREC_ID_BYTES = 8
+EMBARK_ID_BYTES = 4
+MAX_SLICE_ROWS = 2**31
 # collectives per training step of one group, forward and backward: the KJT input dist (splits,
 # lengths, values), then the pooled output and its gradient; hierarchical (and TWRW) reductions add
 # an intra-node stage each way; UB sends counts and de-duplicated IDs, then vectors and their gradients
@@ -62,6 +67,11 @@ def _ceil_blocks(rows: int, parts: int) -> tuple[int, ...]:
 def sharding_type(layout: TableLayout, rows: int, world_size: int, local_world_size: int) -> str:
     """The sharding-type string the layout runs under: a built-in one where it exists, else ours."""
     return builtin_sharding_type(layout, rows, world_size, local_world_size) or sharding_type_name(layout)
+
+
+def id_bytes(kind: str) -> int:
+    """Bytes per ID that a group of this sharding type sends in its input dist."""
+    return TORCHREC_ID_BYTES if kind in _BUILTIN_COLLECTIVES else EMBARK_ID_BYTES
 
 
 @lru_cache(maxsize=None)

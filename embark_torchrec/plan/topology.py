@@ -25,6 +25,7 @@ class Hardware:
     unique_ns_per_id: float = 0.0  # de-duplicating one ID of a UB table on its sender (GPU sorts: negligible)
     collective_us: float = 0.0  # launching and synchronising one collective, whatever its size
     lookup_ns_per_id: float = 0.0  # per ID a cell looks up (forward + backward), whatever its width
+    host_cores: int = 0  # > 0: every rank runs on one host with this many cores, so lookups share them
 
     def with_overrides(self, **overrides: Any) -> "Hardware":
         known = {f.name for f in fields(self)}
@@ -41,12 +42,23 @@ PRESETS: dict[str, Hardware] = {
     "dgx-a100": Hardware("dgx-a100", 80.0, 16.0, 2039.0 / 2, 300.0, 25.0, 0.5),
     "h200": Hardware("h200", 141.0, 20.0, 4800.0 / 2, 450.0, 50.0, 0.2),
     # Gloo over loopback on a CPU box: what our CPU tests and the e2e benchmark run on. Measured by
-    # benchmarks/calibrate_cpu.py with 4 ranks on 2 cores (README, "The cost model"): ~1 ms per
-    # collective whatever its size, all-to-all at ~0.7 GB/s per rank (loopback: no slower "network"),
-    # TBE lookups at ~60 ns per ID plus ~4 GB/s of lookup bytes; torch.unique at ~64 ns per int64 ID.
-    # The dense figure is not calibrated (it is the same for every plan).
+    # benchmarks/calibrate_cpu.py with 4 ranks on this 2-core host (README, "The cost model"): ~1 ms
+    # per collective whatever its size, all-to-all at ~0.65 GB/s per rank (loopback: no slower
+    # "network"), TBE lookups at ~65 ns per ID plus ~6.5 GB/s of lookup bytes on one rank alone (the
+    # ranks share the 2 cores: host_cores); torch.unique at ~64 ns per int64 ID. The dense figure is
+    # not calibrated (it is the same for every plan).
     "cpu-gloo": Hardware(
-        "cpu-gloo", 16.0, 4.0, 4.0, 0.7, 0.7, 50.0, unique_ns_per_id=64.0, collective_us=950.0, lookup_ns_per_id=60.0
+        "cpu-gloo",
+        16.0,
+        4.0,
+        6.5,
+        0.65,
+        0.65,
+        50.0,
+        unique_ns_per_id=64.0,
+        collective_us=1000.0,
+        lookup_ns_per_id=65.0,
+        host_cores=2,
     ),
 }
 DEFAULT_HARDWARE = "dgx-h100"

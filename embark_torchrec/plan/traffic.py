@@ -7,14 +7,14 @@ closed forms equal these messages summed (tests), and the runtime's counted byte
 real batch (tests), which ties the planner's numbers to what runs.
 
 What each cluster sends (F features, b samples per rank, cell (r, c) of width w_c on rank k):
-- RB input: every rank s sends each cell's holder k its IDs of row slice r (int64) and F x b bag
-  lengths (int32), once per cell.
+- RB input: every rank s sends each cell's holder k its IDs of row slice r (int64 on TorchRec's
+  sharding types, row-local int32 on ours: groups.id_bytes) and F x b bag lengths (int32), once per cell.
 - RB output, flat: each cell's partial sums, F x b x w_c per destination; gradients back.
   Hierarchical: stage 1 sends a cell's partial sums for destination j to the rank of k's node with
   j's local rank (intra-node, unless that is k); stage 2 sends each node's sums of column slice c
   once to every destination on another node (from the rank with the destination's local rank).
 - UB: every rank s sends each distinct holder of row slice r one int32 count per feature and its
-  distinct IDs of r (int64); each cell sends s one vector of w_c per distinct ID of s; gradients
+  distinct IDs of r (row-local int32); each cell sends s one vector of w_c per distinct ID of s; gradients
   back the same way.
 """
 
@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cost import ID_BYTES, LENGTH_BYTES, CostModel, vector_bytes
+from .cost import LENGTH_BYTES, CostModel, vector_bytes
+from .groups import id_bytes, sharding_type
 from .layout import TableLayout
 
 
@@ -58,6 +59,7 @@ def table_messages(cost: CostModel, name: str, layout: TableLayout, ids: np.ndar
     b, feats = cost.local_batch, len(t.feature_names)
     widths = np.diff(layout.col_bounds)
     fwd, bwd = layout.precision.forward, layout.precision.backward
+    per_id = id_bytes(sharding_type(layout, t.rows, w, lws))
     msgs: list[Message] = []
     cells = [(r, c, layout.ranks[r][c]) for r in range(layout.num_row_slices) for c in range(layout.num_col_slices)]
     if layout.cluster == "ub":
@@ -65,7 +67,7 @@ def table_messages(cost: CostModel, name: str, layout: TableLayout, ids: np.ndar
             for k in sorted(set(layout.ranks[r])):
                 for s in range(w):
                     msgs.append(Message(s, k, "lengths", feats * LENGTH_BYTES))
-                    msgs.append(Message(s, k, "ids", ids[s, :, r].sum() * ID_BYTES))
+                    msgs.append(Message(s, k, "ids", ids[s, :, r].sum() * per_id))
         for r, c, k in cells:
             for s in range(w):
                 distinct = ids[s, :, r].sum()
@@ -75,7 +77,7 @@ def table_messages(cost: CostModel, name: str, layout: TableLayout, ids: np.ndar
     for r, c, k in cells:
         for s in range(w):
             msgs.append(Message(s, k, "lengths", feats * b * LENGTH_BYTES))
-            msgs.append(Message(s, k, "ids", ids[s, :, r].sum() * ID_BYTES))
+            msgs.append(Message(s, k, "ids", ids[s, :, r].sum() * per_id))
     for prec, kind in ((fwd, "embeddings"), (bwd, "gradients")):
         hops: list[tuple[int, int, float]] = []
         for r, c, k in cells:

@@ -41,6 +41,7 @@ from torchrec.distributed.types import Awaitable, NoWait, QuantizedCommCodecs, S
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from ..plan.groups import MAX_SLICE_ROWS
 from .codecs import Segment, decode, encode, encoded_size
 from .comm_stats import CountsComm, Ledger, group_ranks, table_widths
 
@@ -170,7 +171,7 @@ class GridSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         )
         return KeyedJaggedTensor(
             keys=self._virtual_names,
-            values=out_values,
+            values=out_values.to(torch.int32),  # row-local IDs (GridPooledEmbeddingSharding refuses >= 2^31 rows)
             lengths=out_lengths.reshape(-1).to(torch.int32),
             weights=out_weights if self._weighted else None,
             stride=stride,
@@ -439,6 +440,12 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
             shards: List[ShardMetadata] = info.param_sharding.sharding_spec.shards  # type: ignore[union-attr]
             rows = sorted({s.shard_offsets[0] for s in shards} | {s.shard_offsets[0] + s.shard_sizes[0] for s in shards})
             cols = sorted({s.shard_offsets[1] for s in shards} | {s.shard_offsets[1] + s.shard_sizes[1] for s in shards})
+            longest = max(b - a for a, b in zip(rows, rows[1:]))
+            if longest >= MAX_SLICE_ROWS:
+                raise ValueError(
+                    f"table {cfg.name!r}: a row slice of {longest} rows is too long for the int32 row-local IDs our "
+                    f"sharding sends; split its rows into slices of fewer than {MAX_SLICE_ROWS}"
+                )
             first = len(self._features)
             for name in cfg.feature_names:
                 self._features.append(name)

@@ -32,10 +32,10 @@ from torchrec.distributed.fbgemm_qcomm_codec import CommOp
 from torchrec.distributed.types import Awaitable, NoWait, QuantizedCommCodecs
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from ..plan.groups import EMBARK_ID_BYTES
 from .comm_stats import CountsComm, Ledger
 from .grid import CellRoute, GridPooledEmbeddingSharding, _DivideGradient, all_to_all, bag_weights
 
-ID_BYTES = 8
 COUNT_BYTES = 4
 
 
@@ -174,7 +174,7 @@ class UniqueSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor], Counts
         )
         received = recv_counts.view(self._world, -1).tolist()
         pieces = [local_ids[starts[g] : starts[g + 1]] for k in range(self._world) for g in groups_on[k]]
-        send = torch.cat(pieces) if pieces else local_ids[:0]
+        send = (torch.cat(pieces) if pieces else local_ids[:0]).to(torch.int32)
         in_sizes = [sum(counts[g] for g in groups_on[k]) for k in range(self._world)]
         out_sizes = [sum(r) for r in received]
         buffer = send.new_empty(sum(out_sizes))
@@ -224,12 +224,12 @@ class UniqueSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor], Counts
         for k in range(world):
             for g in layout.groups_on[k]:
                 t = per[layout.tables[layout.group_feature[g]]]
-                t[0, k] += counts[g] * ID_BYTES
+                t[0, k] += counts[g] * EMBARK_ID_BYTES
                 t[2, k] += COUNT_BYTES
         for s, row in enumerate(received):
             for g, n in zip(layout.groups_on[self._rank], row):
                 t = per[layout.tables[layout.group_feature[g]]]
-                t[1, s] += n * ID_BYTES
+                t[1, s] += n * EMBARK_ID_BYTES
                 t[3, s] += COUNT_BYTES
         for table, arr in per.items():
             if arr.any():

@@ -81,7 +81,7 @@ def cpu_topology(
     """The "cpu-gloo" preset whose per-rank embedding memory is ``memory_share`` of the model's fp32 weights plus
     row-wise Adagrad state (the cost model's default: 4 bytes per element, 4 per row), with nothing reserved; and
     GPU-like ratios instead of the measured CPU figures (lookups at 5 GB/s, node links at 2, the network at 1, no
-    per-collective or per-ID overheads), so that the plans hold the layouts a GPU cluster gets: grids,
+    per-collective or per-ID overheads, a GPU per rank), so that the plans hold the layouts a GPU cluster gets: grids,
     hierarchical reductions, several sharding groups."""
     model_bytes = sum(t.rows * (t.dim * 4 + 4) for t in spec.tables)
     hardware = hardware_preset("cpu-gloo").with_overrides(
@@ -92,5 +92,6 @@ def cpu_topology(
         inter_node_bw_gbps=1.0,
         collective_us=0.0,
         lookup_ns_per_id=0.0,
+        host_cores=0,
     )
     return Topology(world_size, local_world_size, hardware)
