@@ -98,12 +98,15 @@ def short_reason(e: BaseException, width: int = 80) -> str:
 
 
 def case_key(spec: ModelSpec, topology: Topology) -> str:
-    """Everything a TorchRec plan depends on; a cache entry with another key is stale."""
+    """Everything a TorchRec plan depends on: the model, the world and the hardware figures
+    torchrec_topology hands its planner (not our cost model's others); a cache entry with another key is stale."""
+    hw = topology.hardware
     inputs = {
         "spec": spec.to_dict(),
         "world_size": topology.world_size,
         "local_world_size": topology.local_world_size,
-        "hardware": dataclasses.asdict(topology.hardware),
+        "hbm_cap_bytes": topology.hbm_cap_bytes,
+        "bandwidths_gbps": [hw.hbm_bw_gbps, hw.intra_node_bw_gbps, hw.inter_node_bw_gbps],
         "torchrec": version("torchrec"),
     }
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]

@@ -4,7 +4,10 @@ TorchRec builds one EmbeddingSharding (one input dist and one output dist, each 
 collectives) per distinct sharding-type string in a module. So every distinct string a plan uses
 adds a fixed number of collectives per training step, whatever its tables' sizes; on a transport with
 a high launch cost (gloo) that count matters as much as the bytes. The counts below are those the
-runtime issues (counted by wrapping torch.distributed's collectives around a training step).
+runtime issues (counted by wrapping torch.distributed's collectives around a training step, in
+tests/test_plan_groups.py). Weighted features (and MEAN pooling on our RB types, which send 1 / length
+as weights) add one all-to-all, their weights, to the input dist; model specs do not say which
+features are weighted, so that one is not priced.
 """
 
 from __future__ import annotations
