@@ -85,13 +85,14 @@ def results() -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16", "fp8"])
 def test_codec_error_and_size_on_normal_rows(precision: str) -> None:
-    """N(0,1) rows of several widths in one message: every element decodes within the documented bound, and the
-    wire size is the cost model's vector_bytes per row."""
+    """N(0,1) rows of several widths in messages to two peers: every element decodes within the documented bound,
+    and the wire size is the cost model's vector_bytes per row."""
     codec = _codec(precision)
     gen = torch.Generator().manual_seed(0)
     segments = [(37 * w, w) for w in (4, 12, 64, 128)]
+    peers = [segments[:1], segments[1:]]
     x = torch.randn(sum(e for e, _ in segments), generator=gen)
-    y = decode(codec, encode(codec, x, segments), segments)
+    y = decode(codec, encode(codec, x, peers), peers)
     err = (y - x).abs()
     if precision == "fp8":
         row_max = torch.cat([p.view(-1, w).abs().amax(dim=1, keepdim=True).expand(-1, w).reshape(-1) for p, (_, w) in zip(torch.split(x, [e for e, _ in segments]), segments)])

@@ -24,10 +24,11 @@ EMBARK_ID_BYTES = 4
 MAX_SLICE_ROWS = 2**31
 # collectives per training step of one group, forward and backward: the KJT input dist (splits,
 # lengths, values), then the pooled output and its gradient; hierarchical (and TWRW) reductions add
-# an intra-node stage each way; UB sends counts and de-duplicated IDs, then vectors and their gradients
+# an intra-node stage each way; UB sends its de-duplicated IDs through the same KJT all-to-all (its
+# counts are the KJT's lengths), then vectors and their gradients
 FLAT_COLLECTIVES = 5
 HIERARCHICAL_COLLECTIVES = 7
-UNIQUE_COLLECTIVES = 4
+UNIQUE_COLLECTIVES = 5
 _BUILTIN_COLLECTIVES = {
     DATA_PARALLEL: 0,  # its gradients are all-reduced with the dense ones, in DDP's buckets
     "table_wise": FLAT_COLLECTIVES,

@@ -42,6 +42,15 @@ class CommStats:
         node = np.arange(world_size) // local_world_size
         self._inter = node != rank // local_world_size
         self._self = np.arange(world_size) == rank
+        self._sources: List[Any] = []  # counters that sum on the device until read (flush / discard)
+
+    def add_source(self, source: Any) -> None:
+        """A counter that keeps device-side sums; they are recorded when the statistics are read."""
+        self._sources.append(source)
+
+    def _flush(self) -> None:
+        for source in self._sources:
+            source.flush()
 
     def record(self, cluster: str, table: str, kind: str, sent: Sequence[float], received: Sequence[float]) -> None:
         """Bytes sent to and received from each global rank (index = rank) in one collective."""
@@ -56,17 +65,22 @@ class CommStats:
         entry[:, self._self] = 0.0
 
     def reset(self) -> None:
+        for source in self._sources:
+            source.discard()
         self._bytes.clear()
 
     def keys(self) -> List[CommKey]:
+        self._flush()
         return sorted(self._bytes, key=lambda k: (k.cluster, k.table, KINDS.index(k.kind)))
 
     def per_peer(self, key: CommKey) -> np.ndarray:
         """[2, world_size] bytes sent to / received from each rank for one (cluster, table, kind)."""
+        self._flush()
         return self._bytes.get(key, np.zeros((2, self.world_size))).copy()
 
     def totals(self, keys: Optional[Iterable[CommKey]] = None) -> Dict[str, int]:
         """Bytes sent and received, in all and split intra / inter node (over `keys`, default all)."""
+        self._flush()
         arr = np.zeros((2, self.world_size))
         for key in self._bytes if keys is None else keys:
             if key in self._bytes:
@@ -160,6 +174,18 @@ class Ledger:
             block = self._blocks[table] = np.zeros((4, len(self._peers)))
         block[2 * received, member] += elems
         block[2 * received + 1, member] += rows
+
+    def add_many(
+        self, tables: Sequence[str], table: np.ndarray, member: np.ndarray, received: bool, elems: np.ndarray, rows: np.ndarray
+    ) -> None:
+        """add() for many (table index into `tables`, member) pairs at once."""
+        for t in np.unique(table).tolist():
+            pick = table == t
+            block = self._blocks.get(tables[t])
+            if block is None:
+                block = self._blocks[tables[t]] = np.zeros((4, len(self._peers)))
+            np.add.at(block[2 * received], member[pick], elems[pick])
+            np.add.at(block[2 * received + 1], member[pick], rows[pick])
 
     def add_columns(self, widths: Dict[str, int], member: int, received: bool, rows: float) -> None:
         for table, width in widths.items():

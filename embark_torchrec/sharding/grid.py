@@ -20,14 +20,13 @@ keep their weights (multiplied by that factor for MEAN tables).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensorMetadata
 from torch.distributed._shard.sharding_spec import ShardMetadata
 from torchrec.distributed.comm import get_local_size, intra_and_cross_node_pg
-from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.fbgemm_qcomm_codec import CommOp
 from torchrec.distributed.embedding_sharding import (
     BaseEmbeddingDist,
@@ -37,12 +36,12 @@ from torchrec.distributed.embedding_sharding import (
 )
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel, ShardedEmbeddingTable
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
-from torchrec.distributed.types import Awaitable, NoWait, QuantizedCommCodecs, ShardingEnv
+from torchrec.distributed.types import Awaitable, QuantizedCommCodecs, ShardingEnv
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..plan.groups import MAX_SLICE_ROWS
-from .codecs import Segment, decode, encode, encoded_size
+from .collectives import all_to_all
 from .comm_stats import CountsComm, Ledger, group_ranks, table_widths
 
 
@@ -63,11 +62,11 @@ def bag_weights(kjt: KeyedJaggedTensor, mean: torch.Tensor) -> torch.Tensor:
     """Per-ID weights that make a SUM of the IDs' rows equal the bag's pooled value: the feature's
     weights (or 1), times 1 / (bag length) for MEAN features (`mean`: one flag per key)."""
     lengths = kjt.lengths().long()
+    n_ids = kjt.values().numel()
     weights = kjt.weights_or_none()
-    weights = weights if weights is not None else torch.ones(int(lengths.sum()), device=lengths.device)
-    bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+    weights = weights if weights is not None else torch.ones(n_ids, device=lengths.device)
     scale = torch.where(mean.repeat_interleave(kjt.stride()), 1.0 / lengths.clamp(min=1), 1.0).to(weights.dtype)
-    return weights * scale[bag]
+    return weights * scale.repeat_interleave(lengths, output_size=n_ids)
 
 
 class ColumnFold:
@@ -79,14 +78,14 @@ class ColumnFold:
     times slower, forward and backward); otherwise by index_add.
     """
 
-    def __init__(self, targets: List[torch.Tensor], width: int) -> None:
+    def __init__(self, targets: List[torch.Tensor], width: int, device: torch.device) -> None:
         self._width = width
         groups: Dict[tuple, List[int]] = {}
         for i, t in enumerate(targets):
             groups.setdefault(tuple(t.tolist()), []).append(i)
         self._groups = list(groups.values())
         combined = [c for key in groups for c in key]
-        self._target = torch.tensor(combined, dtype=torch.int64)
+        self._target = torch.tensor(combined, dtype=torch.int64, device=device)
         # Without overlaps: the source columns fall into runs that land on consecutive output
         # columns; split the source into those runs (one cat in backward) and concatenate them in
         # output order, with zero blocks for columns no block reaches.
@@ -113,7 +112,7 @@ class ColumnFold:
         summed = [blocks[g[0]] if len(g) == 1 else torch.stack([blocks[i] for i in g]).sum(dim=0) for g in self._groups]
         src = summed[0] if len(summed) == 1 else torch.cat(summed, dim=1)
         if self._runs is None:
-            return src.new_zeros(src.size(0), self._width).index_add(1, self._target.to(src.device), src)
+            return src.new_zeros(src.size(0), self._width).index_add(1, self._target, src)
         pieces = torch.split(src, self._runs, dim=1)
         parts = [pieces[i] if i >= 0 else src.new_zeros(src.size(0), w) for i, w in self._layout]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
@@ -132,6 +131,7 @@ class GridSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         virtual_names: List[str],
         features_per_rank: List[int],
         weighted: bool,
+        device: torch.device,
     ) -> None:
         super().__init__()
         from torchrec.distributed.dist_data import KJTAllToAll
@@ -143,16 +143,15 @@ class GridSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         n_features = len(row_bounds)
         buckets = max(len(bounds) - 1 for bounds in row_bounds)
         self._buckets = buckets
-        self.register_buffer(  # one row of bucket bounds per feature; a buffer, so it follows the module's device
-            "_bucket_pos",
-            torch.tensor([list(b) + [b[-1]] * (buckets + 1 - len(b)) for b in row_bounds], dtype=torch.int64),
-            persistent=False,
+        # one row of bucket bounds per feature (fbgemm takes them as a list of tensors)
+        self._bucket_pos = list(
+            torch.tensor(
+                [list(b) + [b[-1]] * (buckets + 1 - len(b)) for b in row_bounds], dtype=torch.int64, device=device
+            ).unbind(0)
         )
-        self.register_buffer("_block_sizes", torch.tensor([max(1, -(-rows // buckets)) for rows in table_rows]), persistent=False)
-        self.register_buffer("_mean", torch.tensor(mean), persistent=False)
-        self.register_buffer(
-            "_route_rows", torch.tensor([r.row_slice * n_features + r.feature for r in routes], dtype=torch.int32), persistent=False
-        )
+        self._block_sizes = torch.tensor([max(1, -(-rows // buckets)) for rows in table_rows], device=device)
+        self._mean = torch.tensor(mean, device=device)
+        self._route_rows = torch.tensor([r.row_slice * n_features + r.feature for r in routes], dtype=torch.int32, device=device)
         self._dist = KJTAllToAll(pg=pg, splits=features_per_rank)
 
     def _cut(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
@@ -164,7 +163,7 @@ class GridSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
             bucket_lengths, local, bucket_weights = lengths, ids, weights
         else:
             bucket_lengths, local, bucket_weights, _, _ = torch.ops.fbgemm.block_bucketize_sparse_features(
-                lengths, ids, False, False, self._block_sizes, self._buckets, weights, None, -1, list(self._bucket_pos.unbind(0))
+                lengths, ids, False, False, self._block_sizes, self._buckets, weights, None, -1, self._bucket_pos
             )
         out_lengths, out_values, out_weights = torch.ops.fbgemm.permute_2D_sparse_data(
             self._route_rows, bucket_lengths.view(-1, stride), local, bucket_weights, None
@@ -181,8 +180,27 @@ class GridSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         return self._dist(self._cut(sparse_features))
 
 
+def batch_per_rank(local_embs: torch.Tensor, sharding_ctx: Optional[EmbeddingShardingContext], world_size: int) -> List[int]:
+    """Each rank's batch size: from the input dist's context, or equal parts of the lookup output."""
+    if sharding_ctx is not None and sharding_ctx.batch_size_per_rank:
+        return list(sharding_ctx.batch_size_per_rank)
+    return [local_embs.size(0) // world_size] * world_size
+
+
+def _ledger_hook(ledger: Optional[Ledger], codecs: Optional[QuantizedCommCodecs]):  # type: ignore[no-untyped-def]
+    """An all_to_all on_send hook that records a ledger's bytes when each direction is sent."""
+    if ledger is None:
+        return None
+
+    def on_send(payload: torch.Tensor, send_sizes: List[int], recv_sizes: List[int], backward: bool) -> None:
+        ledger.record((codecs.backward if backward else codecs.forward) if codecs else None, backward=backward)
+
+    return on_send
+
+
 class GridPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.Tensor, torch.Tensor], CountsComm):
-    """All-to-all of every cell's partial sums, then a sum per (feature, column) at home."""
+    """All-to-all of every cell's partial sums (started here, waited where TorchRec waits the
+    module's output), then a sum per (feature, column) at home."""
 
     def __init__(
         self,
@@ -190,14 +208,25 @@ class GridPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.
         dims_per_rank: List[int],
         targets_per_rank: List[torch.Tensor],
         column_tables: List[str],
+        device: torch.device,
         codecs: Optional[QuantizedCommCodecs] = None,
     ) -> None:
         super().__init__()
         self._pg, self._codecs, self._dims = pg, codecs, dims_per_rank
         self._world_size, self._rank = dist.get_world_size(pg), dist.get_rank(pg)
         self._out_dim = len(column_tables)
-        self._fold = ColumnFold([torch.cat(targets_per_rank)], self._out_dim)
+        self._fold = ColumnFold([torch.cat(targets_per_rank)], self._out_dim, device)
         self._widths = [table_widths(t.tolist(), column_tables) for t in targets_per_rank]
+
+    def _ledger(self, batch: List[int]) -> Optional[Ledger]:
+        if self.comm_stats is None:
+            return None
+        here = batch[self._rank]
+        ledger = Ledger(self.comm_stats, self.comm_cluster, list(range(self._world_size)))
+        for k in range(self._world_size):
+            ledger.add_columns(self._widths[self._rank], k, False, batch[k])
+            ledger.add_columns(self._widths[k], k, True, here)
+        return ledger
 
     def forward(
         self, local_embs: torch.Tensor, sharding_ctx: Optional[EmbeddingShardingContext] = None
@@ -206,96 +235,17 @@ class GridPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.
         here, dim = batch[self._rank], self._dims[self._rank]
         send = [[(b * dim, dim)] for b in batch]
         recv = [[(here * d, d)] for d in self._dims]
-        ledger = None
-        if self.comm_stats is not None:
-            ledger = Ledger(self.comm_stats, self.comm_cluster, list(range(self._world_size)))
-            for k in range(self._world_size):
-                ledger.add_columns(self._widths[self._rank], k, False, batch[k])
-                ledger.add_columns(self._widths[k], k, True, here)
-        x = _DivideGradient.apply(local_embs, self._world_size).reshape(-1)
-        received = all_to_all(x, send, recv, self._pg, self._codecs, ledger)
-        blocks = [b.view(here, d) for b, d in zip(torch.split(received, [here * d for d in self._dims]), self._dims) if d]
-        return NoWait(self._fold([torch.cat(blocks, dim=1)]) if blocks else local_embs.new_zeros(here, self._out_dim))
+        awaitable = all_to_all(
+            local_embs.reshape(-1), send, recv, self._pg, self._codecs, self._world_size, _ledger_hook(self._ledger(batch), self._codecs)
+        )
+        dims = self._dims
 
+        def fold(received: torch.Tensor) -> torch.Tensor:
+            blocks = [b.view(here, d) for b, d in zip(torch.split(received, [here * d for d in dims]), dims) if d]
+            return self._fold([torch.cat(blocks, dim=1)]) if blocks else received.new_zeros(here, self._out_dim)
 
-def batch_per_rank(local_embs: torch.Tensor, sharding_ctx: Optional[EmbeddingShardingContext], world_size: int) -> List[int]:
-    """Each rank's batch size: from the input dist's context, or equal parts of the lookup output."""
-    if sharding_ctx is not None and sharding_ctx.batch_size_per_rank:
-        return list(sharding_ctx.batch_size_per_rank)
-    return [local_embs.size(0) // world_size] * world_size
-
-
-class _AllToAll(torch.autograd.Function):
-    """Differentiable all_to_all_single of a 1-D tensor: backward sends the gradients back. The
-    message to and from each peer is described as segments (elements, row width); with codecs,
-    values travel in the codec's precision (forward codec out, backward codec back); with a
-    ledger, both directions are counted when they are sent."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        x: torch.Tensor,
-        send: List[List[Segment]],
-        recv: List[List[Segment]],
-        group: dist.ProcessGroup,
-        codecs: Optional[QuantizedCommCodecs],
-        ledger: Optional[Ledger],
-    ) -> torch.Tensor:
-        ctx.segments, ctx.group, ctx.codecs, ctx.ledger = (send, recv), group, codecs, ledger
-        codec = codecs.forward if codecs else None
-        if ledger is not None:
-            ledger.record(codec, backward=False)
-        return _exchange(x, send, recv, group, codec)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None]:  # type: ignore[override]
-        send, recv = ctx.segments
-        codec = ctx.codecs.backward if ctx.codecs else None
-        if ctx.ledger is not None:
-            ctx.ledger.record(codec, backward=True)
-        return _exchange(grad, recv, send, ctx.group, codec), None, None, None, None, None
-
-
-def all_to_all(
-    x: torch.Tensor,
-    send: List[List[Segment]],
-    recv: List[List[Segment]],
-    group: dist.ProcessGroup,
-    codecs: Optional[QuantizedCommCodecs] = None,
-    ledger: Optional[Ledger] = None,
-) -> torch.Tensor:
-    """Sends member i of `group` the next message of x, described by send[i]; returns what the
-    members send, described by recv; differentiable (see _AllToAll).
-
-    Under autograd every member must join the backward exchange, also one whose input needs no
-    gradient (it holds no cells): such an input becomes a leaf that requires one."""
-    if torch.is_grad_enabled() and not x.requires_grad:
-        x = x.detach().requires_grad_()
-    return _AllToAll.apply(x, send, recv, group, codecs, ledger)
-
-
-def _exchange(x: torch.Tensor, send: List[List[Segment]], recv: List[List[Segment]], group: dist.ProcessGroup, codec: Any) -> torch.Tensor:
-    flat_send = [seg for segs in send for seg in segs]
-    flat_recv = [seg for segs in recv for seg in segs]
-    payload = encode(codec, x.contiguous(), flat_send)
-    out = payload.new_empty(sum(encoded_size(codec, segs) for segs in recv))
-    dist.all_to_all_single(
-        out, payload, [encoded_size(codec, segs) for segs in recv], [encoded_size(codec, segs) for segs in send], group=group
-    )
-    return decode(codec, out, flat_recv)
-
-
-class _DivideGradient(torch.autograd.Function):
-    """Identity forward; gradient / world size backward, as torchrec's all-to-alls do."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, world_size: int) -> torch.Tensor:  # type: ignore[override]
-        ctx.world_size = world_size
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return (grad / ctx.world_size if get_gradient_division() else grad), None
+        awaitable.callbacks.append(fold)
+        return awaitable
 
 
 class HierarchicalPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.Tensor, torch.Tensor], CountsComm):
@@ -304,7 +254,9 @@ class HierarchicalPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext
     Stage 1, intra-node all-to-all: for destination j, every rank sends its partial sums to the rank
     of its node whose local rank is j's, which sums them per (feature, column). Stage 2, cross-node
     all-to-all among ranks of equal local rank: each such aggregator sends j its node's sums, for
-    the columns its node holds only; j adds the nodes' sums up.
+    the columns its node holds only; j adds the nodes' sums up. Stage 1 is waited at once (as
+    TorchRec's table-row-wise waits its intra-node reduce-scatter); stage 2 where the module's
+    output is waited.
     """
 
     def __init__(
@@ -314,11 +266,12 @@ class HierarchicalPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext
         dims_per_rank: List[int],
         targets_per_rank: List[torch.Tensor],
         column_tables: List[str],
+        device: torch.device,
         codecs: Optional[QuantizedCommCodecs] = None,
     ) -> None:
         super().__init__()
         out_dim = len(column_tables)
-        self._codecs = codecs
+        self._codecs, self._device = codecs, device
         self._world_size = dist.get_world_size(pg)
         self._rank = dist.get_rank(pg)
         self._lws = local_world_size
@@ -335,12 +288,13 @@ class HierarchicalPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext
             columns = torch.unique(torch.cat(members)) if members else torch.empty(0, dtype=torch.int64)
             self._node_widths.append(len(columns))
             node_columns.append(columns)
-            self._node_folds.append(ColumnFold([torch.searchsorted(columns, t) for t in members], len(columns)))
-        self._cross_fold = ColumnFold([c for c in node_columns if len(c)], out_dim)  # the nodes' sums at home
+            self._node_folds.append(ColumnFold([torch.searchsorted(columns, t) for t in members], len(columns), device))
+        self._cross_fold = ColumnFold([c for c in node_columns if len(c)], out_dim, device)  # the nodes' sums at home
         # for counting: the columns per table of each rank's partial sums and of each node's sums
         self._rank_widths = [table_widths(t.tolist(), column_tables) for t in targets_per_rank]
         self._node_table_widths = [table_widths(c.tolist(), column_tables) for c in node_columns]
         self._intra_peers, self._cross_peers = group_ranks(self._intra), group_ranks(self._cross)
+        self._orders: Dict[Tuple[int, ...], torch.Tensor] = {}  # per batch sizes: stage 1's row order
 
     def _ledgers(self, batch_per_rank: List[int]) -> tuple[Optional[Ledger], Optional[Ledger]]:
         """What stage 1 and stage 2 exchange, per table and peer (None when not counting)."""
@@ -359,56 +313,64 @@ class HierarchicalPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext
             cross.add_columns(self._node_table_widths[n], n, True, batch_per_rank[self._rank])
         return intra, cross
 
-    def _reduce(self, local_embs: torch.Tensor, batch_per_rank: List[int]) -> torch.Tensor:
-        lws, nodes = self._lws, self._nodes
-        node, local = divmod(self._rank, lws)
-        starts = [0]
-        for b in batch_per_rank:
-            starts.append(starts[-1] + b)
-        dim = self._dims[self._rank]
-        # stage 1: to node member l, the rows of destinations with local rank l (node-major), in one
-        # gather, so that backward is one scatter rather than a zero-filled copy per block
-        order = torch.cat(
-            [torch.arange(starts[n * lws + lr], starts[n * lws + lr + 1]) for lr in range(lws) for n in range(nodes)]
-        ).to(local_embs.device)
-        send_sizes = [sum(batch_per_rank[n * lws + lr] for n in range(nodes)) * dim for lr in range(lws)]
-        mine = [batch_per_rank[n * lws + local] for n in range(nodes)]
-        recv_sizes = [sum(mine) * self._dims[node * lws + m] for m in range(lws)]
-        intra_ledger, cross_ledger = self._ledgers(batch_per_rank)
-        received = all_to_all(
-            local_embs.index_select(0, order).reshape(-1),
-            [[(size, dim)] for size in send_sizes],
-            [[(size, self._dims[node * lws + m])] for m, size in enumerate(recv_sizes)],
-            self._intra,
-            self._codecs,
-            intra_ledger,
-        )
-        width = self._node_widths[node]
-        blocks = [
-            block.view(sum(mine), self._dims[node * lws + m])
-            for m, block in enumerate(torch.split(received, recv_sizes))
-            if self._dims[node * lws + m]
-        ]
-        node_sum = self._node_folds[node](blocks) if blocks else local_embs.new_zeros(sum(mine), 0)
-        # stage 2: to node n's rank with my local rank, my node's sums (its columns only) for its samples
-        here = batch_per_rank[self._rank]
-        widths = self._node_widths
-        gathered = all_to_all(
-            node_sum.reshape(-1),
-            [[(b * width, width)] for b in mine],
-            [[(here * w, w)] for w in widths],
-            self._cross,
-            self._codecs,
-            cross_ledger,
-        )
-        blocks = [b.view(here, w) for b, w in zip(torch.split(gathered, [here * w for w in widths]), widths) if w]
-        return self._cross_fold(blocks)
+    def _order(self, batch_per_rank: List[int]) -> torch.Tensor:
+        """Stage 1's send order: to node member l, the rows of destinations with local rank l
+        (node-major), in one gather, so that backward is one scatter; built once per batch sizes."""
+        key = tuple(batch_per_rank)
+        order = self._orders.get(key)
+        if order is None:
+            lws, nodes = self._lws, self._nodes
+            starts = [0]
+            for b in batch_per_rank:
+                starts.append(starts[-1] + b)
+            rows = [r for lr in range(lws) for n in range(nodes) for r in range(starts[n * lws + lr], starts[n * lws + lr + 1])]
+            order = self._orders[key] = torch.tensor(rows, dtype=torch.int64, device=self._device)
+        return order
 
     def forward(
         self, local_embs: torch.Tensor, sharding_ctx: Optional[EmbeddingShardingContext] = None
     ) -> Awaitable[torch.Tensor]:
         batch = batch_per_rank(local_embs, sharding_ctx, self._world_size)
-        return NoWait(self._reduce(_DivideGradient.apply(local_embs, self._world_size), batch))
+        lws, nodes = self._lws, self._nodes
+        node, local = divmod(self._rank, lws)
+        dim = self._dims[self._rank]
+        send_sizes = [sum(batch[n * lws + lr] for n in range(nodes)) * dim for lr in range(lws)]
+        mine = [batch[n * lws + local] for n in range(nodes)]
+        member_dims = self._dims[node * lws : (node + 1) * lws]
+        recv_sizes = [sum(mine) * d for d in member_dims]
+        intra_ledger, cross_ledger = self._ledgers(batch)
+        # stage 1; gradients are divided by the world size here, once for both stages
+        received = all_to_all(
+            local_embs.index_select(0, self._order(batch)).reshape(-1),
+            [[(size, dim)] for size in send_sizes],
+            [[(size, d)] for size, d in zip(recv_sizes, member_dims)],
+            self._intra,
+            self._codecs,
+            self._world_size,
+            _ledger_hook(intra_ledger, self._codecs),
+        ).wait()
+        width = self._node_widths[node]
+        blocks = [block.view(sum(mine), d) for block, d in zip(torch.split(received, recv_sizes), member_dims) if d]
+        node_sum = self._node_folds[node](blocks) if blocks else local_embs.new_zeros(sum(mine), 0)
+        # stage 2: to node n's rank with my local rank, my node's sums (its columns only) for its samples
+        here = batch[self._rank]
+        widths = self._node_widths
+        awaitable = all_to_all(
+            node_sum.reshape(-1),
+            [[(b * width, width)] for b in mine],
+            [[(here * w, w)] for w in widths],
+            self._cross,
+            self._codecs,
+            1,
+            _ledger_hook(cross_ledger, self._codecs),
+        )
+
+        def fold(gathered: torch.Tensor) -> torch.Tensor:
+            parts = [b.view(here, w) for b, w in zip(torch.split(gathered, [here * w for w in widths]), widths) if w]
+            return self._cross_fold(parts)
+
+        awaitable.callbacks.append(fold)
+        return awaitable
 
 
 class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
@@ -504,6 +466,12 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
     def uncombined_embedding_dims(self) -> List[int]:
         return self.embedding_dims()
 
+    def dist_device(self, device: Optional[torch.device]) -> torch.device:
+        """Where a dist's tensors go: the device given, else the sharding's (TorchRec builds input
+        dists without one), else the CPU."""
+        chosen = device if device is not None else self._device
+        return chosen if chosen is not None else torch.device("cpu")
+
     def create_input_dist(self, device: Optional[torch.device] = None) -> BaseSparseFeaturesDist[KeyedJaggedTensor]:
         assert self._pg is not None
         virtual = [v for names in self.feature_names_per_rank() for v in names]
@@ -516,6 +484,7 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
             virtual,
             self.features_per_rank(),
             self._weighted,
+            self.dist_device(device),
         )
 
     def create_output_dist(
@@ -525,7 +494,7 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
         offsets = [0]
         for d in self._feature_dims:
             offsets.append(offsets[-1] + d)
-        device = device if device is not None else self._device
+        device = self.dist_device(device)
         column_tables = [self._feature_tables[f] for f, d in enumerate(self._feature_dims) for _ in range(d)]
         targets_per_rank: List[torch.Tensor] = []
         for rank_names, rank_dims in zip(self.embedding_names_per_rank(), self._emb_dim_per_rank_per_feature()):
@@ -534,7 +503,7 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
                 cell = self._cells[v]
                 start = offsets[cell.feature] + cell.col_start
                 target.extend(range(start, start + width))
-            targets_per_rank.append(torch.tensor(target, dtype=torch.int64, device=device))
+            targets_per_rank.append(torch.tensor(target, dtype=torch.int64))  # host-side layout; the dists keep what they need on `device`
         registry = self.qcomm_codecs_registry or {}
         if self._hierarchical:
             return HierarchicalPooledEmbeddingDist(
@@ -543,8 +512,14 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
                 self._dim_sum_per_rank(),
                 targets_per_rank,
                 column_tables,
+                device,
                 registry.get(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name),
             )
         return GridPooledEmbeddingDist(
-            self._pg, self._dim_sum_per_rank(), targets_per_rank, column_tables, registry.get(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name)
+            self._pg,
+            self._dim_sum_per_rank(),
+            targets_per_rank,
+            column_tables,
+            device,
+            registry.get(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name),
         )

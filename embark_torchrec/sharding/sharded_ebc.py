@@ -43,6 +43,9 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             self._env.rank,
             invalid_ids,
         )
+        self._unique_shardings = [
+            (i, sharding) for i, sharding in enumerate(self._embedding_shardings) if isinstance(sharding, UniquePooledEmbeddingSharding)
+        ]
         if self._has_mean_pooling_callback:
             divided = set(self._pooling_type_to_rs_features[PoolingType.MEAN.value])
             features = [f for sharding in self._embedding_shardings for f in sharding.feature_names()]
@@ -121,10 +124,17 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
     def compute_and_output_dist(self, ctx: EmbeddingBagCollectionContext, input: KJTList) -> Any:
         """torchrec's; when counting, the KJT all-to-alls' received bytes are read off their
-        output here (the same path with and without TrainPipelineSparseDist)."""
+        output here (the same path with and without TrainPipelineSparseDist). UB groups turn the
+        distinct IDs they received into their lookup's input here, and file the received counts
+        in the batch's context for their output dist."""
         for i, counter in self._kjt_counters.items():
             sharding_ctx = ctx.sharding_contexts[i]
             counter.record_received(input[i], sharding_ctx.batch_size_per_rank if sharding_ctx is not None else None)
+        if self._unique_shardings:
+            features = list(input)
+            for i, sharding in self._unique_shardings:
+                features[i], ctx.sharding_contexts[i].received_counts = sharding.lookup_input(features[i], self._lookups[i])
+            input = KJTList(features)
         return super().compute_and_output_dist(ctx, input)
 
     @staticmethod

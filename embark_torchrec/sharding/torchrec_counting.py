@@ -31,21 +31,35 @@ class KJTCounter:
     """Counts one KJTAllToAll: lengths, IDs and weights per key and peer, plus the split sizes
     TorchRec exchanges first. The sent side is read when the all-to-all is called; the received
     side from what the lookup gets (record_received), since TrainPipelineSparseDist fuses the
-    splits exchange and builds the tensor all-to-all itself."""
+    splits exchange and builds the tensor all-to-all itself.
+
+    IDs per key and peer are summed on the device, step after step, and read (one host sync) only
+    when the statistics are (flush, called by CommStats); bag counts are known on the host."""
 
     def __init__(self, a2a: KJTAllToAll, stats: CommStats, cluster: str, feature_table: Dict[str, str]) -> None:
         self._stats, self._cluster, self._feature_table = stats, cluster, feature_table
         self._peers = group_ranks(a2a._pg)
         self._splits: List[int] = list(a2a._splits)
+        self._peer_of_key = np.repeat(np.arange(len(self._peers)), self._splits)
+        self._sent: Optional[torch.Tensor] = None  # IDs sent per key (device)
+        self._received: Optional[torch.Tensor] = None  # IDs received per (key, peer) (device)
+        self._sent_keys: List[str] = []
+        self._received_keys: List[str] = []
+        self._id_bytes = self._weight_bytes = 0
+        stats.add_source(self)
 
     def __call__(self, module: KJTAllToAll, args: Any, output: Any) -> None:
         sent = args[0]
+        keys = sent.keys()
+        if keys:
+            ids = sent.lengths().view(len(keys), -1).sum(dim=1)
+            self._sent = ids if self._sent is None else self._sent + ids
+            self._sent_keys = keys
+            self._note_sizes(sent)
         per_table: Dict[tuple, np.ndarray] = {}
-        peer_of_key = np.repeat(np.arange(len(self._peers)), self._splits)
-        ids = sent.lengths().view(len(sent.keys()), -1).sum(dim=1).tolist() if sent.keys() else []
-        for key, peer, n in zip(sent.keys(), peer_of_key, ids):
-            self._add(per_table, key, 0, int(peer), sent.stride(), n, sent)
-        self._flush(per_table)
+        for key, peer in zip(keys, self._peer_of_key):
+            self._add(per_table, key, "lengths", 0, int(peer), sent.stride() * sent.lengths().element_size())
+        self._flush_bytes(per_table)
         labels = 3 + (sent.weights_or_none() is not None)  # lengths, values, [weights,] and the batch size
         meta = np.zeros(self._stats.world_size)
         meta[self._peers] = labels * 8.0
@@ -55,29 +69,54 @@ class KJTCounter:
         """The all-to-all's output: per key, one segment of bags from each peer."""
         n = len(self._peers)
         keys = received.keys()
+        if not keys:
+            return
         strides = list(stride_per_rank) if stride_per_rank else [received.stride() // n] * n
-        segments = [s for _ in keys for s in strides]
-        ids = [int(x.sum()) for x in torch.split(received.lengths(), segments)] if segments else []
+        ends = np.cumsum(np.tile(strides, len(keys)))
+        cumulative = torch.cat([received.lengths().new_zeros(1, dtype=torch.int64), torch.cumsum(received.lengths().long(), 0)])
+        bounds = torch.tensor(np.concatenate([[0], ends]), device=cumulative.device)
+        ids = cumulative[bounds[1:]] - cumulative[bounds[:-1]]
+        self._received = ids if self._received is None else self._received + ids
+        self._received_keys = keys
+        self._note_sizes(received)
         per_table: Dict[tuple, np.ndarray] = {}
-        for i, key in enumerate(keys):
+        for key in keys:
             for peer, stride in enumerate(strides):
-                self._add(per_table, key, 1, peer, stride, ids[i * n + peer], received)
-        self._flush(per_table)
+                self._add(per_table, key, "lengths", 1, peer, stride * received.lengths().element_size())
+        self._flush_bytes(per_table)
 
-    def _add(self, per_table: Dict[tuple, np.ndarray], key: str, direction: int, peer: int, bags: int, ids: int, kjt: KeyedJaggedTensor) -> None:
-        table = self._feature_table[base_feature(key)]
+    def _note_sizes(self, kjt: KeyedJaggedTensor) -> None:
         weights = kjt.weights_or_none()
-        for kind, nbytes in (
-            ("lengths", bags * kjt.lengths().element_size()),
-            ("ids", ids * kjt.values().element_size()),
-            ("weights", ids * weights.element_size() if weights is not None else 0),
-        ):
-            if kind == "weights" and weights is None:
-                continue
-            arr = per_table.setdefault((table, kind), np.zeros((2, self._stats.world_size)))
-            arr[direction, self._peers[peer]] += nbytes
+        self._id_bytes = kjt.values().element_size()
+        self._weight_bytes = weights.element_size() if weights is not None else 0
 
-    def _flush(self, per_table: Dict[tuple, np.ndarray]) -> None:
+    def flush(self) -> None:
+        """Records the IDs (and weights) summed on the device since the last flush."""
+        per_table: Dict[tuple, np.ndarray] = {}
+        if self._sent is not None:
+            for key, peer, n in zip(self._sent_keys, self._peer_of_key, self._sent.tolist()):
+                self._add_ids(per_table, key, 0, int(peer), n)
+        if self._received is not None:
+            n_peers = len(self._peers)
+            for i, n in enumerate(self._received.tolist()):
+                self._add_ids(per_table, self._received_keys[i // n_peers], 1, i % n_peers, n)
+        self._sent = self._received = None
+        self._flush_bytes(per_table)
+
+    def discard(self) -> None:
+        self._sent = self._received = None
+
+    def _add_ids(self, per_table: Dict[tuple, np.ndarray], key: str, direction: int, peer: int, ids: int) -> None:
+        self._add(per_table, key, "ids", direction, peer, ids * self._id_bytes)
+        if self._weight_bytes:
+            self._add(per_table, key, "weights", direction, peer, ids * self._weight_bytes)
+
+    def _add(self, per_table: Dict[tuple, np.ndarray], key: str, kind: str, direction: int, peer: int, nbytes: float) -> None:
+        table = self._feature_table[base_feature(key)]
+        arr = per_table.setdefault((table, kind), np.zeros((2, self._stats.world_size)))
+        arr[direction, self._peers[peer]] += nbytes
+
+    def _flush_bytes(self, per_table: Dict[tuple, np.ndarray]) -> None:
         for (table, kind), arr in per_table.items():
             self._stats.record(self._cluster, table, kind, arr[0], arr[1])
 

@@ -1,66 +1,66 @@
 """Unique-based (UB) cluster: each distinct ID travels once, and one vector per distinct ID comes back.
 
-The table's cells are table-wise virtual features as in grid.py, so torchrec's fused lookup and
-optimizers hold the weights; only the dists differ:
+The table's cells are table-wise virtual features as in grid.py, so TorchRec's fused lookup and
+optimizers hold the weights; only the dists differ. A "group" is one (feature, row slice); its
+holders are the ranks holding cells of that row slice.
 
-- input dist (UniqueSparseFeaturesDist): a rank de-duplicates its IDs per (feature, row slice),
-  a "group", with one torch.unique over all its features; it sends each group's distinct row-local
-  IDs once to every rank holding cells of that row slice (the counts first, as int32), and the
-  owner looks each received ID up as a bag of one: a KJT whose stride is the largest group it
-  received (shorter cells get empty bags);
-- output dist (UniquePooledEmbeddingDist): the owner sends every sender the rows of its distinct
-  IDs, cell by cell; the sender assembles each feature's distinct vectors from its cells and
-  expands them into its bags with embedding_bag (sum, with per-ID weights: the feature's weights
-  times 1 / bag length for MEAN). Backward, embedding_bag sums the gradients per distinct ID, and
-  the all-to-all carries one gradient row per distinct ID back to its owner.
+- input dist (UniqueSparseFeaturesDist): one torch.unique over all the group's features (IDs
+  offset per feature) gives each group's distinct row-local IDs; they go to each holder through
+  TorchRec's KJTAllToAll as one bag per (holder, group) key, so the counts ride TorchRec's split
+  exchange (and TrainPipelineSparseDist's fused one);
+- lookup (unique_lookup_input): the holder looks every received ID up as a bag of one with
+  TorchRec's lookup in variable-batch mode (one "batch" per sender and cell), whose output is
+  already laid out sender by sender, as the output all-to-all sends it;
+- output dist (UniquePooledEmbeddingDist): an asynchronous all-to-all (collectives.py) returns each
+  sender its distinct vectors; one embedding_bag over all features expands them into the bags
+  (sum, with per-ID weights: the feature's weights times 1 / bag length for MEAN). Backward,
+  embedding_bag sums the gradients per distinct ID, and one gradient row per distinct ID travels
+  back to its holder.
 
-What the output dist needs from its batch's input dist (the inverse map, the counts) travels in
-that batch's sharding context (UniqueShardingContext), so pipelined batches never mix.
+Host work per step is a fixed number of tensor ops and three host syncs (the unique, its counts,
+the counts received), whatever the number of tables. What the output dist needs from its batch's
+input dist travels in that batch's context (UniqueShardingContext), so pipelined batches never mix.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torchrec.distributed.dist_data import KJTAllToAll
 from torchrec.distributed.embedding_sharding import BaseEmbeddingDist, BaseSparseFeaturesDist, EmbeddingShardingContext
 from torchrec.distributed.fbgemm_qcomm_codec import CommOp
-from torchrec.distributed.types import Awaitable, NoWait, QuantizedCommCodecs
+from torchrec.distributed.types import Awaitable, QuantizedCommCodecs
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from ..plan.groups import EMBARK_ID_BYTES
+from .codecs import Segment
+from .collectives import all_to_all
 from .comm_stats import CountsComm, Ledger
-from .grid import CellRoute, GridPooledEmbeddingSharding, _DivideGradient, all_to_all, bag_weights
-
-COUNT_BYTES = 4
-
-
-def id_features(lengths: torch.Tensor, stride: int) -> torch.Tensor:
-    """The feature index of each ID of a KJT (key-major, `stride` bags per key)."""
-    per_key = lengths.view(-1, stride).sum(dim=1)
-    return torch.repeat_interleave(torch.arange(per_key.numel(), device=lengths.device), per_key)
+from .torchrec_compat import supports_variable_batch
+from .grid import CellRoute, GridPooledEmbeddingSharding, _ledger_hook, bag_weights
 
 
 @dataclass
 class UniqueState:
-    """One batch's de-duplication, as its input dist leaves it: the sender's side and, from the
-    counts exchanged first, how many IDs each sender sent this rank per group."""
+    """One batch's de-duplication on the sending rank, as its input dist leaves it."""
 
     stride: int
     inverse: torch.Tensor  # per ID of the batch: its index among the distinct (feature, ID) keys
-    group_counts: List[int]  # distinct IDs per group, on this rank
+    key_group: torch.Tensor  # per distinct key: its group
+    counts: torch.Tensor  # distinct keys per group (device)
+    group_counts: List[int]  # the same, on the host
     lengths: torch.Tensor  # the batch's bag lengths, [features x stride]
     weights: Optional[torch.Tensor]  # per-ID weights for the expansion (None: all 1)
-    received: List[List[int]]  # [sender][group held here]: IDs received
 
 
 @dataclass
 class UniqueShardingContext(EmbeddingShardingContext):
     unique: Optional[UniqueState] = field(default=None)
+    received_counts: Optional[np.ndarray] = field(default=None)  # [groups held here, senders]: IDs received
 
 
 @dataclass(frozen=True)
@@ -72,87 +72,78 @@ class UniqueLayout:
     """
 
     features: List[str]
-    tables: List[str]
     dims: List[int]
-    rows: List[int]
-    mean: List[bool]
     group_feature: List[int]
+    group_names: List[str]
     key_start: List[int]  # first key of each group (+ one past the last)
     groups_on: List[List[int]]  # per rank: the groups it holds cells of, ascending
     cells_on: List[List[CellRoute]]  # per rank: its cells, in lookup order
     cell_widths_on: List[List[int]]
     cell_group_on: List[List[int]]  # per rank, per cell: its group
-    assembly: List[List[List[tuple[int, int]]]]  # [feature][row slice] -> (rank, cell index) per column slice, in column order
 
     @classmethod
     def build(
         cls,
         features: List[str],
-        tables: List[str],
         dims: List[int],
         rows: List[int],
-        mean: List[bool],
         row_bounds: List[List[int]],
         cells_on: List[List[CellRoute]],
         cell_widths_on: List[List[int]],
     ) -> "UniqueLayout":
-        group_feature, key_start, first_group = [], [], []
+        group_feature, group_names, key_start, first_group = [], [], [], []
         offset = 0
         for f, bounds in enumerate(row_bounds):
             first_group.append(len(group_feature))
-            for start in bounds[:-1]:
+            for r, start in enumerate(bounds[:-1]):
                 group_feature.append(f)
+                group_names.append(f"{features[f]}#{r}")
                 key_start.append(offset + start)
             offset += rows[f]
         key_start.append(offset)
         cell_group_on = [[first_group[c.feature] + c.row_slice for c in cells] for cells in cells_on]
-        assembly: List[List[List[tuple[int, int, int]]]] = [[[] for _ in b[:-1]] for b in row_bounds]
-        for k, cells in enumerate(cells_on):
-            for i, c in enumerate(cells):
-                assembly[c.feature][c.row_slice].append((c.col_start, k, i))
         return cls(
             features=features,
-            tables=tables,
             dims=dims,
-            rows=rows,
-            mean=mean,
             group_feature=group_feature,
+            group_names=group_names,
             key_start=key_start,
             groups_on=[sorted(set(g)) for g in cell_group_on],
             cells_on=cells_on,
             cell_widths_on=cell_widths_on,
             cell_group_on=cell_group_on,
-            assembly=[[[(k, i) for _, k, i in sorted(cols)] for cols in per_row] for per_row in assembly],
         )
 
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_feature)
 
-class _ReceivedIds(Awaitable[KeyedJaggedTensor]):
-    """The owner's lookup input, once the distinct IDs have arrived."""
+    def full_width(self) -> bool:
+        """Every cell holds a whole row slice of one common width, once: the received vectors are
+        then rows of one table, and the expansion needs no scatter."""
+        widths = {w for ws in self.cell_widths_on for w in ws} | set(self.dims)
+        cells = [g for groups in self.cell_group_on for g in groups]
+        return len(widths) == 1 and sorted(cells) == list(range(self.num_groups))
 
-    def __init__(self, dist_input: "UniqueSparseFeaturesDist", work: object, buffer: torch.Tensor, state: UniqueState) -> None:
+
+class UniqueSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
+    """De-duplicates per (feature, row slice) and sends each distinct ID once per holder."""
+
+    def __init__(self, pg: dist.ProcessGroup, layout: UniqueLayout, weighted: bool, mean: List[bool], device: torch.device) -> None:
         super().__init__()
-        self._dist_input, self._work, self._buffer, self._state = dist_input, work, buffer, state
-
-    def _wait_impl(self) -> KeyedJaggedTensor:
-        if self._work is not None:
-            self._work.wait()  # type: ignore[attr-defined]
-        return self._dist_input.lookup_input(self._buffer, self._state)
-
-
-class UniqueSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor], CountsComm):
-    """De-duplicates per (feature, row slice) and sends each distinct ID once per owner."""
-
-    def __init__(self, pg: dist.ProcessGroup, layout: UniqueLayout, cell_names: List[str], weighted: bool) -> None:
-        super().__init__()
-        self._pg, self._layout = pg, layout
-        self._rank, self._world = dist.get_rank(pg), dist.get_world_size(pg)
-        self._weighted = weighted or any(layout.mean)
-        self._cell_names = cell_names
-        self.register_buffer("_mean", torch.tensor(layout.mean), persistent=False)
-        self.register_buffer("_key_start", torch.tensor(layout.key_start, dtype=torch.int64), persistent=False)
-        self.register_buffer("_feature_key_start", torch.tensor(
-            [layout.key_start[layout.group_feature.index(f)] for f in range(len(layout.features))], dtype=torch.int64
-        ), persistent=False)
+        self._layout = layout
+        self._weighted = weighted or any(mean)
+        self._mean = torch.tensor(mean, device=device)
+        self._key_start = torch.tensor(layout.key_start, dtype=torch.int64, device=device)
+        first_group = [layout.group_feature.index(f) for f in range(len(layout.features))]
+        self._feature_key_start = torch.tensor([layout.key_start[g] for g in first_group], dtype=torch.int64, device=device)
+        self._feature_index = torch.arange(len(layout.features), device=device)
+        send_groups = [g for groups in layout.groups_on for g in groups]
+        self._send_names = [layout.group_names[g] for g in send_groups]
+        self._send_groups_host = np.asarray(send_groups, dtype=np.int64)
+        self._send_in_group_order = send_groups == list(range(layout.num_groups))
+        self._send_groups = torch.tensor(send_groups, dtype=torch.int32, device=device)
+        self._dist = KJTAllToAll(pg=pg, splits=[len(g) for g in layout.groups_on])
         self.last_state: Optional[UniqueState] = None
 
     def forward(self, sparse_features: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
@@ -160,31 +151,30 @@ class UniqueSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor], Counts
         stride = kjt.stride()
         lengths = kjt.lengths()
         ids = kjt.values().long()
-        feature = id_features(lengths.long(), stride)
+        per_feature = lengths.view(-1, stride).long().sum(dim=1)
+        feature = self._feature_index.repeat_interleave(per_feature, output_size=ids.numel())
         keys, inverse = torch.unique(ids + self._feature_key_start[feature], sorted=True, return_inverse=True)
-        group = torch.bucketize(keys, self._key_start, right=True) - 1
-        counts = torch.bincount(group, minlength=len(self._layout.group_feature)).tolist()
-        local_ids = keys - self._key_start[group]
-        starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
-        groups_on = self._layout.groups_on
-        send_counts = torch.tensor([counts[g] for k in range(self._world) for g in groups_on[k]], dtype=torch.int32)
-        recv_counts = torch.empty(self._world * len(groups_on[self._rank]), dtype=torch.int32)
-        dist.all_to_all_single(
-            recv_counts, send_counts, [len(groups_on[self._rank])] * self._world, [len(g) for g in groups_on], group=self._pg
-        )
-        received = recv_counts.view(self._world, -1).tolist()
-        pieces = [local_ids[starts[g] : starts[g + 1]] for k in range(self._world) for g in groups_on[k]]
-        send = (torch.cat(pieces) if pieces else local_ids[:0]).to(torch.int32)
-        in_sizes = [sum(counts[g] for g in groups_on[k]) for k in range(self._world)]
-        out_sizes = [sum(r) for r in received]
-        buffer = send.new_empty(sum(out_sizes))
-        work = dist.all_to_all_single(buffer, send, out_sizes, in_sizes, group=self._pg, async_op=True)
+        bounds = torch.searchsorted(keys, self._key_start)
+        counts = bounds[1:] - bounds[:-1]
+        lengths32 = counts.to(torch.int32)
+        key_group = torch.arange(self._layout.num_groups, device=keys.device).repeat_interleave(counts, output_size=keys.numel())
+        local_ids = (keys - self._key_start[key_group]).to(torch.int32)
+        group_counts: List[int] = counts.tolist()
+        if self._send_in_group_order:
+            send_lengths, send_values = lengths32, local_ids
+        else:
+            total = int(np.asarray(group_counts, dtype=np.int64)[self._send_groups_host].sum())
+            send_lengths, send_values, _ = torch.ops.fbgemm.permute_2D_sparse_data(
+                self._send_groups, lengths32.view(-1, 1), local_ids, None, total
+            )
         weights = bag_weights(kjt, self._mean) if self._weighted else None
-        state = UniqueState(stride, inverse, counts, lengths, weights, received)
-        if self.comm_stats is not None:
-            self._count(counts, received)
-        self.last_state = state
-        return NoWait(_ReceivedIds(self, work, buffer, state))
+        self.last_state = UniqueState(stride, inverse, key_group, counts, group_counts, lengths, weights)
+        # the per-key lengths are known here: TorchRec's all-to-all need not read them off the device again
+        per_key = np.asarray(group_counts, dtype=np.int64)[self._send_groups_host].tolist()
+        send = KeyedJaggedTensor(
+            keys=self._send_names, values=send_values, lengths=send_lengths.reshape(-1), stride=1, length_per_key=per_key, stride_per_key=[1] * len(per_key)
+        )
+        return self._dist(send)
 
     def take_state(self) -> UniqueState:
         """The state of the batch the last forward call cut; the sharded EBC files it in that
@@ -194,155 +184,220 @@ class UniqueSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor], Counts
             raise RuntimeError("UniqueSparseFeaturesDist: no batch state to take; was forward called?")
         return state
 
-    def lookup_input(self, buffer: torch.Tensor, state: UniqueState) -> KeyedJaggedTensor:
-        """One bag of one ID per distinct ID received, per cell; cells of the same group share IDs."""
-        layout, me = self._layout, self._rank
-        mine = layout.groups_on[me]
-        received = state.received
-        sender_start = np.concatenate([[0], np.cumsum([sum(r) for r in received])]).tolist()
-        per_group: Dict[int, List[torch.Tensor]] = {g: [] for g in mine}
-        for s, counts in enumerate(received):
-            offset = sender_start[s]
-            for g, n in zip(mine, counts):
-                per_group[g].append(buffer[offset : offset + n])
-                offset += n
-        group_ids = {g: torch.cat(parts) if parts else buffer[:0] for g, parts in per_group.items()}
-        cell_groups = layout.cell_group_on[me]
-        sizes = [len(group_ids[g]) for g in cell_groups]
-        stride = max([1] + sizes)
-        values = torch.cat([group_ids[g] for g in cell_groups]) if cell_groups else buffer[:0]
-        positions = torch.arange(stride, device=buffer.device)
-        lengths = (positions[None, :] < torch.tensor(sizes, device=buffer.device)[:, None]).to(torch.int32)
-        return KeyedJaggedTensor(keys=self._cell_names, values=values, lengths=lengths.reshape(-1), stride=stride)
 
-    def _count(self, counts: List[int], received: List[List[int]]) -> None:
-        """IDs and counts each way, per table (the owner's received counts are known here)."""
-        assert self.comm_stats is not None
-        layout, world = self._layout, self._world
-        tables = sorted(set(layout.tables))
-        per: Dict[str, np.ndarray] = {t: np.zeros((4, world)) for t in tables}  # ids sent/recv, counts sent/recv
-        for k in range(world):
-            for g in layout.groups_on[k]:
-                t = per[layout.tables[layout.group_feature[g]]]
-                t[0, k] += counts[g] * EMBARK_ID_BYTES
-                t[2, k] += COUNT_BYTES
-        for s, row in enumerate(received):
-            for g, n in zip(layout.groups_on[self._rank], row):
-                t = per[layout.tables[layout.group_feature[g]]]
-                t[1, s] += n * EMBARK_ID_BYTES
-                t[3, s] += COUNT_BYTES
-        for table, arr in per.items():
-            if arr.any():
-                self.comm_stats.record(self.comm_cluster, table, "ids", arr[0], arr[1])
-                self.comm_stats.record(self.comm_cluster, table, "lengths", arr[2], arr[3])
+def unique_lookup_input(
+    received: KeyedJaggedTensor, layout: UniqueLayout, rank: int, cell_names: List[str], variable_batch: bool
+) -> tuple[KeyedJaggedTensor, np.ndarray]:
+    """The holder's lookup input from the received distinct IDs (keys: its groups; one bag per
+    sender): every ID a bag of one, per cell. With `variable_batch` (the TBE's optimizer allows
+    it), one batch per (cell, sender), so that the lookup's output is laid out sender by sender;
+    otherwise one batch as long as the longest cell's IDs, padded with empty bags (the output dist
+    then gathers the rows). Also returns the IDs received per (group held here, sender)."""
+    world = len(layout.groups_on)
+    mine = layout.groups_on[rank]
+    counts = np.asarray(received.lengths().view(len(mine), world).tolist(), dtype=np.int64).reshape(len(mine), world)
+    position = {g: i for i, g in enumerate(mine)}
+    cell_pos = [position[g] for g in layout.cell_group_on[rank]]
+    per_cell = counts[cell_pos]  # [cells, senders]
+    cell_sizes = per_cell.sum(axis=1)
+    values = received.values()
+    if cell_pos != list(range(len(mine))):  # cells that share a group repeat its IDs
+        group_start = np.concatenate([[0], np.cumsum(counts.sum(axis=1))])
+        cell_start = np.concatenate([[0], np.cumsum(cell_sizes)])[:-1]
+        shift = torch.tensor(group_start[cell_pos] - cell_start, device=values.device)
+        total = int(cell_sizes.sum())
+        sizes = torch.tensor(cell_sizes, device=values.device)
+        values = values[torch.arange(total, device=values.device) + shift.repeat_interleave(sizes, output_size=total)]
+    sizes_host = cell_sizes.tolist()
+    if variable_batch:
+        kjt = KeyedJaggedTensor(
+            keys=cell_names,
+            values=values,
+            lengths=torch.ones(values.numel(), dtype=torch.int32, device=values.device),
+            stride_per_key_per_rank=per_cell.tolist(),
+            stride=max(sizes_host, default=0),
+            stride_per_key=sizes_host,
+            length_per_key=sizes_host,
+        )
+        return kjt, counts
+    stride = max(1, int(cell_sizes.max())) if len(cell_sizes) else 1
+    sizes = torch.tensor(cell_sizes, dtype=torch.int32, device=values.device)
+    lengths = (torch.arange(stride, device=values.device)[None, :] < sizes[:, None]).to(torch.int32)
+    return KeyedJaggedTensor(keys=cell_names, values=values, lengths=lengths.reshape(-1), stride=stride), counts
 
 
 class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.Tensor, torch.Tensor], CountsComm):
-    """Sends each sender the rows of its distinct IDs; the sender expands them into its bags."""
+    """Sends each sender the vectors of its distinct IDs; the sender expands them into its bags."""
 
-    def __init__(self, pg: dist.ProcessGroup, layout: UniqueLayout, codecs: Optional[QuantizedCommCodecs] = None) -> None:
+    def __init__(
+        self, pg: dist.ProcessGroup, layout: UniqueLayout, tables: List[str], device: torch.device, codecs: Optional[QuantizedCommCodecs] = None
+    ) -> None:
         super().__init__()
         self._pg, self._layout, self._codecs = pg, layout, codecs
         self._rank, self._world = dist.get_rank(pg), dist.get_world_size(pg)
-        widths = layout.cell_widths_on[self._rank]
-        self._col_starts = np.concatenate([[0], np.cumsum(widths)]).astype(int).tolist()
+        me, world = self._rank, self._world
+        position = {g: i for i, g in enumerate(layout.groups_on[me])}
+        self._cell_pos = np.asarray([position[g] for g in layout.cell_group_on[me]], dtype=np.int64)
+        self._cell_widths = np.asarray(layout.cell_widths_on[me], dtype=np.int64)
+        # [world, groups]: columns of group g's vectors that rank k sends (one row per distinct ID)
+        self._recv_widths = np.zeros((world, layout.num_groups), dtype=np.int64)
+        for k in range(world):
+            np.add.at(self._recv_widths[k], layout.cell_group_on[k], layout.cell_widths_on[k])
+        self._full_width = layout.full_width()
+        self._width = layout.dims[0] if layout.dims else 0
+        self._num_features = len(layout.features)
+        self._dims = layout.dims
+        # received blocks, in arrival order (holder, then its cells): group, width, first column
+        blocks = [(g, w, c.col_start) for k in range(world) for g, w, c in zip(layout.cell_group_on[k], layout.cell_widths_on[k], layout.cells_on[k])]
+        self._block_group = torch.tensor([b[0] for b in blocks], dtype=torch.int64, device=device)
+        self._block_width = torch.tensor([b[1] for b in blocks], dtype=torch.int64, device=device)
+        self._block_col = torch.tensor([b[2] for b in blocks], dtype=torch.int64, device=device)
+        self._block_index = torch.arange(len(blocks), device=device)
+        max_dim = max(layout.dims) if layout.dims else 0
+        self._max_dim = max_dim
+        self._columns = torch.tensor(
+            [f * max_dim + j for f, d in enumerate(layout.dims) for j in range(d)], dtype=torch.int64, device=device
+        )
+        self._same_dims = len(set(layout.dims)) <= 1
+        # counting: the table of each cell of mine and of each block I receive
+        table_index = {t: i for i, t in enumerate(dict.fromkeys(tables))}
+        self._tables = list(table_index)
+        feature_table = [table_index[tables[f]] for f in range(len(layout.features))]
+        self._cell_table = np.asarray([feature_table[layout.group_feature[g]] for g in layout.cell_group_on[me]], dtype=np.int64)
+        self._block_table = np.asarray([feature_table[layout.group_feature[b[0]]] for b in blocks], dtype=np.int64)
+        self._block_rank = np.asarray([k for k in range(world) for _ in layout.cell_group_on[k]], dtype=np.int64)
+        self._block_group_host = np.asarray([b[0] for b in blocks], dtype=np.int64)
+        self._block_width_host = np.asarray([b[1] for b in blocks], dtype=np.int64)
+
+    def _segments(self, rows: np.ndarray, widths: np.ndarray, member: np.ndarray) -> List[List[Segment]]:
+        """Per member, its message as (elements, width) segments: one per width present."""
+        segments: List[List[Segment]] = [[] for _ in range(self._world)]
+        if len(set(widths.tolist())) <= 1:
+            elems = np.bincount(member, weights=rows * widths, minlength=self._world).astype(np.int64)
+            w = int(widths[0]) if len(widths) else 1
+            return [[(int(e), w)] for e in elems]
+        for m, r, w in zip(member.tolist(), rows.tolist(), widths.tolist()):
+            segments[m].append((r * w, w))
+        return segments
 
     def forward(self, local_embs: torch.Tensor, sharding_ctx: Optional[UniqueShardingContext] = None) -> Awaitable[torch.Tensor]:
-        if sharding_ctx is None or sharding_ctx.unique is None:
-            raise RuntimeError("UniquePooledEmbeddingDist needs its batch's UniqueShardingContext (set by the sharded EBC's input_dist)")
-        state = sharding_ctx.unique
-        layout, me, world = self._layout, self._rank, self._world
-        received = state.received
-        mine = layout.groups_on[me]
-        position = {g: i for i, g in enumerate(mine)}
-        # owner: for each sender, the rows of its distinct IDs in each of my cells
-        offset_in_group = np.zeros((world, len(mine)), dtype=np.int64)
-        if world > 1 and mine:
-            offset_in_group[1:] = np.cumsum(np.asarray(received[:-1]), axis=0)
-        x = _DivideGradient.apply(local_embs, world)
-        widths, groups = layout.cell_widths_on[me], layout.cell_group_on[me]
-        pieces, send = [], []
-        for s in range(world):
-            segments = []
-            for i, (w, g) in enumerate(zip(widths, groups)):
-                p = position[g]
-                start, n = int(offset_in_group[s, p]), received[s][p]
-                pieces.append(x[start : start + n, self._col_starts[i] : self._col_starts[i + 1]].reshape(-1))
-                segments.append((n * w, w))
-            send.append(segments)
-        counts = state.group_counts
-        recv = [[(counts[g] * w, w) for g, w in zip(layout.cell_group_on[k], layout.cell_widths_on[k])] for k in range(world)]
-        recv_sizes = [sum(e for e, _ in segments) for segments in recv]
-        ledger = self._ledger(received, counts) if self.comm_stats is not None else None
-        payload = torch.cat(pieces) if pieces else local_embs.new_empty(0)
-        vectors = all_to_all(payload, send, recv, self._pg, self._codecs, ledger)
-        return NoWait(self._expand(vectors, recv_sizes, state))
+        if sharding_ctx is None or sharding_ctx.unique is None or sharding_ctx.received_counts is None:
+            raise RuntimeError("UniquePooledEmbeddingDist needs its batch's UniqueShardingContext (set by the sharded EBC)")
+        state, received = sharding_ctx.unique, sharding_ctx.received_counts
+        world = self._world
+        # what I send: per sender, per cell of mine, its distinct IDs' vectors (the lookup's order)
+        per_cell = received[self._cell_pos]  # [cells, senders]
+        cells = len(self._cell_pos)
+        send = self._segments(per_cell.T.reshape(-1), np.tile(self._cell_widths, world), np.repeat(np.arange(world), cells))
+        # what I receive: per holder, per cell of its, the vectors of my distinct IDs
+        counts = np.asarray(state.group_counts, dtype=np.int64)
+        recv = self._segments(counts[self._block_group_host], self._block_width_host, self._block_rank)
+        ledger = self._ledger(per_cell, counts) if self.comm_stats is not None else None
+        if local_embs.dim() == 2:  # a padded lookup (see unique_lookup_input)
+            local_embs = self._sender_major(local_embs, per_cell)
+        awaitable = all_to_all(local_embs.reshape(-1), send, recv, self._pg, self._codecs, world, _ledger_hook(ledger, self._codecs))
+        awaitable.callbacks.append(lambda vectors: self._expand(vectors, state))
+        return awaitable
 
-    def _expand(self, vectors: torch.Tensor, recv_sizes: List[int], state: UniqueState) -> torch.Tensor:
-        layout = self._layout
-        counts = state.group_counts
-        blocks: Dict[tuple[int, int], torch.Tensor] = {}
-        for k, chunk in enumerate(torch.split(vectors, recv_sizes)):
-            sizes = [counts[g] * w for g, w in zip(layout.cell_group_on[k], layout.cell_widths_on[k])]
-            for i, (block, w) in enumerate(zip(torch.split(chunk, sizes), layout.cell_widths_on[k])):
-                blocks[(k, i)] = block.view(-1, w)
+    def _sender_major(self, padded: torch.Tensor, per_cell: np.ndarray) -> torch.Tensor:
+        """A padded lookup's output ([longest cell, my width]; cell c's rows at the top of its
+        columns, sender by sender) gathered into the variable-batch layout: sender by sender, cell
+        by cell, row by row."""
+        cells, world = per_cell.shape
+        first_row = (np.cumsum(per_cell, axis=1) - per_cell).T.reshape(-1)  # per (sender, cell)
+        widths = np.tile(self._cell_widths, world)
+        columns = np.tile(np.concatenate([[0], np.cumsum(self._cell_widths)])[:-1], world)
+        elems = per_cell.T.reshape(-1) * widths
+        n = int(elems.sum())
+        device = padded.device
+        block = torch.arange(len(elems), device=device).repeat_interleave(torch.tensor(elems, device=device), output_size=n)
+        start = torch.tensor(np.cumsum(elems) - elems, device=device)[block]
+        offset = torch.arange(n, device=device) - start
+        width = torch.tensor(widths, device=device)[block]
+        row = torch.tensor(first_row, device=device)[block] + torch.div(offset, width, rounding_mode="floor")
+        source = row * padded.size(1) + torch.tensor(columns, device=device)[block] + torch.remainder(offset, width)
+        return padded.reshape(-1)[source]
+
+    def _table(self, vectors: torch.Tensor, state: UniqueState) -> tuple[torch.Tensor, torch.Tensor]:
+        """The distinct vectors as the rows of one table, and each batch ID's row in it."""
+        counts = state.counts
+        group_first_key = torch.cumsum(counts, 0) - counts
+        block_rows = counts[self._block_group]
+        if self._full_width:  # the vectors are rows already, block by block: shift each key's row
+            block_first_row = torch.cumsum(block_rows, 0) - block_rows
+            shift = torch.empty_like(counts)
+            shift[self._block_group] = block_first_row - group_first_key[self._block_group]
+            key_row = torch.arange(state.key_group.numel(), device=counts.device) + shift[state.key_group]
+            return vectors.view(-1, self._width), key_row[state.inverse]
+        # otherwise scatter every received element into a [keys, widest dim] table
+        block_elems = block_rows * self._block_width
+        n = vectors.numel()
+        block = self._block_index.repeat_interleave(block_elems, output_size=n)
+        offset = torch.arange(n, device=vectors.device) - (torch.cumsum(block_elems, 0) - block_elems)[block]
+        width = self._block_width[block]
+        row = group_first_key[self._block_group][block] + torch.div(offset, width, rounding_mode="floor")
+        dest = row * self._max_dim + self._block_col[block] + torch.remainder(offset, width)
+        keys = state.key_group.numel()
+        table = vectors.new_zeros(keys * self._max_dim).index_copy(0, dest, vectors)
+        return table.view(keys, self._max_dim), state.inverse
+
+    def _expand(self, vectors: torch.Tensor, state: UniqueState) -> torch.Tensor:
+        table, index = self._table(vectors, state)
         stride = state.stride
-        lengths = state.lengths.view(len(layout.features), stride).long()
-        per_feature_ids = lengths.sum(dim=1).tolist()
-        id_start = 0
-        key_start = 0
-        outputs = []
-        for f, per_row in enumerate(layout.assembly):
-            rows = [torch.cat([blocks[cell] for cell in cols], dim=1) if len(cols) > 1 else blocks[cols[0]] for cols in per_row]
-            table = torch.cat(rows) if len(rows) > 1 else rows[0]
-            n_ids = per_feature_ids[f]
-            index = state.inverse[id_start : id_start + n_ids] - key_start
-            offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths[f], dim=0)])
-            weights = state.weights[id_start : id_start + n_ids] if state.weights is not None else None
-            # also when this rank has no IDs (table is empty): the output must reach the all-to-all, so
-            # that this rank joins its backward exchange
-            outputs.append(F.embedding_bag(index, table, offsets, mode="sum", per_sample_weights=weights, include_last_offset=True))
-            id_start += n_ids
-            key_start += table.size(0)
-        return torch.cat(outputs, dim=1)
+        offsets = torch.cat([state.lengths.new_zeros(1, dtype=torch.int64), torch.cumsum(state.lengths.long().reshape(-1), 0)])
+        # also when this rank has no IDs: the output must depend on `vectors`, so that this rank
+        # joins the backward exchange
+        pooled = F.embedding_bag(index, table, offsets, mode="sum", per_sample_weights=state.weights, include_last_offset=True)
+        out = pooled.view(self._num_features, stride, -1).transpose(0, 1).reshape(stride, -1)
+        return out if self._same_dims else out.index_select(1, self._columns)
 
-    def _ledger(self, received: List[List[int]], counts: List[int]) -> Ledger:
+    def _ledger(self, per_cell: np.ndarray, counts: np.ndarray) -> Ledger:
+        """Vectors each way, per table and peer: what I send per cell and sender, what I receive per block."""
         assert self.comm_stats is not None
-        layout, me = self._layout, self._rank
         ledger = Ledger(self.comm_stats, self.comm_cluster, list(range(self._world)))
-        position = {g: i for i, g in enumerate(layout.groups_on[me])}
-        for s in range(self._world):
-            for w, g in zip(layout.cell_widths_on[me], layout.cell_group_on[me]):
-                n = received[s][position[g]]
-                ledger.add(layout.tables[layout.group_feature[g]], s, False, n * w, n)
-        for k in range(self._world):
-            for w, g in zip(layout.cell_widths_on[k], layout.cell_group_on[k]):
-                ledger.add(layout.tables[layout.group_feature[g]], k, True, counts[g] * w, counts[g])
+        world = self._world
+        cells = len(self._cell_pos)
+        rows = per_cell.reshape(-1)
+        ledger.add_many(self._tables, np.repeat(self._cell_table, world), np.tile(np.arange(world), cells), False, rows * np.repeat(self._cell_widths, world), rows)
+        block_rows = counts[self._block_group_host]
+        ledger.add_many(self._tables, self._block_table, self._block_rank, True, block_rows * self._block_width_host, block_rows)
         return ledger
 
 
 class UniquePooledEmbeddingSharding(GridPooledEmbeddingSharding):
     """Embark's UB cluster: the grid's cells, with de-duplicating dists (module docstring)."""
 
-    def _unique_layout(self) -> UniqueLayout:
-        cells_on = [[self._cells[v] for v in names] for names in self.feature_names_per_rank()]
-        return UniqueLayout.build(
-            self._features,
-            self._feature_tables,
-            self._feature_dims,
-            self._feature_rows,
-            self._feature_mean,
-            self._feature_bounds,
-            cells_on,
-            [list(map(int, dims)) for dims in self._emb_dim_per_rank_per_feature()],
-        )
+    def unique_layout(self) -> UniqueLayout:
+        """The static routing, built once from the cells (after the sharding is built)."""
+        layout: Optional[UniqueLayout] = getattr(self, "_unique_layout", None)
+        if layout is None:
+            cells_on = [[self._cells[v] for v in names] for names in self.feature_names_per_rank()]
+            layout = self._unique_layout = UniqueLayout.build(
+                self._features,
+                self._feature_dims,
+                self._feature_rows,
+                self._feature_bounds,
+                cells_on,
+                [list(map(int, dims)) for dims in self._emb_dim_per_rank_per_feature()],
+            )
+        return layout
 
     def create_input_dist(self, device: Optional[torch.device] = None) -> BaseSparseFeaturesDist[KeyedJaggedTensor]:
         assert self._pg is not None
-        names = self.feature_names_per_rank()[dist.get_rank(self._pg)]
-        return UniqueSparseFeaturesDist(self._pg, self._unique_layout(), names, self._weighted)
+        return UniqueSparseFeaturesDist(self._pg, self.unique_layout(), self._weighted, self._feature_mean, self.dist_device(device))
 
     def create_output_dist(self, device: Optional[torch.device] = None) -> UniquePooledEmbeddingDist:  # type: ignore[override]
         assert self._pg is not None
         registry = self.qcomm_codecs_registry or {}
-        return UniquePooledEmbeddingDist(self._pg, self._unique_layout(), registry.get(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name))
+        return UniquePooledEmbeddingDist(
+            self._pg, self.unique_layout(), self._feature_tables, self.dist_device(device), registry.get(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name)
+        )
+
+    def lookup_input(self, received: KeyedJaggedTensor, lookup: torch.nn.Module) -> tuple[KeyedJaggedTensor, np.ndarray]:
+        """What this rank's lookup takes, from what its input dist received (unique_lookup_input)."""
+        assert self._pg is not None
+        rank = dist.get_rank(self._pg)
+        variable_batch = getattr(self, "_variable_batch", None)
+        if variable_batch is None:
+            variable_batch = self._variable_batch = supports_variable_batch(lookup)
+        return unique_lookup_input(received, self.unique_layout(), rank, self.feature_names_per_rank()[rank], variable_batch)

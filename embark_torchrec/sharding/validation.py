@@ -27,7 +27,12 @@ class InvalidIdError(InvalidInputError):
 
 
 class InputValidator:
-    """Checks (and under clamp / drop, repairs) one rank's KeyedJaggedTensor for an EBC's features."""
+    """Checks (and under clamp / drop, repairs) one rank's KeyedJaggedTensor for an EBC's features.
+
+    One host sync per batch: the IDs per key come from the KJT's own length_per_key (which
+    TorchRec's input dist reads anyway, and the KJT caches), and every device-side check is read
+    back at once. Per key order, the missing features and each key's table rows are worked out once.
+    """
 
     def __init__(self, feature_tables: Dict[str, str], table_rows: Dict[str, int], rank: int, invalid_ids: str = "raise") -> None:
         if invalid_ids not in INVALID_ID_POLICIES:
@@ -37,37 +42,37 @@ class InputValidator:
         self._rows: Dict[tuple, torch.Tensor] = {}  # per key order: each key's table rows (-1: not ours)
 
     def _rows_of(self, keys: List[str], device: torch.device) -> torch.Tensor:
-        rows = self._rows.get(tuple(keys))
+        order = tuple(keys)
+        rows = self._rows.get(order)
         if rows is None or rows.device != device:
             known = self._feature_tables
-            rows = self._rows[tuple(keys)] = torch.tensor(
-                [self._table_rows[known[k]] if k in known else -1 for k in keys], device=device
-            )
+            missing = [f for f in known if f not in set(keys)]
+            if missing:
+                raise InvalidInputError(f"rank {self._rank}: features {missing} are missing from the KeyedJaggedTensor (it has {keys})")
+            rows = self._rows[order] = torch.tensor([self._table_rows[known[k]] if k in known else -1 for k in keys], device=device)
         return rows
 
     def __call__(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         keys: List[str] = kjt.keys()
-        missing = [f for f in self._feature_tables if f not in keys]
-        if missing:
-            raise InvalidInputError(f"rank {self._rank}: features {missing} are missing from the KeyedJaggedTensor (it has {keys})")
+        rows = self._rows_of(keys, kjt.values().device)
         lengths, values, weights = kjt.lengths(), kjt.values(), kjt.weights_or_none()
-        if bool((lengths < 0).any()):
-            raise InvalidInputError(f"rank {self._rank}: negative bag lengths in the KeyedJaggedTensor")
-        total = int(lengths.sum())
+        per_key = kjt.length_per_key()
+        total = sum(per_key)
         if total != values.numel() or (weights is not None and weights.numel() != values.numel()):
             detail = "" if weights is None else f" and {weights.numel()} weights"
             raise InvalidInputError(
                 f"rank {self._rank}: the bag lengths add up to {total} IDs, but the KeyedJaggedTensor holds "
                 f"{values.numel()} values{detail}"
             )
-        per_key = torch.tensor(kjt.length_per_key(), device=values.device)
-        rows = self._rows_of(keys, values.device)
-        limit = torch.repeat_interleave(rows, per_key)
+        limit = rows.repeat_interleave(torch.tensor(per_key, device=values.device), output_size=total)
         bad = (limit >= 0) & ((values < 0) | (values >= limit))
-        if not bool(bad.any()):
+        negative, any_bad = torch.stack([(lengths < 0).any(), bad.any()]).tolist()
+        if negative:
+            raise InvalidInputError(f"rank {self._rank}: negative bag lengths in the KeyedJaggedTensor")
+        if not any_bad:
             return kjt
         if self._policy == "raise":
-            key_of = torch.repeat_interleave(torch.arange(len(keys), device=values.device), per_key)
+            key_of = torch.repeat_interleave(torch.arange(len(keys), device=values.device), torch.tensor(per_key, device=values.device))
             k = int(key_of[bad][0])
             feature = keys[k]
             sample = values[bad & (key_of == k)][:_SHOWN].tolist()

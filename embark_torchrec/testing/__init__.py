@@ -5,6 +5,7 @@
 * ``fake_world``: a fake process group of any size, for plans and shard layouts only (forward segfaults).
 * ``copy_global_weights`` / ``assert_matches_unsharded`` / ``assert_keyed_close``: sharded-vs-unsharded equality.
 * ``global_kjt_batch``: the same deterministic global batch on every rank, as per-rank slices.
+* ``HostWorkCounter``: counts a step's ops, host syncs and blocking collectives (host work a GPU step would wait on).
 * ``SyntheticData``: seeded DLRM batches (Zipf IDs, fixed multi-hot bags, a learnable label), a pure function of
   (seed, step, rank); the DLRM example, the benchmarks and the tests train on it.
 """
@@ -13,11 +14,13 @@ from embark_torchrec.testing.batches import global_kjt_batch
 from embark_torchrec.testing.equality import assert_keyed_close, assert_matches_unsharded, copy_global_weights
 from embark_torchrec.testing.errors import RankError, RankFailure
 from embark_torchrec.testing.fake import fake_world
+from embark_torchrec.testing.host_work import HostWorkCounter
 from embark_torchrec.testing.processes import run_ranks
 from embark_torchrec.testing.synthetic import SyntheticData
 from embark_torchrec.testing.threads import threaded_ranks
 
 __all__ = [
+    "HostWorkCounter",
     "RankError",
     "RankFailure",
     "SyntheticData",

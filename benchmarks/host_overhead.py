@@ -1,0 +1,228 @@
+"""Host work per training step, our sharding types against TorchRec's: aten ops, host syncs, blocking collectives, ms.
+
+On a GPU a step is only as fast as its host side lets it be: the host must launch fewer ops than the device runs,
+never wait on the device (a host sync) and never wait on the network (a collective without async_op=True), and
+its work must not grow with the number of tables. Those costs are invisible in CPU timings, so this benchmark
+counts them (embark_torchrec.testing.host_work.HostWorkCounter) on rank 0, for one training step (forward, then
+backward with the fused SGD optimizer in backward) after warm-up, and also times steps.
+
+Types: TorchRec's "table_wise" (table i on rank i mod ranks) and "row_wise" (rows in ceil blocks over all ranks),
+the baselines, at fp32; our flat grid "embark_rb" (each table a 2x2 grid of row x column slices spread over the
+ranks, which TorchRec cannot express), hierarchical grid "embark_rb_hier" (row slices of a column on one node,
+reduced there first; only with 2 or more nodes, i.e. 4 ranks) and unique-based "embark_ub" (rows split over two
+ranks), each at wire precision fp32, fp16 and fp8. Tables: 1,000 rows x dim 16, one feature each, ~2 IDs per bag
+(1-4, a quarter of the bags empty), batch 256 per rank; --ids nonrepeating: no ID twice in a rank's batch of a
+feature, zipf: Zipf(1.1). Ranks: gloo, 2 (one node) or 4 (2 nodes x 2). All configurations of one world size run in
+one spawn of ranks; step times are medians over steps, then over --rounds rounds that interleave all types.
+Ratios (x tw) are against TorchRec's table-wise at the same tables and ranks.
+
+    python benchmarks/host_overhead.py [--tables 8,64,512] [--ranks 2,4] [--types table_wise,row_wise,embark_rb,...]
+        [--precisions fp32,fp16,fp8] [--ids nonrepeating|zipf] [--rounds 3] [--steps 5] [--warmup 2] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import statistics
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from embark_torchrec.plan.groups import sharding_type
+from embark_torchrec.plan.layout import TableLayout, WirePrecision, sharding_type_name
+from embark_torchrec.testing import global_kjt_batch, run_ranks
+from embark_torchrec.testing.host_work import HostWorkCounter
+from embark_torchrec.testing.training import sharded_model
+
+ROWS, DIM, LOCAL_WORLD_SIZE = 1_000, 16, 2
+ROW_CUT = 400  # our grids cut rows unevenly, at 400
+BASELINE = "table_wise"
+TORCHREC_TYPES = ("table_wise", "row_wise")
+OUR_TYPES = ("embark_rb", "embark_rb_hier", "embark_ub")
+PRECISIONS = ("fp32", "fp16", "fp8")
+IDS = {"nonrepeating": "distinct", "zipf": "zipf"}  # --ids -> global_kjt_batch's ids
+BATCHES = 4  # distinct batches cycled through the steps
+COUNTS = ("aten_ops", "host_syncs", "blocking_collectives", "ms")
+
+
+def _layout(kind: str, i: int, ws: int) -> TableLayout:
+    """Table i's layout for a sharding type; the placement rotates with i so that every rank holds work."""
+    if kind == "table_wise":
+        return TableLayout.table_wise(ROWS, DIM, i % ws)
+    if kind == "row_wise":
+        block = -(-ROWS // ws)
+        bounds = tuple(min(k * block, ROWS) for k in range(ws + 1))
+        return TableLayout("rb", bounds, (0, DIM), tuple((k,) for k in range(ws)))
+    rows, cols = (0, ROW_CUT, ROWS), (0, DIM // 2, DIM)
+    if kind == "embark_rb":
+        return TableLayout("rb", rows, cols, tuple(tuple((i + 2 * r + c) % ws for c in range(2)) for r in range(2)))
+    if kind == "embark_rb_hier":  # column c of table i on node (i + c) mod nodes, its row slices on the node's ranks
+        nodes = ws // LOCAL_WORLD_SIZE
+        ranks = tuple(tuple(((i + c) % nodes) * LOCAL_WORLD_SIZE + r for c in range(2)) for r in range(2))
+        return TableLayout("rb", rows, cols, ranks, hierarchical=True)
+    return TableLayout("ub", rows, (0, DIM), ((i % ws,), ((i + 1) % ws,)))
+
+
+def _configs(types: list[str], precisions: list[str], ws: int) -> list[tuple[str, str]]:
+    """(type, precision) pairs to run at this world size; TorchRec's types at fp32 only, hier only across nodes."""
+    out = []
+    for kind in types:
+        if kind == "embark_rb_hier" and ws // LOCAL_WORLD_SIZE < 2:
+            continue
+        for precision in ["fp32"] if kind in TORCHREC_TYPES else precisions:
+            out.append((kind, precision))
+    return out
+
+
+def _layouts(tables: list[EmbeddingBagConfig], kind: str, precision: str, ws: int) -> dict[str, TableLayout]:
+    layouts = {}
+    for i, t in enumerate(tables):
+        layout = dataclasses.replace(_layout(kind, i, ws), precision=WirePrecision(precision, precision))
+        runs_as = sharding_type(layout, ROWS, ws, LOCAL_WORLD_SIZE)
+        expected = kind if kind in TORCHREC_TYPES else sharding_type_name(layout)
+        assert runs_as == expected, f"{kind} {precision}: table {t.name} would run as {runs_as}"
+        layouts[t.name] = layout
+    return layouts
+
+
+def _step(model: torch.nn.Module, kjt: KeyedJaggedTensor) -> None:
+    """Forward, then backward; the fused optimizer updates the tables during backward."""
+    out = model(kjt)
+    out = out.wait() if hasattr(out, "wait") else out
+    out.values().sum().backward()
+
+
+def _timed_steps(model: torch.nn.Module, batches: list[KeyedJaggedTensor], steps: int) -> float:
+    """Median ms of a step on this rank, each step started together on every rank."""
+    times = []
+    for s in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        _step(model, batches[s % len(batches)])
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _run(
+    table_counts: list[int], configs: list[tuple[str, str]], ids: str, batch: int, rounds: int, steps: int, warmup: int
+) -> list[dict[str, Any]]:
+    """On every rank: per table count, build every config's model, count one step, then time interleaved rounds."""
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message=".*is deprecated", category=FutureWarning)  # torch's collective renames
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    rows: list[dict[str, Any]] = []
+    for n in table_counts:
+        tables = [
+            EmbeddingBagConfig(name=f"t{i}", num_embeddings=ROWS, embedding_dim=DIM, feature_names=[f"f{i}"])
+            for i in range(n)
+        ]
+        batches = [global_kjt_batch(tables, ws, batch, seed=s, ids=IDS[ids])[rank] for s in range(BATCHES)]
+        models = {}
+        found = {}
+        for kind, precision in configs:
+            model = sharded_model(tables, _layouts(tables, kind, precision, ws), LOCAL_WORLD_SIZE)
+            for s in range(warmup):
+                _step(model, batches[s % BATCHES])
+            with HostWorkCounter() as counter:
+                _step(model, batches[warmup % BATCHES])
+            models[(kind, precision)] = model
+            found[(kind, precision)] = {"type": kind, "precision": precision, "tables": n, "ranks": ws, **counter.summary()}
+        times: dict[tuple[str, str], list[float]] = {c: [] for c in configs}
+        for _ in range(rounds):
+            for config, model in models.items():
+                times[config].append(_timed_steps(model, batches, steps))
+        for config in configs:
+            found[config]["ms"] = statistics.median(times[config])
+            found[config]["ms_per_round"] = times[config]
+            rows.append(found[config])
+        del models
+        gc.collect()
+    return rows
+
+
+def _ratios(rows: list[dict[str, Any]]) -> None:
+    """Adds "<count>_x_tw": each count over TorchRec table-wise's at the same tables and ranks (None: no baseline)."""
+    base = {(r["tables"], r["ranks"]): r for r in rows if r["type"] == BASELINE}
+    for r in rows:
+        b = base.get((r["tables"], r["ranks"]))
+        for key in COUNTS:
+            r[f"{key}_x_tw"] = r[key] / b[key] if b is not None and b[key] else None
+
+
+def _fmt(x: float | None, digits: int = 2) -> str:
+    return "—" if x is None else f"{x:.{digits}f}"
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| type | wire | tables | ranks | aten ops | x tw | host syncs | x tw | collectives | blocking | x tw | ms/step | x tw |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['type']} | {r['precision']} | {r['tables']} | {r['ranks']} | {r['aten_ops']} | {_fmt(r['aten_ops_x_tw'])} "
+            f"| {r['host_syncs']} | {_fmt(r['host_syncs_x_tw'])} | {r['collectives']} | {r['blocking_collectives']} "
+            f"| {_fmt(r['blocking_collectives_x_tw'])} | {r['ms']:.1f} | {_fmt(r['ms_x_tw'])} |"
+        )
+    return "\n".join(lines)
+
+
+def _csv(text: str, cast: type = str) -> list[Any]:
+    return [cast(x) for x in text.split(",") if x]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tables", type=lambda s: _csv(s, int), default=[8, 64, 512])
+    p.add_argument("--ranks", type=lambda s: _csv(s, int), default=[2, 4])
+    p.add_argument("--types", type=_csv, default=list(TORCHREC_TYPES + OUR_TYPES))
+    p.add_argument("--precisions", type=_csv, default=list(PRECISIONS))
+    p.add_argument("--ids", choices=sorted(IDS), default="nonrepeating")
+    p.add_argument("--batch-per-rank", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps before counting (the first builds lazy dists)")
+    p.add_argument("--timeout", type=float, default=7200.0, help="seconds per spawn of ranks")
+    p.add_argument("--json", type=Path, help="also write the rows (with per-op sync counts) here")
+    args = p.parse_args()
+    for kind in args.types:
+        if kind not in TORCHREC_TYPES + OUR_TYPES:
+            p.error(f"unknown type {kind!r}; choose from {TORCHREC_TYPES + OUR_TYPES}")
+    for precision in args.precisions:
+        if precision not in PRECISIONS:
+            p.error(f"unknown precision {precision!r}; choose from {PRECISIONS}")
+    for ws in args.ranks:
+        if ws % LOCAL_WORLD_SIZE:
+            p.error(f"--ranks {ws}: must be a multiple of the local world size {LOCAL_WORLD_SIZE}")
+    types = list(args.types) if BASELINE in args.types else [BASELINE, *args.types]  # the ratios need it
+    rows: list[dict[str, Any]] = []
+    for ws in args.ranks:
+        configs = _configs(types, args.precisions, ws)
+        rows += run_ranks(
+            _run, ws, local_world_size=LOCAL_WORLD_SIZE, timeout_s=args.timeout,
+            args=(args.tables, configs, args.ids, args.batch_per_rank, args.rounds, args.steps, args.warmup),
+        )[0]
+    _ratios(rows)
+    rows.sort(key=lambda r: (r["ranks"], r["tables"]))
+    print(
+        f"host work per training step on rank 0: {ROWS} rows x dim {DIM} per table, batch {args.batch_per_rank}/rank, "
+        f"{args.ids} IDs, gloo ranks in nodes of {LOCAL_WORLD_SIZE}; ms: median of {args.rounds} interleaved rounds "
+        f"of {args.steps} steps after {args.warmup} warm-up steps"
+    )
+    print(_table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Asynchronous, differentiable all-to-all for our output dists, with per-cluster wire codecs.
+
+TorchRec's pooled all-to-alls take one row width per rank, and its codec interface one row width
+per message; our messages are blocks of cells of different widths (fp8 scales each row), so our
+dists use this all-to-all, built as TorchRec's comm_ops are: a Req/Wait pair of autograd functions
+joined by a dummy tensor.
+
+- forward: Req encodes and starts the exchange (async_op=True) and returns at once; the caller
+  waits when it needs the result (AllToAllAwaitable.wait, where TorchRec waits its own awaitables);
+- backward: Wait's backward starts the gradients' exchange and returns; Req's backward waits for
+  it, so autograd runs other work (other groups' backward, the dense part) in between.
+
+Every member of the group must join both exchanges, also one whose input needs no gradient: such an
+input becomes a leaf that requires one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.comm_ops import get_gradient_division
+from torchrec.distributed.types import Awaitable
+
+from .codecs import Segment, decode, encode, encoded_size
+
+
+class _Exchange:
+    """One all-to-all and the reverse exchange of its gradients: what the autograd pair shares."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        send: Sequence[Sequence[Segment]],
+        recv: Sequence[Sequence[Segment]],
+        codecs: Any,
+        gradient_divisor: int,
+        on_send: Optional[Any],
+        device: torch.device,
+    ) -> None:
+        self.group, self.send, self.recv, self.codecs = group, send, recv, codecs
+        self.gradient_divisor, self.on_send = gradient_divisor, on_send
+        self.work: Optional[dist.Work] = None
+        self.buffer: Optional[torch.Tensor] = None
+        self.dummy = torch.empty(1, device=device, requires_grad=True)
+
+    def start(self, x: torch.Tensor, send: Sequence[Sequence[Segment]], recv: Sequence[Sequence[Segment]], codec: Any, backward: bool) -> None:
+        payload = encode(codec, x.contiguous(), send)
+        send_sizes = [encoded_size(codec, segs) for segs in send]
+        recv_sizes = [encoded_size(codec, segs) for segs in recv]
+        if self.on_send is not None:
+            self.on_send(payload, send_sizes, recv_sizes, backward)
+        self.buffer = payload.new_empty(sum(recv_sizes))
+        self.work = dist.all_to_all_single(self.buffer, payload, recv_sizes, send_sizes, group=self.group, async_op=True)
+
+    def finish(self, recv: Sequence[Sequence[Segment]], codec: Any) -> torch.Tensor:
+        assert self.work is not None and self.buffer is not None
+        self.work.wait()
+        out, self.work, self.buffer = decode(codec, self.buffer, recv), None, None
+        return out
+
+
+class _Req(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, exchange: _Exchange) -> torch.Tensor:  # type: ignore[override]
+        ctx.exchange = exchange
+        exchange.start(x, exchange.send, exchange.recv, exchange.codecs.forward if exchange.codecs else None, False)
+        return exchange.dummy.detach()
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        exchange: _Exchange = ctx.exchange
+        grad = exchange.finish(exchange.send, exchange.codecs.backward if exchange.codecs else None)
+        if exchange.gradient_divisor > 1 and get_gradient_division():
+            grad = grad / exchange.gradient_divisor
+        return grad, None
+
+
+class _Wait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, dummy: torch.Tensor, exchange: _Exchange) -> torch.Tensor:  # type: ignore[override]
+        ctx.exchange = exchange
+        return exchange.finish(exchange.recv, exchange.codecs.forward if exchange.codecs else None)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        exchange: _Exchange = ctx.exchange
+        exchange.start(grad, exchange.recv, exchange.send, exchange.codecs.backward if exchange.codecs else None, True)
+        return exchange.dummy.detach().new_zeros(1), None
+
+
+class AllToAllAwaitable(Awaitable[torch.Tensor]):
+    """The received 1-D tensor, once the exchange has arrived (differentiable)."""
+
+    def __init__(self, dummy: torch.Tensor, exchange: _Exchange) -> None:
+        super().__init__()
+        self._dummy, self._exchange = dummy, exchange
+
+    def _wait_impl(self) -> torch.Tensor:
+        return _Wait.apply(self._dummy, self._exchange)
+
+
+def all_to_all(
+    x: torch.Tensor,
+    send: Sequence[Sequence[Segment]],
+    recv: Sequence[Sequence[Segment]],
+    group: dist.ProcessGroup,
+    codecs: Any = None,
+    gradient_divisor: int = 1,
+    on_send: Optional[Any] = None,
+) -> AllToAllAwaitable:
+    """Starts sending member i of `group` the next message of the 1-D tensor x, described by
+    send[i] (segments of (elements, row width)); the awaitable gives what the members send, as
+    described by recv. Gradients travel back in the backward codec and are divided by
+    `gradient_divisor` (TorchRec divides embedding gradients by the world size). `on_send(payload,
+    send_sizes, recv_sizes, backward)` sees every payload handed to the collective (byte counting)."""
+    if torch.is_grad_enabled() and not x.requires_grad:
+        x = x.detach().requires_grad_()
+    exchange = _Exchange(group, send, recv, codecs, gradient_divisor, on_send, x.device)
+    dummy = _Req.apply(x, exchange)
+    return AllToAllAwaitable(dummy, exchange)
+
+
+def split_sizes(segments: List[List[Segment]]) -> List[int]:
+    """Decoded elements per member."""
+    return [sum(e for e, _ in segs) for segs in segments]

@@ -1,0 +1,35 @@
+"""TorchRec and fbgemm internals our runtime relies on, in one place, so an upgrade breaks here.
+
+Each function names the private attribute it reads; tests/test_torchrec_compat.py checks that each
+still exists on the installed TorchRec.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+# fbgemm's TBE accepts variable batch sizes per feature only with these optimizers
+# (SplitTableBatchedEmbeddingBagsCodegen._generate_vbe_metadata asserts it)
+VARIABLE_BATCH_OPTIMIZERS = frozenset(
+    {
+        EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        EmbOptimType.EXACT_SGD,
+        EmbOptimType.ENSEMBLE_ROWWISE_ADAGRAD,
+        EmbOptimType.EMAINPLACE_ROWWISE_ADAGRAD,
+        EmbOptimType.NONE,
+        EmbOptimType.ADAM,
+    }
+)
+
+
+def lookup_tbes(lookup: Any) -> List[Any]:
+    """The fbgemm TBEs behind a TorchRec grouped lookup (`_emb_modules[i].emb_module`)."""
+    return [m.emb_module for m in getattr(lookup, "_emb_modules", [])]
+
+
+def supports_variable_batch(lookup: Any) -> bool:
+    """Whether every TBE of the lookup takes variable batch sizes per feature (fbgemm's `optimizer`
+    attribute of a TBE; a TBE without one, e.g. a dense one, does not)."""
+    return all(getattr(tbe, "optimizer", None) in VARIABLE_BATCH_OPTIMIZERS for tbe in lookup_tbes(lookup))

@@ -1,0 +1,185 @@
+"""Host work of a training step: no blocking collectives, and host work that does not grow with the tables.
+
+On a GPU the host must run ahead of the device: a collective without async_op=True or a device->host sync stalls
+it, and host work per table makes a step of many tables host-bound. HostWorkCounter counts those on CPU. One
+4-rank spawn (2 nodes x 2, so the hierarchical grid has two nodes) trains every sharding type we emit, at every
+wire precision, and TorchRec's table-wise, at 4 and at 16 tables, and counts the second training step (the first
+builds the lazily created dists). The unit tests check the counter itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from embark_torchrec.plan.groups import collectives_per_step, sharding_type
+from embark_torchrec.plan.layout import TableLayout, WirePrecision, sharding_type_name
+from embark_torchrec.testing import global_kjt_batch, run_ranks
+from embark_torchrec.testing.host_work import COLLECTIVES, HostWorkCounter
+from embark_torchrec.testing.training import sharded_model
+
+WS, LWS, BATCH = 4, 2, 4
+ROWS, DIM = 40, 8
+TABLE_COUNTS = (4, 16)
+OURS = ("embark_rb", "embark_rb_hier", "embark_ub")
+PRECISIONS = ("fp32", "fp16", "fp8")
+OUR_CASES = [f"{kind}:{p}" for kind in OURS for p in PRECISIONS]
+BASELINE = "table_wise:fp32"
+OPS_GROWTH, OPS_SLACK = 1.5, 10  # aten ops at 16 tables <= ops at 4 tables * growth + slack
+SYNC_MARGIN = 4  # our syncs <= TorchRec table-wise's + margin
+
+
+def _layout(kind: str, i: int, precision: str) -> TableLayout:
+    """Table i's layout; placements rotate with i, so every rank holds cells of several tables."""
+    if kind == "table_wise":
+        layout = TableLayout.table_wise(ROWS, DIM, i % WS)
+    elif kind == "embark_rb":  # a 2x2 grid over four ranks
+        layout = TableLayout("rb", (0, 15, ROWS), (0, 4, DIM), tuple(tuple((i + 2 * r + c) % WS for c in range(2)) for r in range(2)))
+    elif kind == "embark_rb_hier":  # column c on node (i + c) mod 2, its two row slices on that node's two ranks
+        ranks = tuple(tuple(((i + c) % 2) * LWS + r for c in range(2)) for r in range(2))
+        layout = TableLayout("rb", (0, 15, ROWS), (0, 4, DIM), ranks, hierarchical=True)
+    else:
+        layout = TableLayout("ub", (0, 25, ROWS), (0, DIM), ((i % WS,), ((i + 1) % WS,)))
+    return dataclasses.replace(layout, precision=WirePrecision(precision, precision))
+
+
+def _step(model: torch.nn.Module, kjt: KeyedJaggedTensor) -> None:
+    out = model(kjt)
+    out = out.wait() if hasattr(out, "wait") else out
+    out.values().sum().backward()
+
+
+def _count_steps() -> dict[str, dict[str, Any]]:
+    """On each rank: {"<type>:<precision>:<tables>": HostWorkCounter summary of the second training step}."""
+    rank = dist.get_rank()
+    result = {}
+    for n in TABLE_COUNTS:
+        tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=ROWS, embedding_dim=DIM, feature_names=[f"f{i}"]) for i in range(n)]
+        for case in [BASELINE, *OUR_CASES]:
+            kind, precision = case.split(":")
+            layouts = {t.name: _layout(kind, i, precision) for i, t in enumerate(tables)}
+            runs_as = {sharding_type(layout, ROWS, WS, LWS) for layout in layouts.values()}
+            assert runs_as == {kind if kind == "table_wise" else sharding_type_name(layouts["t0"])}, (case, runs_as)
+            model = sharded_model(tables, layouts, LWS)
+            first, second = (global_kjt_batch(tables, WS, BATCH, seed=s)[rank] for s in range(2))
+            _step(model, first)
+            with HostWorkCounter() as counter:
+                _step(model, second)
+            result[f"{case}:{n}"] = counter.summary()
+    return result
+
+
+@pytest.fixture(scope="module")
+def counts() -> list[dict[str, dict[str, Any]]]:
+    return run_ranks(_count_steps, WS, local_world_size=LWS, timeout_s=600)
+
+
+def _show(c: dict[str, Any]) -> str:
+    return f"{c['aten_ops']} aten ops, {c['host_syncs']} syncs {c['sync_ops']}, blocking {c['blocking_ops']}"
+
+
+# ---------------------------------------------------------------- the counter itself
+
+
+def test_counts_host_syncs_by_op() -> None:
+    """Reading a value or a data-dependent size on the host is a sync, tolist included; other ops are not."""
+    x = torch.arange(6.0)
+    with HostWorkCounter() as counter:
+        y = x * 2 + 1
+        y.sum().item()
+        x.tolist()
+        x[x > 2]
+        torch.nonzero(x)
+        torch.repeat_interleave(torch.tensor([1, 2]))
+        torch.repeat_interleave(torch.tensor([1, 2]), output_size=3)  # the size is known: no sync
+        x[torch.tensor([0, 2])]  # integer indices: no sync
+    assert counter.sync_ops == {
+        "aten._local_scalar_dense.default": 1,
+        "Tensor.tolist": 1,
+        "aten.index.Tensor": 1,
+        "aten.nonzero.default": 1,
+        "aten.repeat_interleave.Tensor": 1,
+    }
+    assert counter.host_syncs == 5
+    assert counter.aten_ops == sum(counter.ops.values()) >= 10
+    assert counter.collectives == counter.blocking_collectives == 0
+
+
+def test_patches_are_restored_after_nesting_and_exceptions() -> None:
+    """Nested counters both count; on exit, an exception included, tolist and the collectives are the originals."""
+    originals = {(m.__name__, name): getattr(m, name) for m in (dist, c10d) for name in COLLECTIVES}
+    with pytest.raises(RuntimeError, match="boom"):
+        with HostWorkCounter() as outer:
+            with HostWorkCounter() as inner:
+                torch.ones(2).tolist()
+            torch.ones(2).tolist()
+            raise RuntimeError("boom")
+    assert (outer.sync_ops["Tensor.tolist"], inner.sync_ops["Tensor.tolist"]) == (2, 1)
+    assert "tolist" not in torch.Tensor.__dict__
+    assert {(m.__name__, name): getattr(m, name) for m in (dist, c10d) for name in COLLECTIVES} == originals
+    with HostWorkCounter() as after:
+        torch.ones(2).sum()
+    assert after.ops == {"aten.ones.default": 1, "aten.sum.default": 1}
+
+
+def _collectives_on_one_rank() -> dict[str, Any]:
+    t = torch.ones(2)
+    with HostWorkCounter() as counter:
+        dist.all_reduce(t)  # blocking
+        dist.all_reduce(t, dist.ReduceOp.SUM, None, True).wait()  # async, async_op passed by position
+        dist.all_to_all_single(torch.empty(2), t, async_op=True).wait()
+        c10d.broadcast(t, 0)  # through distributed_c10d, blocking
+    return counter.summary()
+
+
+def test_counts_blocking_collectives() -> None:
+    """Collectives count on torch.distributed and distributed_c10d; only those without async_op=True block."""
+    (summary,) = run_ranks(_collectives_on_one_rank, 1, timeout_s=120)
+    assert summary["collectives"] == 4
+    assert summary["blocking_ops"] == {"all_reduce": 1, "broadcast": 1}
+
+
+def test_counter_sees_torchrec_collectives(counts: list[dict[str, dict[str, Any]]]) -> None:
+    """TorchRec's table-wise step issues its 5 collectives through torch.distributed, all async, on every rank."""
+    for n in TABLE_COUNTS:
+        for c in counts:
+            assert c[f"{BASELINE}:{n}"]["collectives"] == collectives_per_step("table_wise")
+            assert c[f"{BASELINE}:{n}"]["blocking_collectives"] == 0
+
+
+# ---------------------------------------------------------------- our sharding types
+
+
+@pytest.mark.parametrize("case", OUR_CASES)
+def test_no_blocking_collectives(counts: list[dict[str, dict[str, Any]]], case: str) -> None:
+    """Every collective of a training step is issued with async_op=True, on every rank."""
+    for n in TABLE_COUNTS:
+        blocking = {rank: c[f"{case}:{n}"]["blocking_ops"] for rank, c in enumerate(counts)}
+        assert all(not b for b in blocking.values()), f"{case}, {n} tables: blocking collectives per rank {blocking}"
+
+
+@pytest.mark.parametrize("case", OUR_CASES)
+def test_host_work_does_not_grow_with_tables(counts: list[dict[str, dict[str, Any]]], case: str) -> None:
+    """Host work is O(sharding groups), not O(tables): from 4 to 16 tables, aten ops grow at most 1.5x (+ slack)
+    and host syncs not at all (rank 0)."""
+    few, many = (counts[0][f"{case}:{n}"] for n in TABLE_COUNTS)
+    detail = f"{case}: 4 tables {_show(few)}; 16 tables {_show(many)}"
+    assert many["aten_ops"] <= few["aten_ops"] * OPS_GROWTH + OPS_SLACK, detail
+    assert many["host_syncs"] == few["host_syncs"], detail
+
+
+@pytest.mark.parametrize("case", OUR_CASES)
+def test_syncs_at_most_torchrec_table_wise(counts: list[dict[str, dict[str, Any]]], case: str) -> None:
+    """A step of ours syncs at most 4 times more than TorchRec's table-wise step on the same tables (rank 0)."""
+    for n in TABLE_COUNTS:
+        ours, base = counts[0][f"{case}:{n}"], counts[0][f"{BASELINE}:{n}"]
+        assert ours["host_syncs"] <= base["host_syncs"] + SYNC_MARGIN, (
+            f"{case}, {n} tables: ours {_show(ours)}; torchrec table_wise {_show(base)}"
+        )

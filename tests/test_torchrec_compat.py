@@ -1,0 +1,52 @@
+"""The TorchRec and fbgemm internals torchrec_compat.py relies on still exist on the installed versions, so a
+TorchRec upgrade that moves them fails here, by name, rather than deep inside a training step."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    ComputeDevice,
+    SplitTableBatchedEmbeddingBagsCodegen,
+)
+from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
+
+from embark_torchrec.sharding.torchrec_compat import VARIABLE_BATCH_OPTIMIZERS, lookup_tbes, supports_variable_batch
+
+
+def _tbe(optimizer: EmbOptimType) -> SplitTableBatchedEmbeddingBagsCodegen:
+    return SplitTableBatchedEmbeddingBagsCodegen(
+        [(10, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=optimizer, learning_rate=0.1
+    )
+
+
+def test_tbe_optimizer_attribute_and_variable_batch_rule() -> None:
+    """fbgemm's TBE keeps its optimizer in `optimizer`, and its variable-batch check lists exactly the optimizers
+    we treat as variable-batch capable (read off the source of the check)."""
+    assert _tbe(EmbOptimType.EXACT_SGD).optimizer == EmbOptimType.EXACT_SGD
+    source = inspect.getsource(SplitTableBatchedEmbeddingBagsCodegen._generate_vbe_metadata)
+    listed = {o for o in EmbOptimType if f"OptimType.{o.name}," in source or f"OptimType.{o.name}\n" in source}
+    assert listed == set(VARIABLE_BATCH_OPTIMIZERS)
+
+
+def test_grouped_lookup_keeps_its_tbes_in_emb_modules() -> None:
+    """TorchRec's grouped lookup holds one module per TBE in `_emb_modules`, each exposing `emb_module`."""
+    assert "_emb_modules" in inspect.getsource(GroupedPooledEmbeddingsLookup.__init__)
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self, tbe: SplitTableBatchedEmbeddingBagsCodegen) -> None:
+            super().__init__()
+            self.emb_module = tbe
+
+    class Lookup(torch.nn.Module):
+        def __init__(self, *tbes: SplitTableBatchedEmbeddingBagsCodegen) -> None:
+            super().__init__()
+            self._emb_modules = torch.nn.ModuleList(Wrapped(t) for t in tbes)
+
+    sgd, adagrad = _tbe(EmbOptimType.EXACT_SGD), _tbe(EmbOptimType.EXACT_ADAGRAD)
+    assert lookup_tbes(Lookup(sgd)) == [sgd]
+    assert supports_variable_batch(Lookup(sgd, _tbe(EmbOptimType.EXACT_ROWWISE_ADAGRAD)))
+    assert not supports_variable_batch(Lookup(sgd, adagrad))
