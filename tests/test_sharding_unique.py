@@ -4,8 +4,9 @@ One spawn per world size (2, 3, and 4 as 2 nodes x 2); each model holds a UB tab
 planner emits (table-wise, column-wise with uneven widths and a rank twice, row-split with uneven slices, a grid,
 several cells of one row slice on one rank) next to an RB grid table. Data: Zipf(1.1) IDs (heavy repetition, so
 de-duplication and the per-ID gradient sums matter) and IDs that never repeat, over sum / mean / weighted pooling
-and fused SGD / Adagrad, one configuration with a silent rank. Outputs at both steps and weights after two steps
-must match to 1e-5.
+and fused SGD / Adagrad, one configuration with a silent rank, and both ways a holder can look its distinct IDs up
+(padded, the CPU default, and fbgemm's variable-batch lookup, the GPU default). Outputs at both steps and weights
+after two steps must match to 1e-5.
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ from embark_torchrec.testing.training import compare_sharded_training
 
 ATOL = 1e-5
 WORLDS = {2: 2, 3: 3, 4: 2}
-# (pooling, optimizer, ids, silent rank?)
+# (pooling, optimizer, ids, silent rank?, unique_lookup)
 CONFIGS = [
-    ("sum", "sgd", "zipf", False),
-    ("mean", "adagrad", "distinct", False),
-    ("weighted", "adagrad", "zipf", True),
-    ("sum", "adagrad", "distinct", True),
-    ("mean", "sgd", "zipf", False),
+    ("sum", "sgd", "zipf", False, "auto"),
+    ("mean", "adagrad", "distinct", False, "auto"),
+    ("weighted", "adagrad", "zipf", True, "auto"),
+    ("sum", "adagrad", "distinct", True, "auto"),
+    ("mean", "sgd", "zipf", False, "auto"),
+    ("sum", "sgd", "zipf", True, "variable_batch"),
+    ("weighted", "sgd", "distinct", False, "variable_batch"),
 ]
 
 
@@ -64,9 +67,9 @@ def _tables(ws: int, pooling: str) -> tuple[list[EmbeddingBagConfig], dict[str, 
 def _run_world(lws: int) -> dict[Any, dict[str, float]]:
     ws = dist.get_world_size()
     out = {}
-    for pooling, optimizer, ids, silent in CONFIGS:
+    for pooling, optimizer, ids, silent, lookup in CONFIGS:
         tables, layouts = _tables(ws, pooling)
-        out[(pooling, optimizer, ids, silent)] = compare_sharded_training(
+        out[(pooling, optimizer, ids, silent, lookup)] = compare_sharded_training(
             tables,
             layouts,
             lws,
@@ -77,6 +80,7 @@ def _run_world(lws: int) -> dict[Any, dict[str, float]]:
             seed=ws,
             silent_rank=ws - 1 if silent else None,
             ids=ids,
+            unique_lookup=lookup,
         )
     return out
 

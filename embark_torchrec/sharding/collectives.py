@@ -73,7 +73,7 @@ class _Req(torch.autograd.Function):
         exchange: _Exchange = ctx.exchange
         grad = exchange.finish(exchange.send, exchange.codecs.backward if exchange.codecs else None)
         if exchange.gradient_divisor > 1 and get_gradient_division():
-            grad = grad / exchange.gradient_divisor
+            grad = grad.div_(exchange.gradient_divisor)  # a fresh buffer: in place, as TorchRec does
         return grad, None
 
 

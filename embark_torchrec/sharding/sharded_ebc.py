@@ -33,8 +33,9 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
       differ in rows and widths, so weights are loaded shard by shard, matched by offsets.
     """
 
-    def __init__(self, *args: Any, invalid_ids: str = "raise", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, invalid_ids: str = "raise", unique_lookup: str = "auto", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._unique_lookup = unique_lookup
         self.comm_stats: Optional[CommStats] = None
         self._kjt_counters: Dict[int, KJTCounter] = {}  # sharding index -> its input KJT all-to-all's counter
         self._validate = InputValidator(
@@ -133,7 +134,7 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         if self._unique_shardings:
             features = list(input)
             for i, sharding in self._unique_shardings:
-                features[i], ctx.sharding_contexts[i].received_counts = sharding.lookup_input(features[i], self._lookups[i])
+                features[i], ctx.sharding_contexts[i].received_counts = sharding.lookup_input(features[i], self._lookups[i], self._unique_lookup)
             input = KJTList(features)
         return super().compute_and_output_dist(ctx, input)
 

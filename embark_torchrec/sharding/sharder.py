@@ -10,6 +10,7 @@ from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingT
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from .sharded_ebc import EmbarkShardedEmbeddingBagCollection
+from .unique import UNIQUE_LOOKUPS
 from .validation import INVALID_ID_POLICIES
 
 _BUILTIN_TYPES = [
@@ -32,13 +33,21 @@ class EmbarkEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
 
     invalid_ids: what to do with IDs outside [0, rows) of their table: "raise" (default; the error
     names table, feature and rank), "clamp" into range, or "drop" them from their bags.
+
+    unique_lookup: how unique-based tables look up the distinct IDs they receive (unique.py):
+    "variable_batch" (fbgemm's variable-batch TBE: no padding; its CPU kernel is slow), "padded"
+    (one batch per cell, padded to the longest), or "auto" (default: variable-batch on GPUs where
+    the optimizer allows it, padded otherwise).
     """
 
-    def __init__(self, *args: Any, invalid_ids: str = "raise", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, invalid_ids: str = "raise", unique_lookup: str = "auto", **kwargs: Any) -> None:
         if invalid_ids not in INVALID_ID_POLICIES:
             raise ValueError(f"invalid_ids must be one of {INVALID_ID_POLICIES}, got {invalid_ids!r}")
+        if unique_lookup not in UNIQUE_LOOKUPS:
+            raise ValueError(f"unique_lookup must be one of {UNIQUE_LOOKUPS}, got {unique_lookup!r}")
         super().__init__(*args, **kwargs)
         self.invalid_ids = invalid_ids
+        self.unique_lookup = unique_lookup
 
     def shard(
         self,
@@ -57,6 +66,7 @@ class EmbarkEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             qcomm_codecs_registry=self.qcomm_codecs_registry,
             module_fqn=module_fqn,
             invalid_ids=self.invalid_ids,
+            unique_lookup=self.unique_lookup,
         )
 
     def sharding_types(self, compute_device_type: str) -> List[str]:

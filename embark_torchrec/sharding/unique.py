@@ -25,7 +25,7 @@ input dist travels in that batch's context (UniqueShardingContext), so pipelined
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import numpy as np
 import torch
@@ -40,8 +40,11 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from .codecs import Segment
 from .collectives import all_to_all
 from .comm_stats import CountsComm, Ledger
-from .torchrec_compat import supports_variable_batch
+from .torchrec_compat import VARIABLE_BATCH_OPTIMIZERS, supports_variable_batch
 from .grid import CellRoute, GridPooledEmbeddingSharding, _ledger_hook, bag_weights
+
+# how a UB holder looks up the distinct IDs it receives (EmbarkEmbeddingBagCollectionSharder's unique_lookup)
+UNIQUE_LOOKUPS = ("auto", "variable_batch", "padded")
 
 
 @dataclass
@@ -226,6 +229,28 @@ def unique_lookup_input(
     return KeyedJaggedTensor(keys=cell_names, values=values, lengths=lengths.reshape(-1), stride=stride), counts
 
 
+class _BagSum(torch.autograd.Function):
+    """Each bag's sum of its IDs' rows of `table` (times their weights), by embedding_bag; backward
+    gathers each ID's bag gradient and scatter-adds it into its row (embedding_bag's own dense
+    backward sorts the IDs first and is several times slower on CPU)."""
+
+    @staticmethod
+    def forward(ctx: Any, table: torch.Tensor, index: torch.Tensor, lengths: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(index, lengths, weights)
+        ctx.rows = table.size(0)
+        offsets = torch.cat([lengths.new_zeros(1, dtype=torch.int64), torch.cumsum(lengths.long(), 0)])
+        return F.embedding_bag(index, table, offsets, mode="sum", per_sample_weights=weights, include_last_offset=True)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        index, lengths, weights = ctx.saved_tensors
+        bags = torch.arange(lengths.numel(), device=grad.device).repeat_interleave(lengths, output_size=index.numel())
+        per_id = grad.index_select(0, bags)
+        if weights is not None:
+            per_id = per_id * weights.unsqueeze(1).to(per_id.dtype)
+        return grad.new_zeros(ctx.rows, grad.size(1)).index_add_(0, index, per_id), None, None, None
+
+
 class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.Tensor, torch.Tensor], CountsComm):
     """Sends each sender the vectors of its distinct IDs; the sender expands them into its bags."""
 
@@ -300,19 +325,28 @@ class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.T
         return awaitable
 
     def _sender_major(self, padded: torch.Tensor, per_cell: np.ndarray) -> torch.Tensor:
-        """A padded lookup's output ([longest cell, my width]; cell c's rows at the top of its
-        columns, sender by sender) gathered into the variable-batch layout: sender by sender, cell
-        by cell, row by row."""
+        """A padded lookup's output ([longest cell, my width]; cell c's IDs from sender s in rows
+        first_row[c, s] onwards of its columns) gathered into the variable-batch layout: sender by
+        sender, cell by cell, row by row. With one width for all my cells, whole rows are gathered;
+        otherwise single elements."""
         cells, world = per_cell.shape
         first_row = (np.cumsum(per_cell, axis=1) - per_cell).T.reshape(-1)  # per (sender, cell)
+        rows = per_cell.T.reshape(-1)
+        out_start = np.cumsum(rows) - rows
+        device = padded.device
+        if len(set(self._cell_widths.tolist())) == 1:
+            cell = np.tile(np.arange(cells), world)
+            base = torch.tensor(first_row * cells + cell - out_start * cells, device=device)
+            total = int(rows.sum())
+            index = base.repeat_interleave(torch.tensor(rows, device=device), output_size=total)
+            index = index + torch.arange(total, device=device) * cells
+            return padded.reshape(-1, int(self._cell_widths[0])).index_select(0, index).reshape(-1)
         widths = np.tile(self._cell_widths, world)
         columns = np.tile(np.concatenate([[0], np.cumsum(self._cell_widths)])[:-1], world)
-        elems = per_cell.T.reshape(-1) * widths
+        elems = rows * widths
         n = int(elems.sum())
-        device = padded.device
         block = torch.arange(len(elems), device=device).repeat_interleave(torch.tensor(elems, device=device), output_size=n)
-        start = torch.tensor(np.cumsum(elems) - elems, device=device)[block]
-        offset = torch.arange(n, device=device) - start
+        offset = torch.arange(n, device=device) - torch.tensor(np.cumsum(elems) - elems, device=device)[block]
         width = torch.tensor(widths, device=device)[block]
         row = torch.tensor(first_row, device=device)[block] + torch.div(offset, width, rounding_mode="floor")
         source = row * padded.size(1) + torch.tensor(columns, device=device)[block] + torch.remainder(offset, width)
@@ -344,10 +378,9 @@ class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.T
     def _expand(self, vectors: torch.Tensor, state: UniqueState) -> torch.Tensor:
         table, index = self._table(vectors, state)
         stride = state.stride
-        offsets = torch.cat([state.lengths.new_zeros(1, dtype=torch.int64), torch.cumsum(state.lengths.long().reshape(-1), 0)])
         # also when this rank has no IDs: the output must depend on `vectors`, so that this rank
         # joins the backward exchange
-        pooled = F.embedding_bag(index, table, offsets, mode="sum", per_sample_weights=state.weights, include_last_offset=True)
+        pooled = _BagSum.apply(table, index, state.lengths.reshape(-1), state.weights)
         out = pooled.view(self._num_features, stride, -1).transpose(0, 1).reshape(stride, -1)
         return out if self._same_dims else out.index_select(1, self._columns)
 
@@ -393,11 +426,19 @@ class UniquePooledEmbeddingSharding(GridPooledEmbeddingSharding):
             self._pg, self.unique_layout(), self._feature_tables, self.dist_device(device), registry.get(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name)
         )
 
-    def lookup_input(self, received: KeyedJaggedTensor, lookup: torch.nn.Module) -> tuple[KeyedJaggedTensor, np.ndarray]:
-        """What this rank's lookup takes, from what its input dist received (unique_lookup_input)."""
+    def lookup_input(self, received: KeyedJaggedTensor, lookup: torch.nn.Module, mode: str) -> tuple[KeyedJaggedTensor, np.ndarray]:
+        """What this rank's lookup takes, from what its input dist received (unique_lookup_input);
+        `mode` as the sharder's unique_lookup."""
         assert self._pg is not None
         rank = dist.get_rank(self._pg)
         variable_batch = getattr(self, "_variable_batch", None)
         if variable_batch is None:
-            variable_batch = self._variable_batch = supports_variable_batch(lookup)
+            capable = supports_variable_batch(lookup)
+            if mode == "variable_batch" and not capable:
+                raise ValueError(
+                    "unique_lookup='variable_batch' needs a TBE optimizer that takes variable batch sizes "
+                    f"({sorted(o.name for o in VARIABLE_BATCH_OPTIMIZERS)}); use 'auto' or 'padded'"
+                )
+            on_gpu = received.values().device.type == "cuda"
+            variable_batch = self._variable_batch = mode == "variable_batch" or (mode == "auto" and capable and on_gpu)
         return unique_lookup_input(received, self.unique_layout(), rank, self.feature_names_per_rank()[rank], variable_batch)

@@ -63,6 +63,7 @@ def sharded_model(
     optimizer: str = "sgd",
     lr: float = 0.1,
     invalid_ids: str = "raise",
+    unique_lookup: str = "auto",
 ) -> DistributedModelParallel:
     """A SparseArch sharded by `layouts` through EmbarkEmbeddingBagCollectionSharder."""
     ws = dist.get_world_size()
@@ -70,7 +71,7 @@ def sharded_model(
     plan = Plan(ws, local_world_size, dict(layouts))
     spec = ModelSpec.from_module(meta.ebc, batch_size=ws)
     sharder = EmbarkEmbeddingBagCollectionSharder(
-        fused_params={"optimizer": OPTIMIZERS[optimizer], "learning_rate": lr, "eps": ADAGRAD_EPS}, invalid_ids=invalid_ids
+        fused_params={"optimizer": OPTIMIZERS[optimizer], "learning_rate": lr, "eps": ADAGRAD_EPS}, invalid_ids=invalid_ids, unique_lookup=unique_lookup
     )
     return DistributedModelParallel(
         meta,
@@ -93,16 +94,17 @@ def compare_sharded_training(
     lr: float = 0.1,
     silent_rank: int | None = None,
     ids: str = "uniform",
+    unique_lookup: str = "auto",
 ) -> dict[str, float]:
     """Max |sharded - unsharded| per output feature (each step) and per table weight (after all steps).
 
     `silent_rank` sends no IDs at all (every bag empty), as a rank with nothing for a table would; `ids` as in
-    global_kjt_batch.
+    global_kjt_batch; `unique_lookup` as the sharder's.
     """
     rank, ws = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
     reference = SparseArch(tables, weighted, torch.device("cpu"))
-    model = sharded_model(tables, layouts, local_world_size, weighted, optimizer, lr)
+    model = sharded_model(tables, layouts, local_world_size, weighted, optimizer, lr, unique_lookup=unique_lookup)
     copy_global_weights(model, reference)
     ref_opt = _reference_optimizer(reference.parameters(), optimizer, lr)
     dense = [p for _, p in in_backward_optimizer_filter(model.named_parameters()) if p.numel() > 0]
