@@ -22,8 +22,9 @@ same traffic message by message, and the runtime's dists send exactly that):
 - Lookup work (bytes through HBM): RB cell: B F p m_r x w_c x 4 bytes forward; UB cell:
   W F U_r x w_c x 4 on its owner, plus b F p x dim x 4 on every rank to expand the unique vectors
   back into its samples' bags; DP: b F p x dim x 4. Backward costs BACKWARD_COMPUTE_MULTIPLIER x forward.
-  UB also costs every rank b F p x unique_ns_per_id to de-duplicate its IDs (a CPU sort is slow;
-  zero in the GPU presets). Every ID a cell looks up (the same counts, without the width) also costs
+  UB also costs every rank b F p x unique_ns_per_id for its own host work: de-duplication, routing
+  the distinct IDs, the expansion back into bags (measured against table-wise on IDs that never
+  repeat, benchmarks/calibrate_cpu.py; zero in the GPU presets, where it runs on the device). Every ID a cell looks up (the same counts, without the width) also costs
   lookup_ns_per_id: indexing and optimizer bookkeeping per ID, whatever its width, which is why a
   column split is not free on a CPU (zero in the GPU presets).
 - Memory per rank: per row of a cell, w_c x (4 + optimizer bytes per element) + optimizer bytes

@@ -22,7 +22,7 @@ class Hardware:
     inter_node_bw_gbps: float  # network per GPU per direction
     dense_ms_per_ksample: float  # dense forward+backward per 1000 samples on one GPU
     dense_params_mb: float = 0.0  # MB of dense gradients all-reduced every step (same for every plan)
-    unique_ns_per_id: float = 0.0  # de-duplicating one ID of a UB table on its sender (GPU sorts: negligible)
+    unique_ns_per_id: float = 0.0  # a UB table's own host work per ID (de-duplication, routing, expansion)
     collective_us: float = 0.0  # launching and synchronising one collective, whatever its size
     lookup_ns_per_id: float = 0.0  # per ID a cell looks up (forward + backward), whatever its width
     host_cores: int = 0  # > 0: every rank runs on one host with this many cores, so lookups share them
@@ -42,22 +42,23 @@ PRESETS: dict[str, Hardware] = {
     "dgx-a100": Hardware("dgx-a100", 80.0, 16.0, 2039.0 / 2, 300.0, 25.0, 0.5),
     "h200": Hardware("h200", 141.0, 20.0, 4800.0 / 2, 450.0, 50.0, 0.2),
     # Gloo over loopback on a CPU box: what our CPU tests and the e2e benchmark run on. Measured by
-    # benchmarks/calibrate_cpu.py with 4 ranks on this 2-core host (README, "The cost model"): ~1 ms
-    # per collective whatever its size, all-to-all at ~0.65 GB/s per rank (loopback: no slower
-    # "network"), TBE lookups at ~65 ns per ID plus ~6.5 GB/s of lookup bytes on one rank alone (the
-    # ranks share the 2 cores: host_cores); torch.unique at ~64 ns per int64 ID. The dense figure is
-    # not calibrated (it is the same for every plan).
+    # benchmarks/calibrate_cpu.py with 4 ranks on this 2-core host (README, "The cost model"; medians
+    # of three runs on 2026-12-01): ~0.75 ms per collective whatever its size, all-to-all at ~0.86 GB/s
+    # per rank (loopback: no slower "network"), TBE lookups at ~27 ns per ID plus ~8.5 GB/s of lookup
+    # bytes on one rank alone (the ranks share the 2 cores: host_cores); unique-based tables' own host
+    # work (de-duplication, routing, expansion) at ~320 ns per ID (UB against table-wise on IDs that
+    # never repeat). The dense figure is not calibrated (it is the same for every plan).
     "cpu-gloo": Hardware(
         "cpu-gloo",
         16.0,
         4.0,
-        6.5,
-        0.65,
-        0.65,
+        8.5,
+        0.86,
+        0.86,
         50.0,
-        unique_ns_per_id=64.0,
-        collective_us=1000.0,
-        lookup_ns_per_id=65.0,
+        unique_ns_per_id=320.0,
+        collective_us=750.0,
+        lookup_ns_per_id=27.0,
         host_cores=2,
     ),
 }
