@@ -1,14 +1,17 @@
-"""End to end: the DLRM example on 4 CPU ranks as 2 nodes x 2, planned by embark, TorchRec's default planner
-and table-row-wise (TWRW), in interleaved rounds of one run.
+"""End to end: the DLRM example on CPU ranks grouped into simulated nodes (default 4 ranks as 2 nodes x 2),
+planned by embark, TorchRec's default planner and table-row-wise (TWRW), in interleaved rounds of one run.
 
-Each run is `torchrun --standalone --nproc_per_node 4 examples/dlrm/train.py --local-world-size 2 --planner P`
-(same model, same synthetic data, same seed); we parse its RESULT line. Interleaving (embark, torchrec, trw,
-embark, ...) spreads the machine's noise over all planners; medians over rounds. Counted bytes are exact
-(the same every round); samples/s is a wall-clock measurement. Writes a markdown table (and embeds the
-simulated-cluster table of plan_quality.py) and, with --plot, a PNG of each plan's per-rank estimated load
-and measured bytes.
+Each run is `torchrun --standalone --nproc_per_node N examples/dlrm/train.py --local-world-size L --planner P
+[--model SPEC]` (same model, same synthetic data, same seed); we parse its RESULT line. Interleaving (embark,
+torchrec, trw, embark, ...) spreads the machine's noise over all planners; medians over rounds. Counted bytes
+are exact (the same every round); samples/s is a wall-clock measurement. `embark-no-ub` runs embark's plan of
+the same round with its unique-based (UB) tables made row-based (RB): whether UB, where embark chooses it, is
+faster than the same tables without it. Writes a markdown table (and embeds the simulated-cluster table of
+plan_quality.py) and, with --plot, a PNG of each plan's per-rank estimated load and measured bytes.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/e2e.py [--rounds 3] [--steps 100] [--plot benchmarks/e2e.png]
+    PYTHONPATH=. .venv/bin/python benchmarks/e2e.py [--model benchmarks/models/dlrm_main.json]
+        [--world-size 4] [--local-world-size 2] [--planners embark,embark-no-ub,torchrec]
+        [--rounds 3] [--steps 100] [--plot benchmarks/e2e.png]
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,31 +40,37 @@ from embark_torchrec.plan.topology import Topology, hardware_preset
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "examples" / "dlrm" / "train.py"
 sys.path.insert(0, str(TRAIN.parent))
-from train import default_spec  # noqa: E402 (the example's model, defined once; needs the path above)
+from train import load_spec  # noqa: E402 (the example's models, defined once; needs the path above)
 
 PLAN_QUALITY = ROOT / "benchmarks" / "plan_quality.md"
-WORLD_SIZE, LOCAL_WORLD_SIZE = 4, 2
-# each run: its name -> train.py's planner flags; embark-fp16 is embark's plan with fp16 on the wire
+OUT = ROOT / "benchmarks" / "e2e.md"
+TIMEOUT_S = 300.0
+# each run: its name -> train.py's planner flags, in the order a round runs them; embark-fp16 is embark's plan
+# with fp16 on the wire; embark-no-ub runs (--plan-in) embark's plan of the same round without UB, so it follows embark
 RUNS = {
     "embark": ("--planner", "embark"),
+    "embark-no-ub": (),
     "embark-fp16": ("--planner", "embark", "--wire-precision", "fp16"),
     "torchrec": ("--planner", "torchrec"),
     "trw": ("--planner", "trw"),
 }
-PLANNERS = tuple(RUNS)
+NO_UB = "embark-no-ub"
+DEFAULT_PLANNERS = ("embark", "embark-fp16", "torchrec", "trw")
 EMBARK = ("embark", "embark-fp16")
 BASELINES = ("torchrec", "trw")
 HARDWARE = "cpu-gloo"  # what train.py plans with on CPU
-TARGETS = {"inter_node_bytes_per_step": 0.7, "samples_per_s": 0.95}  # embark vs torchrec (issue 6)
+RATE_TARGET = 0.97  # embark's samples/s against torchrec's (issue 12's acceptance)
+INTER_TARGET = 0.7  # embark-fp16's inter-node bytes against torchrec's (issue 6)
 
 
-def run_example(planner: str, args: argparse.Namespace, plan_out: Path) -> dict[str, Any]:
+def run_example(planner: str, args: argparse.Namespace, plan_out: Path, plan_in: Path | None = None) -> dict[str, Any]:
     """One torchrun job of the example; its RESULT as a dict (raises with the output's tail on failure)."""
+    model = [] if args.model is None else ["--model", str(Path(args.model).resolve()) if Path(args.model).exists() else args.model]
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD_SIZE), str(TRAIN),
-        *RUNS[planner], "--local-world-size", str(LOCAL_WORLD_SIZE), "--steps", str(args.steps),
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.world_size), str(TRAIN),
+        *RUNS[planner], *model, "--local-world-size", str(args.local_world_size), "--steps", str(args.steps),
         "--batch-size", str(args.batch_size), "--log-every", str(args.steps), "--plan-out", str(plan_out),
-    ] + (["--no-pipeline"] if args.no_pipeline else [])  # fmt: skip
+    ] + (["--plan-in", str(plan_in)] if plan_in else []) + (["--no-pipeline"] if args.no_pipeline else [])  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=args.timeout_s, env=env, cwd=ROOT)
     results = [line[len("RESULT ") :] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -67,6 +78,19 @@ def run_example(planner: str, args: argparse.Namespace, plan_out: Path) -> dict[
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
         raise RuntimeError(f"{planner}: exit {proc.returncode}, {len(results)} RESULT lines\n{tail}")
     return json.loads(results[0])
+
+
+def without_ub(plan_file: Path, out: Path) -> None:
+    """The plan with every UB table made RB (same shards, precision and hierarchy), so that the two runs differ
+    only in the cluster of those tables."""
+    plan = Plan.load(plan_file)
+    rb = {name: replace(t, cluster="rb") for name, t in plan.tables.items() if t.cluster == "ub"}
+    replace(plan, tables={**plan.tables, **rb}).save(out)
+
+
+def cluster_counts(plan_file: Path) -> dict[str, int]:
+    """Tables per cluster of a plan, most first."""
+    return dict(Counter(t.cluster for t in Plan.load(plan_file).tables.values()).most_common())
 
 
 def medians(runs: dict[str, list[dict[str, Any]]], key: str) -> dict[str, float]:
@@ -77,56 +101,103 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else "n/a"
 
 
+def describe(spec: ModelSpec, model: str | None) -> str:
+    """The model the runs train, from its spec: where it comes from, tables, rows, dims, poolings, IDs."""
+
+    def span(values: Sequence[float], fmt: Callable[[float], str]) -> str:
+        lo, hi = min(values), max(values)
+        return fmt(lo) if lo == hi else f"{fmt(lo)} to {fmt(hi)}"
+
+    tables = spec.tables
+    source = model or "train.py's default"
+    dists = dict.fromkeys(spec.distribution(t) for t in tables)
+    ids = " and ".join("uniform" if d.kind == "uniform" else f"Zipf({d.alpha:g})" for d in dists)
+    return (
+        f"Model {spec.name} ({source}: {len(tables)} tables of "
+        f"{span([t.rows for t in tables], lambda v: f'{v:,}')} rows x {span([t.dim for t in tables], str)}, "
+        f"pooling {span([t.pooling for t in tables], lambda v: f'{v:g}')}, {ids} IDs)"
+    )
+
+
+def no_ub_note(runs: dict[str, list[dict[str, Any]]]) -> str | None:
+    """Rounds where embark-no-ub ran embark's plan unchanged, as a sentence (None: UB in every round)."""
+    same = sum(not r["clusters"].get("ub") for r in runs["embark"])
+    if not same:
+        return None
+    if same == len(runs["embark"]):
+        return "Note: embark's plan has no unique-based table, so embark-no-ub ran the same plan as embark."
+    return (
+        f"Note: embark's plan has no unique-based table in {same} of {len(runs['embark'])} rounds, "
+        "so embark-no-ub ran the same plan as embark there."
+    )
+
+
 def markdown(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, spec: ModelSpec, seconds: float) -> str:
-    """The results table, the ratios of embark to each baseline, the targets, and plan_quality's table."""
+    """The results table, the ratios of embark to each baseline (and to itself without UB), the targets,
+    and plan_quality's table."""
+    planners = args.planners
     rate = medians(runs, "samples_per_s")
     total = medians(runs, "comm_bytes_per_step")
     inter = medians(runs, "inter_node_bytes_per_step")
     auc = medians(runs, "auc")
     est = medians(runs, "estimated_step_ms")
-    title = f"# End to end: the DLRM example on {WORLD_SIZE} CPU ranks as {WORLD_SIZE // LOCAL_WORLD_SIZE} nodes x {LOCAL_WORLD_SIZE} (gloo)"
-    rows = [t.rows for t in spec.tables]
+    ws, lws = args.world_size, args.local_world_size
+    title = f"# End to end: the DLRM example on {ws} CPU ranks as {ws // lws} nodes x {lws} (gloo)"
     setup = (
-        f"Model {spec.name} (train.py's default: {len(rows)} tables of {min(rows):,} to {max(rows):,} rows x "
-        f"{spec.tables[0].dim}), synthetic Zipf data, batch {args.batch_size} per rank, {args.steps} steps per run, "
-        f"{args.rounds} interleaved rounds of {', '.join(PLANNERS)}, "
+        f"{describe(spec, args.model)}, synthetic data, batch {args.batch_size} per rank, {args.steps} steps per run, "
+        f"{args.rounds} interleaved rounds of {', '.join(planners)}, "
         f"{'without pipelining' if args.no_pipeline else 'TrainPipelineSparseDist'}; {seconds / 60:.1f} min in all. "
-        "samples/s: median over rounds (each run leaves its warm-up steps out); bytes: per training step, the "
+        + (
+            "embark-no-ub: embark's plan of the same round with every unique-based (ub) table made row-based (rb), "
+            "same shards and precision, run from the plan file. "
+            if NO_UB in planners
+            else ""
+        )
+        + "samples/s: median over rounds (each run leaves its warm-up steps out); bytes: per training step, the "
         "maximum over ranks of what a rank sent + received (all embedding collectives; data-parallel tables' "
-        "all-reduce runs in DDP with the dense part and is not counted), counted by embark_torchrec.sharding.comm_stats."
+        "all-reduce runs in DDP with the dense part and is not counted), counted by embark_torchrec.sharding.comm_stats; "
+        "clusters: tables per cluster of the plan that ran."
     )
     lines = [
         title,
         "",
         setup,
         "",
-        "| plan | samples/s | samples/s per round | bytes / step | inter-node bytes / step | held-out AUROC | estimated step ms |",
-        "|---|---:|---|---:|---:|---:|---:|",
+        "| plan | clusters | samples/s | samples/s per round | bytes / step | inter-node bytes / step | held-out AUROC "
+        "| estimated step ms |",
+        "|---|---|---:|---|---:|---:|---:|---:|",
     ]
-    for p in PLANNERS:
+    for p in planners:
+        clusters = " / ".join(dict.fromkeys(", ".join(f"{c} {n}" for c, n in r["clusters"].items()) for r in runs[p]))
         per_round = ", ".join(f"{r['samples_per_s']:,.0f}" for r in runs[p])
         lines.append(
-            f"| {p} | {rate[p]:,.0f} | {per_round} | {total[p]:,.0f} | {inter[p]:,.0f} | {auc[p]:.4f} | {est[p]:.2f} |"
+            f"| {p} | {clusters} | {rate[p]:,.0f} | {per_round} | {total[p]:,.0f} | {inter[p]:,.0f} | {auc[p]:.4f} | {est[p]:.2f} |"
         )
-    lines += [
-        "",
-        "| ratio | samples/s | bytes / step | inter-node bytes / step | estimated step ms |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for e in EMBARK:
-        for b in BASELINES:
-            lines.append(
-                f"| {e} vs {b} | {ratio(rate[e], rate[b])} | {ratio(total[e], total[b])} | "
-                f"{ratio(inter[e], inter[b])} | {ratio(est[e], est[b])} |"
-            )
-    lines.append("")
-    for e in EMBARK:
-        inter_ok = inter[e] <= TARGETS["inter_node_bytes_per_step"] * inter["torchrec"]
-        rate_ok = rate[e] >= TARGETS["samples_per_s"] * rate["torchrec"]
+    pairs = [(e, b) for e in EMBARK for b in BASELINES if e in planners and b in planners]
+    pairs += [("embark", NO_UB)] if NO_UB in planners else []
+    if pairs:
+        lines += [
+            "",
+            "| ratio | samples/s | bytes / step | inter-node bytes / step | estimated step ms |",
+            "|---|---:|---:|---:|---:|",
+        ]
+    for a, b in pairs:
         lines.append(
-            f"Targets, {e} against torchrec: inter-node bytes <= {TARGETS['inter_node_bytes_per_step']}x: "
-            f"{'met' if inter_ok else 'not met'}; samples/s >= {TARGETS['samples_per_s']}x: {'met' if rate_ok else 'not met'}."
+            f"| {a} vs {b} | {ratio(rate[a], rate[b])} | {ratio(total[a], total[b])} | "
+            f"{ratio(inter[a], inter[b])} | {ratio(est[a], est[b])} |"
         )
+    note = no_ub_note(runs) if NO_UB in planners else None
+    lines += ["", note] if note else []
+    targets = []
+    if {"embark", "torchrec"} <= set(planners):
+        met = rate["embark"] >= RATE_TARGET * rate["torchrec"]
+        targets.append(f"Target, embark against torchrec: samples/s >= {RATE_TARGET}x: {'met' if met else 'not met'}.")
+    if {"embark-fp16", "torchrec"} <= set(planners):
+        met = inter["embark-fp16"] <= INTER_TARGET * inter["torchrec"]
+        targets.append(
+            f"Target, embark-fp16 against torchrec: inter-node bytes <= {INTER_TARGET}x: {'met' if met else 'not met'}."
+        )
+    lines += ["", *targets] if targets else []
     lines += [
         "",
         f"Reproduce: `{command(args)}`",
@@ -137,7 +208,7 @@ def markdown(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, sp
     return "\n".join(lines) + "\n"
 
 
-def plot(runs: dict[str, list[dict[str, Any]]], plan_files: dict[str, Path], spec: ModelSpec, path: Path) -> None:
+def plot(runs: dict[str, list[dict[str, Any]]], plan_files: dict[str, Path], spec: ModelSpec, args: argparse.Namespace) -> None:
     """One row per plan: the cost model's per-rank load (lookups, intra- and inter-node communication, ms)
     and the measured per-rank bytes per step (intra- and inter-node)."""
     import matplotlib
@@ -145,16 +216,17 @@ def plot(runs: dict[str, list[dict[str, Any]]], plan_files: dict[str, Path], spe
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cost_model = CostModel(spec, Topology(WORLD_SIZE, LOCAL_WORLD_SIZE, hardware_preset(HARDWARE)))
-    costs = {p: cost_model.evaluate(Plan.load(plan_files[p])) for p in PLANNERS}
-    fig, axes = plt.subplots(len(PLANNERS), 2, figsize=(12, 2.8 * len(PLANNERS)), squeeze=False)
-    ranks = np.arange(WORLD_SIZE)
+    planners = args.planners
+    cost_model = CostModel(spec, Topology(args.world_size, args.local_world_size, hardware_preset(HARDWARE)))
+    costs = {p: cost_model.evaluate(Plan.load(plan_files[p])) for p in planners}
+    fig, axes = plt.subplots(len(planners), 2, figsize=(12, 2.8 * len(planners)), squeeze=False)
+    ranks = np.arange(args.world_size)
     top_ms = max(float(c.rank_load_ms.max()) for c in costs.values()) * 1.05
-    steps = {p: max(runs[p][0]["steps_run"], 1) for p in PLANNERS}
-    total = {p: np.array(runs[p][0]["comm_bytes_by_rank"]) / steps[p] / 1e6 for p in PLANNERS}
-    inter = {p: np.array(runs[p][0]["inter_node_bytes_by_rank"]) / steps[p] / 1e6 for p in PLANNERS}
+    steps = {p: max(runs[p][0]["steps_run"], 1) for p in planners}
+    total = {p: np.array(runs[p][0]["comm_bytes_by_rank"]) / steps[p] / 1e6 for p in planners}
+    inter = {p: np.array(runs[p][0]["inter_node_bytes_by_rank"]) / steps[p] / 1e6 for p in planners}
     top_mb = max(float(t.max()) for t in total.values()) * 1.05 or 1.0
-    for row, p in enumerate(PLANNERS):
+    for row, p in enumerate(planners):
         c, left, right = costs[p], axes[row, 0], axes[row, 1]
         left.bar(ranks, c.rank_lookup_ms, label="lookup", color="#4c72b0")
         left.bar(ranks, c.rank_intra_ms, bottom=c.rank_lookup_ms, label="intra-node comm", color="#55a868")
@@ -174,47 +246,83 @@ def plot(runs: dict[str, list[dict[str, Any]]], plan_files: dict[str, Path], spe
     for ax in axes[-1]:
         ax.set_xlabel("rank")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(args.plot, dpi=100)
     plt.close(fig)
 
 
 def command(args: argparse.Namespace) -> str:
-    flags = f"--rounds {args.rounds} --steps {args.steps} --batch-size {args.batch_size}"
-    flags += " --no-pipeline" if args.no_pipeline else ""
-    flags += f" --plot {args.plot}" if args.plot else ""
-    return f"PYTHONPATH=. .venv/bin/python benchmarks/e2e.py {flags}"
+    """This run's command line, every flag that changes it included (so the markdown can be reproduced)."""
+    flags = [f"--model {args.model}"] if args.model else []
+    flags += [
+        f"--world-size {args.world_size}",
+        f"--local-world-size {args.local_world_size}",
+        f"--planners {','.join(args.planners)}",
+        f"--rounds {args.rounds}",
+        f"--steps {args.steps}",
+        f"--batch-size {args.batch_size}",
+    ]
+    flags += [f"--timeout-s {args.timeout_s:g}"] if args.timeout_s != TIMEOUT_S else []
+    flags += ["--no-pipeline"] if args.no_pipeline else []
+    flags += [f"--out {args.out}"] if args.out != OUT else []
+    flags += [f"--plot {args.plot}"] if args.plot else []
+    return f"PYTHONPATH=. .venv/bin/python benchmarks/e2e.py {' '.join(flags)}"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="model spec file (JSON/YAML) or built-in name, as train.py's --model; default: train.py's default")
+    p.add_argument("--world-size", type=int, default=4, help="ranks (torchrun's --nproc_per_node)")
+    p.add_argument("--local-world-size", type=int, default=2, help="ranks per simulated node")
+    p.add_argument(
+        "--planners",
+        default=",".join(DEFAULT_PLANNERS),
+        help=f"comma-separated, of {', '.join(RUNS)}; each round runs them in that order ({NO_UB} needs embark)",
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=512, help="per rank")
-    p.add_argument("--timeout-s", type=float, default=300.0, help="per run")
+    p.add_argument("--timeout-s", type=float, default=TIMEOUT_S, help="per run")
     p.add_argument("--no-pipeline", action="store_true", help="run the example without TrainPipelineSparseDist")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "e2e.md")
+    p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--plot", type=Path, help="PNG of per-rank estimated load and measured bytes of each plan")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    given = args.planners.split(",")
+    unknown = sorted(set(given) - set(RUNS))
+    if unknown:
+        p.error(f"--planners: unknown {', '.join(unknown)}; choose from {', '.join(RUNS)}")
+    if len(set(given)) != len(given):
+        p.error(f"--planners: {args.planners} names a planner twice")
+    if NO_UB in given and "embark" not in given:
+        p.error(f"--planners: {NO_UB} runs embark's plan of the same round, so it needs embark too")
+    args.planners = tuple(r for r in RUNS if r in given)
+    if args.world_size < 1 or args.local_world_size < 1 or args.world_size % args.local_world_size:
+        p.error(f"--local-world-size {args.local_world_size} does not divide --world-size {args.world_size}")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    spec = default_spec().with_batch_size(args.batch_size * WORLD_SIZE)
-    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in PLANNERS}
+    spec = load_spec(args.model, None).with_batch_size(args.batch_size * args.world_size)
+    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in args.planners}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        plan_files = {p: Path(tmp) / f"{p}.json" for p in PLANNERS}
+        plan_files = {p: Path(tmp) / f"{p}.json" for p in args.planners}
+        no_ub_in = Path(tmp) / f"{NO_UB}-in.json"
         for i in range(args.rounds):
-            for p in PLANNERS:
-                result = run_example(p, args, plan_files[p])
+            for p in args.planners:
+                if p == NO_UB:
+                    without_ub(plan_files["embark"], no_ub_in)
+                result = run_example(p, args, plan_files[p], no_ub_in if p == NO_UB else None)
+                result["clusters"] = cluster_counts(plan_files[p])
                 runs[p].append(result)
                 print(
                     f"round {i + 1}/{args.rounds} {p}: {result['samples_per_s']:,.0f} samples/s, "
-                    f"{result['inter_node_bytes_per_step']:,} inter-node bytes/step, AUROC {result['auc']:.4f}",
+                    f"{result['inter_node_bytes_per_step']:,} inter-node bytes/step, AUROC {result['auc']:.4f}, "
+                    f"clusters {result['clusters']}",
                     flush=True,
                 )
         if args.plot:
-            plot(runs, plan_files, spec, args.plot)
+            plot(runs, plan_files, spec, args)
     text = markdown(runs, args, spec, time.perf_counter() - start)
     args.out.write_text(text)
     print(text)

@@ -358,6 +358,7 @@ def test_input_dist_cut_under_fake_cuda(fresh_node_groups: None, monkeypatch: py
                 values=torch.tensor([3, 17, 30, 39] * len(FEATURES), dtype=torch.int64, device=cuda),
                 lengths=torch.tensor([1, 2, 0, 1] * len(FEATURES), dtype=torch.int32, device=cuda),
                 stride=4,
+                length_per_key=[4] * len(FEATURES),  # on the host already, as the sharded EBC's input validation leaves it
             )
             try:
                 with monkeypatch.context() as patch, _OneDevice():

@@ -140,12 +140,12 @@ class UniqueSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         self._key_start = torch.tensor(layout.key_start, dtype=torch.int64, device=device)
         first_group = [layout.group_feature.index(f) for f in range(len(layout.features))]
         self._feature_key_start = torch.tensor([layout.key_start[g] for g in first_group], dtype=torch.int64, device=device)
-        self._feature_index = torch.arange(len(layout.features), device=device)
         send_groups = [g for groups in layout.groups_on for g in groups]
         self._send_names = [layout.group_names[g] for g in send_groups]
         self._send_groups_host = np.asarray(send_groups, dtype=np.int64)
         self._send_in_group_order = send_groups == list(range(layout.num_groups))
         self._send_groups = torch.tensor(send_groups, dtype=torch.int32, device=device)
+        self._group_index = torch.arange(layout.num_groups, device=device)
         self._dist = KJTAllToAll(pg=pg, splits=[len(g) for g in layout.groups_on])
         self.last_state: Optional[UniqueState] = None
 
@@ -154,13 +154,14 @@ class UniqueSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         stride = kjt.stride()
         lengths = kjt.lengths()
         ids = kjt.values().long()
-        per_feature = lengths.view(-1, stride).long().sum(dim=1)
-        feature = self._feature_index.repeat_interleave(per_feature, output_size=ids.numel())
-        keys, inverse = torch.unique(ids + self._feature_key_start[feature], sorted=True, return_inverse=True)
-        bounds = torch.searchsorted(keys, self._key_start)
-        counts = bounds[1:] - bounds[:-1]
-        lengths32 = counts.to(torch.int32)
-        key_group = torch.arange(self._layout.num_groups, device=keys.device).repeat_interleave(counts, output_size=keys.numel())
+        # IDs per feature: the KJT's own (host) length_per_key, which the input validation read
+        per_feature = torch.tensor(kjt.length_per_key(), device=ids.device)
+        offset = self._feature_key_start.repeat_interleave(per_feature, output_size=ids.numel())
+        keys, inverse = torch.unique(ids + offset, sorted=True, return_inverse=True)
+        bounds = torch.searchsorted(keys, self._key_start, out_int32=True)
+        lengths32 = bounds[1:] - bounds[:-1]
+        counts = lengths32.long()
+        key_group = self._group_index.repeat_interleave(counts, output_size=keys.numel())
         local_ids = (keys - self._key_start[key_group]).to(torch.int32)
         group_counts: List[int] = counts.tolist()
         if self._send_in_group_order:
@@ -224,9 +225,8 @@ def unique_lookup_input(
         )
         return kjt, counts
     stride = max(1, int(cell_sizes.max())) if len(cell_sizes) else 1
-    sizes = torch.tensor(cell_sizes, dtype=torch.int32, device=values.device)
-    lengths = (torch.arange(stride, device=values.device)[None, :] < sizes[:, None]).to(torch.int32)
-    return KeyedJaggedTensor(keys=cell_names, values=values, lengths=lengths.reshape(-1), stride=stride), counts
+    lengths = torch.from_numpy((np.arange(stride)[None, :] < cell_sizes[:, None]).astype(np.int32).reshape(-1))
+    return KeyedJaggedTensor(keys=cell_names, values=values, lengths=lengths.to(values.device), stride=stride), counts
 
 
 class _BagSum(torch.autograd.Function):
@@ -238,7 +238,7 @@ class _BagSum(torch.autograd.Function):
     def forward(ctx: Any, table: torch.Tensor, index: torch.Tensor, lengths: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(index, lengths, weights)
         ctx.rows = table.size(0)
-        offsets = torch.cat([lengths.new_zeros(1, dtype=torch.int64), torch.cumsum(lengths.long(), 0)])
+        offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths.long())
         return F.embedding_bag(index, table, offsets, mode="sum", per_sample_weights=weights, include_last_offset=True)
 
     @staticmethod
@@ -334,13 +334,11 @@ class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.T
         rows = per_cell.T.reshape(-1)
         out_start = np.cumsum(rows) - rows
         device = padded.device
-        if len(set(self._cell_widths.tolist())) == 1:
+        if len(set(self._cell_widths.tolist())) == 1:  # (the padded lookup runs on CPUs: the index is built there)
             cell = np.tile(np.arange(cells), world)
-            base = torch.tensor(first_row * cells + cell - out_start * cells, device=device)
-            total = int(rows.sum())
-            index = base.repeat_interleave(torch.tensor(rows, device=device), output_size=total)
-            index = index + torch.arange(total, device=device) * cells
-            return padded.reshape(-1, int(self._cell_widths[0])).index_select(0, index).reshape(-1)
+            base = first_row * cells + cell - out_start * cells
+            index = np.repeat(base, rows) + np.arange(int(rows.sum())) * cells
+            return padded.reshape(-1, int(self._cell_widths[0])).index_select(0, torch.from_numpy(index).to(device)).reshape(-1)
         widths = np.tile(self._cell_widths, world)
         columns = np.tile(np.concatenate([[0], np.cumsum(self._cell_widths)])[:-1], world)
         elems = rows * widths
