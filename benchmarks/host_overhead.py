@@ -10,14 +10,15 @@ Types: TorchRec's "table_wise" (table i on rank i mod ranks) and "row_wise" (row
 the baselines, at fp32; our flat grid "embark_rb" (each table a 2x2 grid of row x column slices spread over the
 ranks, which TorchRec cannot express), hierarchical grid "embark_rb_hier" (row slices of a column on one node,
 reduced there first; only with 2 or more nodes, i.e. 4 ranks) and unique-based "embark_ub" (rows split over two
-ranks), each at wire precision fp32, fp16 and fp8. Tables: 1,000 rows x dim 16, one feature each, ~2 IDs per bag
-(1-4, a quarter of the bags empty), batch 256 per rank; --ids nonrepeating: no ID twice in a rank's batch of a
-feature, zipf: Zipf(1.1). Ranks: gloo, 2 (one node) or 4 (2 nodes x 2). All configurations of one world size run in
+ranks), each at wire precision fp32, fp16 and fp8. Tables: 1,000 rows x dim 16, one feature each, batch 256 per
+rank; --bags multi-hot: ~2 IDs per bag (1-4, a quarter of the bags empty), one-hot: one ID per bag (as Criteo's
+DLRM; UB then sends as many vectors as table-wise when IDs do not repeat, so its time is its own host work); --ids
+nonrepeating: no ID twice in a rank's batch of a feature, zipf: Zipf(1.1). Ranks: gloo, 2 (one node) or 4 (2 nodes x 2). All configurations of one world size run in
 one spawn of ranks; step times are medians over steps, then over --rounds rounds that interleave all types.
 Ratios (x tw) are against TorchRec's table-wise at the same tables and ranks.
 
     python benchmarks/host_overhead.py [--tables 8,64,512] [--ranks 2,4] [--types table_wise,row_wise,embark_rb,...]
-        [--precisions fp32,fp16,fp8] [--ids nonrepeating|zipf] [--rounds 3] [--steps 5] [--warmup 2] [--json PATH]
+        [--precisions fp32,fp16,fp8] [--ids nonrepeating|zipf] [--bags multi-hot|one-hot] [--rounds 3] [--steps 5] [--warmup 2] [--json PATH]
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ TORCHREC_TYPES = ("table_wise", "row_wise")
 OUR_TYPES = ("embark_rb", "embark_rb_hier", "embark_ub")
 PRECISIONS = ("fp32", "fp16", "fp8")
 IDS = {"nonrepeating": "distinct", "zipf": "zipf"}  # --ids -> global_kjt_batch's ids
+BAGS = {"multi-hot": {}, "one-hot": {"max_bag_size": 1, "empty_fraction": 0.0}}  # --bags -> global_kjt_batch's bags
 BATCHES = 4  # distinct batches cycled through the steps
 COUNTS = ("aten_ops", "host_syncs", "blocking_collectives", "ms")
 
@@ -113,7 +115,7 @@ def _timed_steps(model: torch.nn.Module, batches: list[KeyedJaggedTensor], steps
 
 
 def _run(
-    table_counts: list[int], configs: list[tuple[str, str]], ids: str, batch: int, rounds: int, steps: int, warmup: int
+    table_counts: list[int], configs: list[tuple[str, str]], ids: str, batch: int, rounds: int, steps: int, warmup: int, bags: str
 ) -> list[dict[str, Any]]:
     """On every rank: per table count, build every config's model, count one step, then time interleaved rounds."""
     torch.set_num_threads(1)
@@ -125,7 +127,7 @@ def _run(
             EmbeddingBagConfig(name=f"t{i}", num_embeddings=ROWS, embedding_dim=DIM, feature_names=[f"f{i}"])
             for i in range(n)
         ]
-        batches = [global_kjt_batch(tables, ws, batch, seed=s, ids=IDS[ids])[rank] for s in range(BATCHES)]
+        batches = [global_kjt_batch(tables, ws, batch, seed=s, ids=IDS[ids], **BAGS[bags])[rank] for s in range(BATCHES)]
         models = {}
         found = {}
         for kind, precision in configs:
@@ -187,6 +189,7 @@ def main() -> None:
     p.add_argument("--types", type=_csv, default=list(TORCHREC_TYPES + OUR_TYPES))
     p.add_argument("--precisions", type=_csv, default=list(PRECISIONS))
     p.add_argument("--ids", choices=sorted(IDS), default="nonrepeating")
+    p.add_argument("--bags", choices=sorted(BAGS), default="multi-hot")
     p.add_argument("--batch-per-rank", type=int, default=256)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=5, help="timed steps per round")
@@ -209,13 +212,13 @@ def main() -> None:
         configs = _configs(types, args.precisions, ws)
         rows += run_ranks(
             _run, ws, local_world_size=LOCAL_WORLD_SIZE, timeout_s=args.timeout,
-            args=(args.tables, configs, args.ids, args.batch_per_rank, args.rounds, args.steps, args.warmup),
+            args=(args.tables, configs, args.ids, args.batch_per_rank, args.rounds, args.steps, args.warmup, args.bags),
         )[0]
     _ratios(rows)
     rows.sort(key=lambda r: (r["ranks"], r["tables"]))
     print(
         f"host work per training step on rank 0: {ROWS} rows x dim {DIM} per table, batch {args.batch_per_rank}/rank, "
-        f"{args.ids} IDs, gloo ranks in nodes of {LOCAL_WORLD_SIZE}; ms: median of {args.rounds} interleaved rounds "
+        f"{args.ids} IDs, {args.bags} bags, gloo ranks in nodes of {LOCAL_WORLD_SIZE}; ms: median of {args.rounds} interleaved rounds "
         f"of {args.steps} steps after {args.warmup} warm-up steps"
     )
     print(_table(rows))

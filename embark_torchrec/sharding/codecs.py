@@ -39,6 +39,12 @@ class Fp8RowwiseCodec:
     row_wise = True
 
     @staticmethod
+    def _one_width(segments: Sequence[Segment]) -> int:
+        """The row width common to every non-empty segment, or 0."""
+        widths = {w for e, w in segments if e}
+        return widths.pop() if len(widths) == 1 else 0
+
+    @staticmethod
     def _row_widths(segments: Sequence[Segment], device: torch.device) -> Tuple[torch.Tensor, int]:
         """Each row's width, as a tensor on `device`, and the number of rows."""
         widths = [w for e, w in segments if e]
@@ -49,10 +55,16 @@ class Fp8RowwiseCodec:
         segments = [s for segs in peers for s in segs]
         if x.numel() == 0:
             return x.new_empty(0, dtype=torch.uint8)
-        widths, rows = self._row_widths(segments, x.device)
         x = x.float()
-        scale = torch.segment_reduce(x.abs(), "max", lengths=widths).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX
-        q = (x / scale.repeat_interleave(widths, output_size=x.numel())).to(torch.float8_e4m3fn).view(torch.uint8)
+        width = self._one_width(segments)
+        if width:  # rows of one width: a view, no per-row lengths
+            rows = x.view(-1, width)
+            scale = rows.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX
+            q = (rows / scale.unsqueeze(1)).to(torch.float8_e4m3fn).view(torch.uint8).reshape(-1)
+        else:
+            widths, _ = self._row_widths(segments, x.device)
+            scale = torch.segment_reduce(x.abs(), "max", lengths=widths).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX
+            q = (x / scale.repeat_interleave(widths, output_size=x.numel())).to(torch.float8_e4m3fn).view(torch.uint8)
         scale_bytes = scale.view(torch.uint8)
         elems = [sum(e for e, _ in segs) for segs in peers]
         rows_per_peer = [sum(e // w for e, w in segs if e) for segs in peers]
@@ -65,12 +77,15 @@ class Fp8RowwiseCodec:
         total = sum(e for e, _ in segments)
         if total == 0:
             return y.new_empty(0, dtype=torch.float32)
-        widths, _ = self._row_widths(segments, y.device)
         elems = [sum(e for e, _ in segs) for segs in peers]
         scales = [sum(e // w for e, w in segs if e) * SCALE_BYTES for segs in peers]
         parts = torch.split(y, [size for pair in zip(elems, scales) for size in pair])
         q = torch.cat(parts[0::2]).view(torch.float8_e4m3fn).float()
         scale = torch.cat(parts[1::2]).view(torch.float32)
+        width = self._one_width(segments)
+        if width:
+            return (q.view(-1, width) * scale.unsqueeze(1)).reshape(-1)
+        widths, _ = self._row_widths(segments, y.device)
         return q * scale.repeat_interleave(widths, output_size=total)
 
     @staticmethod
