@@ -60,7 +60,13 @@ TABLES_SPEC = [
 TABLES = [EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=f) for n, r, d, f in TABLES_SPEC]
 _BYTES = sum(r * (d * 4 + 4) for _, r, d, _ in TABLES_SPEC)  # weights + row-wise optimizer state, as the planner counts
 HARDWARE = Hardware(  # a network slower than the node's links, GPU-like free per-ID and per-collective overheads
-    "test", PRESETS["cpu-gloo"].hbm_reserve_gb + 1.6 * _BYTES / WORLD / 1e9, PRESETS["cpu-gloo"].hbm_reserve_gb, 5.0, 2.0, 1.0, 50.0
+    name="test",
+    hbm_gb=PRESETS["cpu-gloo"].hbm_reserve_gb + 1.6 * _BYTES / WORLD / 1e9,
+    hbm_reserve_gb=PRESETS["cpu-gloo"].hbm_reserve_gb,
+    hbm_bw_gbps=5.0,
+    intra_node_bw_gbps=2.0,
+    inter_node_bw_gbps=1.0,
+    dense_ms_per_ksample=50.0,
 )
 CONSTRAINTS: dict[str, Any] = {
     "hot": ParameterConstraints(pooling_factors=[8.0]),

@@ -23,20 +23,11 @@ from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec
 from embark_torchrec.plan.topology import PRESETS, Topology
 from embark_torchrec.testing import global_kjt_batch, run_ranks
+from embark_torchrec.testing.host_work import COLLECTIVES
 from embark_torchrec.testing.training import sharded_model
 
 WS, LWS, BATCH = 4, 2, 4
 ROWS, DIM = 40, 8
-COLLECTIVES = (
-    "all_to_all_single",
-    "all_to_all",
-    "reduce_scatter_tensor",
-    "reduce_scatter",
-    "all_gather_into_tensor",
-    "all_gather",
-    "all_reduce",
-    "broadcast",
-)
 # per sharding type: the layout of each of two tables
 LAYOUTS: dict[str, tuple[TableLayout, TableLayout]] = {
     "table_wise": (TableLayout.table_wise(ROWS, DIM, 1), TableLayout.table_wise(ROWS, DIM, 2)),

@@ -28,7 +28,8 @@ from embark_torchrec.plan.baselines import from_sharding_plan, table_row_wise_pl
 from embark_torchrec.plan.constraints import TableConstraints
 from embark_torchrec.plan.groups import builtin_sharding_type
 from embark_torchrec.plan.layout import Plan, TableLayout, WirePrecision, sharding_type_name
-from embark_torchrec.plan.planner import EmbarkPlanner, module_sharding_plan
+from embark_torchrec.plan.planner import EmbarkPlanner
+from embark_torchrec.sharding.parameter_sharding import module_sharding_plan
 from embark_torchrec.plan.spec import ModelSpec, TableSpec
 from embark_torchrec.plan.topology import Topology
 from embark_torchrec.testing import fake_world, threaded_ranks

@@ -66,7 +66,10 @@ def _spec_and_topology(ws: int, index: int, salt: int) -> tuple[ModelSpec, Topol
     # a network slower than the node's links and GPU-like free per-ID and per-collective overheads, so that
     # unique-based tables, hierarchical reductions and mixed groups appear among the kinds checked
     reserve = PRESETS["cpu-gloo"].hbm_reserve_gb
-    hardware = Hardware("test", reserve + cap / 1e9, reserve, 5.0, 2.0, 1.0, 50.0)
+    hardware = Hardware(
+        name="test", hbm_gb=reserve + cap / 1e9, hbm_reserve_gb=reserve, hbm_bw_gbps=5.0, intra_node_bw_gbps=2.0,
+        inter_node_bw_gbps=1.0, dense_ms_per_ksample=50.0,
+    )
     return spec, Topology(ws, lws, hardware)
 
 

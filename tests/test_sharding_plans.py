@@ -20,7 +20,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from embark_torchrec.plan.layout import Plan, PlanError, TableLayout
 from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.plan.groups import builtin_sharding_type
-from embark_torchrec.plan.planner import module_sharding_plan
+from embark_torchrec.sharding.parameter_sharding import module_sharding_plan
 from embark_torchrec.plan.spec import ModelSpec, builtin_model
 from embark_torchrec.sharding.load_plan import load_plan
 from embark_torchrec.testing import fake_world, run_ranks

@@ -53,18 +53,11 @@ from .groups import collectives_per_step, id_bytes, sharding_type
 from .layout import Plan, TableLayout
 from .spec import ModelSpec, TableSpec
 from .topology import Topology
+from .wire import LENGTH_BYTES, vector_bytes
 
-LENGTH_BYTES = 4
-WEIGHT_BYTES = 4
+WEIGHT_BYTES = 4  # an fp32 weight in the table (lookup work, not wire)
 BACKWARD_COMPUTE_MULTIPLIER = 2.0
-ELEMENT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0}
-FP8_SCALE_BYTES = 4.0  # one fp32 scale per row vector
 _LOAD_CACHE_SIZE = 16384
-
-
-def vector_bytes(width: int, precision: str) -> float:
-    """Wire bytes of one embedding (or gradient) row of `width` elements."""
-    return width * ELEMENT_BYTES[precision] + (FP8_SCALE_BYTES if precision == "fp8" else 0.0)
 
 
 @dataclass(frozen=True)

@@ -15,13 +15,9 @@ from __future__ import annotations
 from functools import lru_cache
 
 from .layout import TableLayout, parse_sharding_type, sharding_type_name
+from .wire import EMBARK_ID_BYTES, TORCHREC_ID_BYTES
 
 DATA_PARALLEL = "data_parallel"
-# IDs on the wire: TorchRec's input dists send the input's int64 IDs; ours send row-local IDs as int32
-# (a row slice of 2^31 rows or more is refused when sharding)
-TORCHREC_ID_BYTES = 8
-EMBARK_ID_BYTES = 4
-MAX_SLICE_ROWS = 2**31
 # collectives per training step of one group, forward and backward: the KJT input dist (splits,
 # lengths, values), then the pooled output and its gradient; hierarchical (and TWRW) reductions add
 # an intra-node stage each way; UB sends its de-duplicated IDs through the same KJT all-to-all (its

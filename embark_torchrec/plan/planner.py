@@ -1,7 +1,7 @@
 """EmbarkPlanner: a torchrec ShardingPlanner that plans with EMBark's clusters and 3D search.
 
 It wraps `plan_model` (spec + topology -> Plan) for torchrec modules and turns the Plan into the
-ShardingPlan that DistributedModelParallel takes.
+ShardingPlan that DistributedModelParallel takes (sharding/parameter_sharding.py).
 """
 
 from __future__ import annotations
@@ -14,44 +14,11 @@ from torchrec.distributed.types import ShardingPlan, ShardingPlanner
 
 from .constraints import from_torchrec
 from .cost import OptimizerMemory
-from .groups import DATA_PARALLEL, sharding_type
 from .layout import Plan
 from .plan_model import PlannedModel, plan_model
 from .search import SearchConfig
 from .spec import IdDistribution, ModelSpec
 from .topology import DEFAULT_HARDWARE, Hardware, Topology, hardware_preset
-
-
-def module_sharding_plan(plan: Plan, spec: ModelSpec, compute_device: str = "cuda") -> Any:
-    """A Plan as torchrec's EmbeddingModuleShardingPlan (one ParameterSharding per table)."""
-    from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
-    from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSharding
-
-    lws = plan.local_world_size
-    out = EmbeddingModuleShardingPlan()
-    for t in spec.tables:
-        layout = plan[t.name]
-        kind = sharding_type(layout, t.rows, plan.world_size, lws)
-        if kind == DATA_PARALLEL:
-            out[t.name] = ParameterSharding(sharding_type=kind, compute_kernel="dense", ranks=list(range(plan.world_size)))
-            continue
-        shards = list(layout.shards())
-        device = (lambda k: f"rank:{k}/cuda:{k % lws}") if compute_device == "cuda" else (lambda k: f"rank:{k}/{compute_device}")
-        metadata = [
-            ShardMetadata(
-                shard_offsets=[s.rows[0], s.cols[0]],
-                shard_sizes=[s.rows[1] - s.rows[0], s.cols[1] - s.cols[0]],
-                placement=device(s.rank),
-            )
-            for s in shards
-        ]
-        out[t.name] = ParameterSharding(
-            sharding_type=kind,
-            compute_kernel="fused",
-            ranks=[s.rank for s in shards],
-            sharding_spec=EnumerableShardingSpec(metadata),
-        )
-    return out
 
 
 def _sharders_accept(module: Any, sharders: list[Any]) -> bool:
@@ -100,6 +67,8 @@ class EmbarkPlanner(ShardingPlanner):
         return Topology(ws, lws, self.hardware)
 
     def plan(self, module: Any, sharders: list[Any]) -> ShardingPlan:
+        from ..sharding.parameter_sharding import module_sharding_plan  # the TorchRec adapter lives with the runtime
+
         topology = self._topology()
         constraints = from_torchrec(self.torchrec_constraints)
         result = ShardingPlan(plan={})

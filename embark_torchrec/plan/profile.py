@@ -15,8 +15,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from .spec import ModelSpec, TableSpec
 
 if TYPE_CHECKING:
@@ -143,6 +141,8 @@ def _count_batch(
     kjt: Any, index: int, spec: ModelSpec, owner: dict[str, TableSpec], counts: dict[str, _Counts]
 ) -> set[str]:
     """Add one batch to the per-feature counts; return the names of the tables it touched."""
+    import torch  # here, not at module level: the batches bring torch; planning without them does not need it
+
     touched: set[str] = set()
     keys = list(kjt.keys())
     per_key = torch.split(kjt.values(), list(kjt.length_per_key()))

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Hardware:
     """Per-GPU figures of one accelerator kind and its interconnect."""
 
@@ -38,9 +38,18 @@ class Hardware:
 # Lookups are random row gathers: we take half of peak HBM bandwidth as achieved (NVIDIA's planners
 # use a similar work ratio). Dense cost: DCNv2's dense part on H100 at ~2 ms per 8k samples.
 PRESETS: dict[str, Hardware] = {
-    "dgx-h100": Hardware("dgx-h100", 80.0, 16.0, 3350.0 / 2, 450.0, 50.0, 0.25),
-    "dgx-a100": Hardware("dgx-a100", 80.0, 16.0, 2039.0 / 2, 300.0, 25.0, 0.5),
-    "h200": Hardware("h200", 141.0, 20.0, 4800.0 / 2, 450.0, 50.0, 0.2),
+    "dgx-h100": Hardware(
+        name="dgx-h100", hbm_gb=80.0, hbm_reserve_gb=16.0, hbm_bw_gbps=3350.0 / 2, intra_node_bw_gbps=450.0,
+        inter_node_bw_gbps=50.0, dense_ms_per_ksample=0.25,
+    ),
+    "dgx-a100": Hardware(
+        name="dgx-a100", hbm_gb=80.0, hbm_reserve_gb=16.0, hbm_bw_gbps=2039.0 / 2, intra_node_bw_gbps=300.0,
+        inter_node_bw_gbps=25.0, dense_ms_per_ksample=0.5,
+    ),
+    "h200": Hardware(
+        name="h200", hbm_gb=141.0, hbm_reserve_gb=20.0, hbm_bw_gbps=4800.0 / 2, intra_node_bw_gbps=450.0,
+        inter_node_bw_gbps=50.0, dense_ms_per_ksample=0.2,
+    ),
     # Gloo over loopback on a CPU box: what our CPU tests and the e2e benchmark run on. Measured by
     # benchmarks/calibrate_cpu.py with 4 ranks on this 2-core host (README, "The cost model"; medians
     # of three runs on 2026-12-01): ~0.75 ms per collective whatever its size, all-to-all at ~0.86 GB/s
@@ -49,17 +58,9 @@ PRESETS: dict[str, Hardware] = {
     # work (de-duplication, routing, expansion) at ~320 ns per ID (UB against table-wise on IDs that
     # never repeat). The dense figure is not calibrated (it is the same for every plan).
     "cpu-gloo": Hardware(
-        "cpu-gloo",
-        16.0,
-        4.0,
-        8.5,
-        0.86,
-        0.86,
-        50.0,
-        unique_ns_per_id=320.0,
-        collective_us=750.0,
-        lookup_ns_per_id=27.0,
-        host_cores=2,
+        name="cpu-gloo", hbm_gb=16.0, hbm_reserve_gb=4.0, hbm_bw_gbps=8.5, intra_node_bw_gbps=0.86,
+        inter_node_bw_gbps=0.86, dense_ms_per_ksample=50.0, unique_ns_per_id=320.0, collective_us=750.0,
+        lookup_ns_per_id=27.0, host_cores=2,
     ),
 }
 DEFAULT_HARDWARE = "dgx-h100"

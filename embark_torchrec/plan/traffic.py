@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cost import LENGTH_BYTES, CostModel, vector_bytes
+from .cost import CostModel
+from .wire import LENGTH_BYTES, vector_bytes
 from .groups import id_bytes, sharding_type
 from .layout import TableLayout
 

@@ -18,13 +18,13 @@ from torchrec.distributed.fbgemm_qcomm_codec import CommOp, CommType, QCommsConf
 from torchrec.distributed.types import QuantizedCommCodecs
 
 from ..plan.layout import WirePrecision
+from ..plan.wire import FP8_SCALE_BYTES, rows_bytes
 
 # A message part: `elems` values laid out as rows of `width` (row-wise codecs scale each row).
 Segment = Tuple[int, int]
 
 _TORCHREC_TYPES = {"fp32": CommType.FP32, "fp16": CommType.FP16, "bf16": CommType.BF16}
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
-SCALE_BYTES = 4
 
 
 class Fp8RowwiseCodec:
@@ -37,6 +37,7 @@ class Fp8RowwiseCodec:
 
     quantized_dtype = torch.uint8
     row_wise = True
+    wire_precision = "fp8"
 
     @staticmethod
     def _one_width(segments: Sequence[Segment]) -> int:
@@ -69,7 +70,7 @@ class Fp8RowwiseCodec:
         elems = [sum(e for e, _ in segs) for segs in peers]
         rows_per_peer = [sum(e // w for e, w in segs if e) for segs in peers]
         q_parts = torch.split(q, elems)
-        s_parts = torch.split(scale_bytes, [r * SCALE_BYTES for r in rows_per_peer])
+        s_parts = torch.split(scale_bytes, [r * FP8_SCALE_BYTES for r in rows_per_peer])
         return torch.cat([part for pair in zip(q_parts, s_parts) for part in pair])
 
     def decode(self, y: torch.Tensor, peers: Sequence[Sequence[Segment]]) -> torch.Tensor:
@@ -78,7 +79,7 @@ class Fp8RowwiseCodec:
         if total == 0:
             return y.new_empty(0, dtype=torch.float32)
         elems = [sum(e for e, _ in segs) for segs in peers]
-        scales = [sum(e // w for e, w in segs if e) * SCALE_BYTES for segs in peers]
+        scales = [sum(e // w for e, w in segs if e) * FP8_SCALE_BYTES for segs in peers]
         parts = torch.split(y, [size for pair in zip(elems, scales) for size in pair])
         q = torch.cat(parts[0::2]).view(torch.float8_e4m3fn).float()
         scale = torch.cat(parts[1::2]).view(torch.float32)
@@ -91,11 +92,26 @@ class Fp8RowwiseCodec:
     @staticmethod
     def size(segment: Segment) -> int:
         elems, width = segment
-        return elems + (elems // width) * SCALE_BYTES if elems else 0
+        return int(rows_bytes(elems, elems // width, "fp8")) if elems else 0
 
-    @staticmethod
-    def wire_bytes(elems: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        return elems + rows * SCALE_BYTES
+
+class TorchRecCodec:
+    """One of TorchRec's fbgemm codecs (fp16 / bf16), labelled with its wire precision for the byte
+    counters."""
+
+    row_wise = False
+
+    def __init__(self, precision: str) -> None:
+        config = QCommsConfig(forward_precision=_TORCHREC_TYPES[precision], backward_precision=_TORCHREC_TYPES[precision])
+        self._codec = get_qcomm_codecs(config).forward
+        self.wire_precision = precision
+        self.quantized_dtype = self._codec.quantized_dtype
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self._codec.encode(x)
+
+    def decode(self, y: torch.Tensor) -> torch.Tensor:
+        return self._codec.decode(y)
 
 
 class WireCodecs:
@@ -111,8 +127,7 @@ def _codec(precision: str) -> Any:
         return Fp8RowwiseCodec()
     if precision == "fp32":
         return None
-    config = QCommsConfig(forward_precision=_TORCHREC_TYPES[precision], backward_precision=_TORCHREC_TYPES[precision])
-    return get_qcomm_codecs(config).forward
+    return TorchRecCodec(precision)
 
 
 def wire_codecs(precision: WirePrecision) -> Optional[Dict[str, QuantizedCommCodecs]]:

@@ -22,6 +22,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 import numpy as np
 import torch
 
+from ..plan.wire import rows_bytes
+
 KINDS = ("metadata", "lengths", "ids", "weights", "embeddings", "gradients")
 _DIRECTIONS = ("sent", "received")
 
@@ -150,12 +152,14 @@ def enable_comm_stats(model: torch.nn.Module) -> CommStats:
 
 
 def wire_bytes(codec: Any, elems: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Bytes on the wire for `elems` fp32 elements in `rows` row vectors, after an optional codec
-    (codecs with a per-row scale say so with `wire_bytes`)."""
+    """Bytes on the wire for `elems` elements in `rows` row vectors, after an optional codec: ours
+    name their precision (plan/wire.py prices it); TorchRec's qcomms codecs send their quantized
+    dtype's size per element."""
     if codec is None:
-        return elems * 4.0
-    if hasattr(codec, "wire_bytes"):
-        return codec.wire_bytes(elems, rows)
+        return rows_bytes(elems, rows, "fp32")
+    precision = getattr(codec, "wire_precision", None)
+    if precision is not None:
+        return rows_bytes(elems, rows, precision)
     return elems * float(torch.empty(0, dtype=codec.quantized_dtype).element_size())
 
 

@@ -20,7 +20,7 @@ keep their weights (multiplied by that factor for MEAN tables).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,7 @@ from torchrec.distributed.types import Awaitable, QuantizedCommCodecs, ShardingE
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from ..plan.groups import MAX_SLICE_ROWS
+from ..plan.wire import MAX_SLICE_ROWS
 from .collectives import all_to_all
 from .comm_stats import CountsComm, Ledger, group_ranks, table_widths
 
@@ -187,7 +187,10 @@ def batch_per_rank(local_embs: torch.Tensor, sharding_ctx: Optional[EmbeddingSha
     return [local_embs.size(0) // world_size] * world_size
 
 
-def _ledger_hook(ledger: Optional[Ledger], codecs: Optional[QuantizedCommCodecs]):  # type: ignore[no-untyped-def]
+OnSend = Callable[[torch.Tensor, List[int], List[int], bool], None]
+
+
+def _ledger_hook(ledger: Optional[Ledger], codecs: Optional[QuantizedCommCodecs]) -> Optional[OnSend]:
     """An all_to_all on_send hook that records a ledger's bytes when each direction is sent."""
     if ledger is None:
         return None

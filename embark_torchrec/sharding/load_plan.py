@@ -11,7 +11,7 @@ from torchrec.distributed.types import ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from ..plan.layout import Plan, PlanError
-from ..plan.planner import module_sharding_plan
+from .parameter_sharding import module_sharding_plan
 from ..plan.spec import ModelSpec
 
 

@@ -28,7 +28,7 @@ from torchrec.optim.keyed import KeyedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from ..plan.layout import Plan, TableLayout
-from ..plan.planner import module_sharding_plan
+from ..sharding.parameter_sharding import module_sharding_plan
 from ..plan.spec import ModelSpec
 from ..sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 from .batches import global_kjt_batch

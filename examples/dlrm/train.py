@@ -46,7 +46,7 @@ from embark_torchrec import EmbarkEmbeddingBagCollectionSharder, EmbarkPlanner, 
 from embark_torchrec.plan.baselines import from_sharding_plan, table_row_wise_plan, torchrec_constraints, torchrec_topology
 from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.layout import PRECISIONS, Plan, WirePrecision
-from embark_torchrec.plan.planner import module_sharding_plan
+from embark_torchrec.sharding.parameter_sharding import module_sharding_plan
 from embark_torchrec.plan.profile import profile_features
 from embark_torchrec.plan.report import ScoredPlan, render
 from embark_torchrec.plan.search import SearchConfig

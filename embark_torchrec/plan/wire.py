@@ -1,0 +1,35 @@
+"""What each message element costs on the wire: the one definition the cost model, the traffic
+model, the runtime's codecs and its byte counters all use, so a planner estimate and a counted byte
+cannot drift apart.
+
+- IDs: TorchRec's own input dists send the input's int64 IDs; ours send row-local IDs as int32, so a
+  row slice of our sharding holds fewer than MAX_SLICE_ROWS rows.
+- bag lengths (and UB's per-group counts, which travel as KJT lengths): int32.
+- embedding and gradient rows: ELEMENT_BYTES per value at the cluster's wire precision; fp8 adds one
+  fp32 scale per row (sharding/codecs.py's row-wise e4m3 codec).
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import numpy as np
+
+TORCHREC_ID_BYTES = 8
+EMBARK_ID_BYTES = 4
+MAX_SLICE_ROWS = 2**31
+LENGTH_BYTES = 4
+ELEMENT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0}
+FP8_SCALE_BYTES = 4  # one fp32 scale per row vector
+
+Count = Union[float, np.ndarray]
+
+
+def rows_bytes(elements: Count, rows: Count, precision: str) -> Count:
+    """Wire bytes of `rows` embedding (or gradient) rows holding `elements` values in all."""
+    return elements * ELEMENT_BYTES[precision] + (rows * FP8_SCALE_BYTES if precision == "fp8" else 0.0)
+
+
+def vector_bytes(width: int, precision: str) -> float:
+    """Wire bytes of one embedding (or gradient) row of `width` elements."""
+    return float(rows_bytes(float(width), 1.0, precision))
