@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import re
-from collections import Counter
 
 import numpy as np
 import pytest
 
-from embark_torchrec.plan.layout import PlanError
+from embark_torchrec.plan.layout import Plan, PlanError
 from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec
 from embark_torchrec.plan.topology import PRESETS, Topology
@@ -42,28 +41,62 @@ def _random_case(seed: int) -> tuple[ModelSpec, Topology]:
     return spec, Topology(world, local, hardware)
 
 
+def _coverage(shards: list[dict], rows: int, dim: int) -> np.ndarray:
+    """How many shards cover each elementary rectangle of the table (cut at every shard bound), from the plan
+    file's shard list alone, independent of how the layout built it."""
+    row_cuts = sorted({0, rows, *(b for s in shards for b in s["rows"])})
+    col_cuts = sorted({0, dim, *(b for s in shards for b in s["cols"])})
+    counts = np.zeros((len(row_cuts) - 1, len(col_cuts) - 1), dtype=np.int64)
+    for s in shards:
+        r0, r1 = (row_cuts.index(b) for b in s["rows"])
+        c0, c1 = (col_cuts.index(b) for b in s["cols"])
+        counts[r0:r1, c0:c1] += 1
+    return counts
+
+
 @pytest.mark.parametrize("seed", range(CASES))
 def test_random_plans_keep_the_invariants(seed: int) -> None:
-    """Each table tiled exactly once (counted cell by cell), ranks in range, memory within the cap,
-    columns cut on multiples of 4, and the same inputs give the same plan."""
+    """Each table tiled exactly once, checked on the plan file's shard list (every elementary rectangle covered by
+    exactly one shard, nothing outside the table), ranks in range, memory within the cap, columns cut on multiples of
+    4, and the same inputs give the same plan."""
     spec, topology = _random_case(seed)
     planned = plan_model(spec, topology)
     plan = planned.plan
-    assert set(plan.tables) == {t.name for t in spec.tables}
+    tables = plan.to_dict()["tables"]
+    assert set(tables) == {t.name for t in spec.tables}
     for t in spec.tables:
-        layout = plan[t.name]
-        if layout.cluster == "dp":
+        shards = tables[t.name]["shards"]
+        if tables[t.name]["cluster"] == "dp":
+            assert shards == []
             continue
-        covered: Counter[tuple[int, int]] = Counter()
-        for shard in layout.shards():
-            assert 0 <= shard.rank < topology.world_size
-            assert shard.cols[0] % 4 == 0 and shard.cols[1] % 4 == 0
-            covered[(shard.rows, shard.cols)] += 1
-        area = sum((r[1] - r[0]) * (c[1] - c[0]) for (r, c) in covered)
-        assert area == t.rows * t.dim, t.name
-        assert max(covered.values()) == 1, t.name
+        for shard in shards:
+            assert 0 <= shard["rank"] < topology.world_size
+            assert shard["cols"][0] % 4 == 0 and shard["cols"][1] % 4 == 0
+            assert 0 <= shard["rows"][0] < shard["rows"][1] <= t.rows and 0 <= shard["cols"][0] < shard["cols"][1] <= t.dim
+        assert (_coverage(shards, t.rows, t.dim) == 1).all(), t.name
     assert float(planned.cost.rank_memory.max()) <= topology.hbm_cap_bytes
     assert plan_model(spec, topology).plan.to_dict() == plan.to_dict()
+
+
+@pytest.mark.parametrize(
+    "shards",
+    [
+        [{"rows": [0, 60], "cols": [0, 8], "rank": 0}, {"rows": [40, 100], "cols": [0, 8], "rank": 1}],  # rows overlap
+        [{"rows": [0, 100], "cols": [0, 8], "rank": 0}, {"rows": [0, 100], "cols": [4, 8], "rank": 1}],  # cols overlap
+        [{"rows": [0, 100], "cols": [0, 8], "rank": 0}, {"rows": [0, 100], "cols": [0, 8], "rank": 1}],  # a cell twice
+        [{"rows": [0, 40], "cols": [0, 8], "rank": 0}, {"rows": [50, 100], "cols": [0, 8], "rank": 1}],  # a gap
+        [{"rows": [0, 100], "cols": [0, 4], "rank": 0}],  # columns missing
+    ],
+)
+def test_plan_files_that_do_not_tile_are_refused(shards: list[dict]) -> None:
+    """A hand-written plan file whose shards overlap (also partly), leave a gap or miss columns is refused."""
+    assert not (_coverage(shards, 100, 8) == 1).all()  # the independent check agrees it does not tile
+    data = {
+        "format": "embark-plan", "version": 1, "world_size": 2, "local_world_size": 2,
+        "tables": {"t": {"cluster": "rb", "precision": {"forward": "fp32", "backward": "fp32"}, "shards": shards}},
+    }  # fmt: skip
+    with pytest.raises(PlanError, match="table 't'"):
+        Plan.from_dict(data).validate(ModelSpec("m", 8, (TableSpec("t", 100, 8, 1.0),)))
 
 
 def test_a_model_that_cannot_fit_names_the_tables() -> None:
