@@ -26,7 +26,8 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Iterable
 
-from embark_torchrec.plan.baselines import table_row_wise_plan, torchrec_default_plan
+from embark_torchrec.plan.baselines import table_row_wise_plan
+from embark_torchrec.sharding.torchrec_plans import torchrec_default_plan
 from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.layout import Plan
 from embark_torchrec.plan.plan_model import plan_model

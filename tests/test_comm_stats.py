@@ -23,7 +23,7 @@ from embark_torchrec.plan.layout import TableLayout, WirePrecision
 from embark_torchrec.plan.spec import ModelSpec, TableSpec
 from embark_torchrec.plan.topology import Topology
 from embark_torchrec.plan.traffic import table_messages
-from embark_torchrec.sharding.comm_stats import CommKey, enable_comm_stats
+from embark_torchrec.sharding.comm_stats import enable_comm_stats
 from embark_torchrec.testing import global_kjt_batch, run_ranks
 from embark_torchrec.testing.training import sharded_model
 

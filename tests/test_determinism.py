@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-from embark_torchrec.plan.baselines import from_sharding_plan
+from embark_torchrec.sharding.torchrec_plans import from_sharding_plan
 from embark_torchrec.plan.constraints import TableConstraints
 from embark_torchrec.plan.layout import TableLayout
 from embark_torchrec.plan.planner import EmbarkPlanner

@@ -24,7 +24,8 @@ from torchrec.distributed.types import ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from embark_torchrec.plan.baselines import from_sharding_plan, table_row_wise_plan
+from embark_torchrec.plan.baselines import table_row_wise_plan
+from embark_torchrec.sharding.torchrec_plans import from_sharding_plan
 from embark_torchrec.plan.constraints import TableConstraints
 from embark_torchrec.plan.groups import builtin_sharding_type
 from embark_torchrec.plan.layout import Plan, TableLayout, WirePrecision, sharding_type_name

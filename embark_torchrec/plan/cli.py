@@ -14,14 +14,22 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from .baselines import table_row_wise_plan, torchrec_default_plan
+from .baselines import table_row_wise_plan
+from .layout import Plan
 from .cost import CostModel
 from .plan_model import plan_model
 from .report import ScoredPlan, plot_rank_loads, render, summary
 from .spec import ModelSpec, SpecError, builtin_model, load_model_spec
 from .topology import DEFAULT_HARDWARE, PRESETS, Topology, hardware_preset
 
-BASELINES = {"trw": table_row_wise_plan, "torchrec": torchrec_default_plan}
+def _torchrec_default_plan(spec: ModelSpec, topology: Topology) -> Plan:
+    """TorchRec's own planner's plan: the one comparison that needs torchrec, imported only when asked for."""
+    from ..sharding.torchrec_plans import torchrec_default_plan
+
+    return torchrec_default_plan(spec, topology)
+
+
+BASELINES = {"trw": table_row_wise_plan, "torchrec": _torchrec_default_plan}
 
 
 def _load_model(model: str) -> ModelSpec:

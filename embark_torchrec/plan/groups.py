@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from .layout import TableLayout, parse_sharding_type, sharding_type_name
+from .layout import TableLayout, ceil_row_bounds, parse_sharding_type, sharding_type_name
 from .wire import EMBARK_ID_BYTES, TORCHREC_ID_BYTES
 
 DATA_PARALLEL = "data_parallel"
@@ -38,7 +38,8 @@ def builtin_sharding_type(layout: TableLayout, rows: int, world_size: int, local
     """The torchrec sharding type that runs this layout exactly, or None.
 
     RW and TWRW only when the row bounds are torchrec's own ceil blocks on the ranks it would use
-    (its bucketizer ignores our bounds), and only at fp32 (qcomms in torchrec are per module).
+    (its bucketizer ignores our bounds), none of them empty (a 0-row shard crashes the CPU TBE),
+    and only at fp32 (qcomms in torchrec are per module).
     """
     if layout.cluster == "dp":
         return DATA_PARALLEL
@@ -51,17 +52,12 @@ def builtin_sharding_type(layout: TableLayout, rows: int, world_size: int, local
         return None
     ranks = [row[0] for row in layout.ranks]
     if n_r == world_size and ranks == list(range(world_size)) and not layout.hierarchical:
-        return "row_wise" if layout.row_bounds == _ceil_blocks(rows, world_size) else None
+        return "row_wise" if layout.row_bounds == ceil_row_bounds(rows, world_size) else None
     first = ranks[0]
     node_ranks = list(range(first, first + local_world_size))
     if n_r == local_world_size and first % local_world_size == 0 and ranks == node_ranks and layout.hierarchical:
-        return "table_row_wise" if layout.row_bounds == _ceil_blocks(rows, local_world_size) else None
+        return "table_row_wise" if layout.row_bounds == ceil_row_bounds(rows, local_world_size) else None
     return None
-
-
-def _ceil_blocks(rows: int, parts: int) -> tuple[int, ...]:
-    block = -(-rows // parts)
-    return tuple(min(i * block, rows) for i in range(parts + 1))
 
 
 def sharding_type(layout: TableLayout, rows: int, world_size: int, local_world_size: int) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 CLUSTERS = ("dp", "rb", "ub")
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
@@ -217,6 +217,44 @@ class Plan:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
+def grid_from_shards(where: str, shards: Sequence[Shard]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """The R x C grid a shard list forms (row bounds, column bounds, the rank of each cell); refused,
+    naming `where`, when the shards are not an exact grid: empty, overlapping, not one cell each, or
+    leaving a gap. The one parser of shard lists: plan files and the runtime's ShardMetadata."""
+    row_bounds = sorted({b for s in shards for b in s.rows})
+    col_bounds = sorted({b for s in shards for b in s.cols})
+    cell: dict[tuple[int, int], int] = {}
+    for s in shards:
+        (r0, r1), (c0, c1) = s.rows, s.cols
+        if r0 >= r1 or c0 >= c1:
+            raise PlanError(f"{where}: empty shard rows {list(s.rows)} cols {list(s.cols)}")
+        for r in range(row_bounds.index(r0), row_bounds.index(r1)):
+            for c in range(col_bounds.index(c0), col_bounds.index(c1)):
+                if (r, c) in cell:
+                    raise PlanError(
+                        f"{where}: shards overlap at rows {row_bounds[r]}:{row_bounds[r + 1]} cols {col_bounds[c]}:{col_bounds[c + 1]}"
+                    )
+                cell[(r, c)] = s.rank
+        if (row_bounds.index(r1) - row_bounds.index(r0)) * (col_bounds.index(c1) - col_bounds.index(c0)) != 1:
+            raise PlanError(f"{where}: shard rows {list(s.rows)} cols {list(s.cols)} is not one cell of the table's grid")
+    n_r, n_c = len(row_bounds) - 1, len(col_bounds) - 1
+    gaps = [(r, c) for r in range(n_r) for c in range(n_c) if (r, c) not in cell]
+    if gaps:
+        r, c = gaps[0]
+        raise PlanError(
+            f"{where}: no shard covers rows {row_bounds[r]}:{row_bounds[r + 1]} cols {col_bounds[c]}:{col_bounds[c + 1]}"
+        )
+    return tuple(row_bounds), tuple(col_bounds), tuple(tuple(cell[(r, c)] for c in range(n_c)) for r in range(n_r))
+
+
+def ceil_row_bounds(rows: int, parts: int) -> tuple[int, ...]:
+    """TorchRec's row-wise blocks: `parts` blocks of ceil(rows / parts) rows, the last ones shorter or
+    empty; empty blocks are left out (a plan never holds an empty slice). The one definition of the
+    row split TorchRec's row-wise and table-row-wise run, and of the TWRW baseline."""
+    block = -(-rows // parts)
+    return tuple(range(0, rows, block)) + (rows,)
+
+
 def _layout_from_dict(name: str, entry: Mapping[str, Any], world_size: int) -> TableLayout:
     """Rebuild the grid from a shard list; refuse shard lists that are not an exact grid."""
     where = f"table {name!r}"
@@ -236,32 +274,8 @@ def _layout_from_dict(name: str, entry: Mapping[str, Any], world_size: int) -> T
     for s in shards:
         if not isinstance(s, Mapping) or not {"rows", "cols", "rank"} <= set(s):
             raise PlanError(f"{where}: a shard needs 'rows', 'cols' and 'rank', got {s!r}")
-    row_bounds = sorted({b for s in shards for b in s["rows"]})
-    col_bounds = sorted({b for s in shards for b in s["cols"]})
-    cell: dict[tuple[int, int], int] = {}
-    for s in shards:
-        r0, r1 = s["rows"]
-        c0, c1 = s["cols"]
-        if r0 >= r1 or c0 >= c1:
-            raise PlanError(f"{where}: empty shard rows {s['rows']} cols {s['cols']}")
-        for r in range(row_bounds.index(r0), row_bounds.index(r1)):
-            for c in range(col_bounds.index(c0), col_bounds.index(c1)):
-                if (r, c) in cell:
-                    raise PlanError(
-                        f"{where}: shards overlap at rows {row_bounds[r]}:{row_bounds[r + 1]} cols {col_bounds[c]}:{col_bounds[c + 1]}"
-                    )
-                cell[(r, c)] = int(s["rank"])
-        if (row_bounds.index(r1) - row_bounds.index(r0)) * (col_bounds.index(c1) - col_bounds.index(c0)) != 1:
-            raise PlanError(f"{where}: shard rows {s['rows']} cols {s['cols']} is not one cell of the table's grid")
-    n_r, n_c = len(row_bounds) - 1, len(col_bounds) - 1
-    gaps = [(r, c) for r in range(n_r) for c in range(n_c) if (r, c) not in cell]
-    if gaps:
-        r, c = gaps[0]
-        raise PlanError(
-            f"{where}: no shard covers rows {row_bounds[r]}:{row_bounds[r + 1]} cols {col_bounds[c]}:{col_bounds[c + 1]}"
-        )
-    ranks = tuple(tuple(cell[(r, c)] for c in range(n_c)) for r in range(n_r))
-    layout = TableLayout(cluster, tuple(row_bounds), tuple(col_bounds), ranks, precision, bool(entry.get("hierarchical", False)))
+    row_bounds, col_bounds, ranks = grid_from_shards(where, [Shard(tuple(s["rows"]), tuple(s["cols"]), int(s["rank"])) for s in shards])
+    layout = TableLayout(cluster, row_bounds, col_bounds, ranks, precision, bool(entry.get("hierarchical", False)))
     if cluster not in CLUSTERS:
         raise PlanError(f"{where}: cluster {cluster!r} is not one of {CLUSTERS}")
     for k in layout.used_ranks():

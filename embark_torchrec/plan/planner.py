@@ -14,7 +14,6 @@ from torchrec.distributed.types import ShardingPlan, ShardingPlanner
 
 from .constraints import from_torchrec
 from .cost import OptimizerMemory
-from .layout import Plan
 from .plan_model import PlannedModel, plan_model
 from .search import SearchConfig
 from .spec import IdDistribution, ModelSpec

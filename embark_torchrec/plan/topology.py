@@ -96,6 +96,13 @@ class Topology:
     def node_of(self, rank: int) -> int:
         return rank // self.local_world_size
 
+    def aggregator(self, node: int, destination: int) -> int:
+        """Hierarchical reduction's routing, the one definition (cost model, traffic model and the
+        runtime's HierarchicalPooledEmbeddingDist follow it): partial sums for `destination` are
+        summed inside `node` on its rank with the destination's local rank (stage 1, intra-node),
+        which sends the node's sum to the destination (stage 2, across nodes unless it is home)."""
+        return node * self.local_world_size + destination % self.local_world_size
+
     @property
     def hbm_cap_bytes(self) -> float:
         """Bytes of embedding weights and optimizer state one rank may hold."""

@@ -84,14 +84,14 @@ def table_messages(cost: CostModel, name: str, layout: TableLayout, ids: np.ndar
         for r, c, k in cells:
             x = feats * b * vector_bytes(int(widths[c]), prec)
             for j in range(w):
-                hops.append((k, topo.node_of(k) * lws + j % lws if layout.hierarchical else j, x))
+                hops.append((k, topo.aggregator(topo.node_of(k), j) if layout.hierarchical else j, x))
         if layout.hierarchical:
             for c in range(layout.num_col_slices):
                 x = feats * b * vector_bytes(int(widths[c]), prec)
                 for n in sorted({topo.node_of(layout.ranks[r][c]) for r in range(layout.num_row_slices)}):
                     for j in range(w):
                         if topo.node_of(j) != n:
-                            hops.append((n * lws + j % lws, j, x))
+                            hops.append((topo.aggregator(n, j), j, x))
         for src, dst, x in hops:
             msgs.append(Message(src, dst, kind, x) if kind == "embeddings" else Message(dst, src, kind, x))
     return [m for m in msgs if m.src != m.dst]

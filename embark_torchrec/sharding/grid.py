@@ -40,6 +40,8 @@ from torchrec.distributed.types import Awaitable, QuantizedCommCodecs, ShardingE
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from ..plan.layout import Shard, grid_from_shards
+from ..plan.topology import Topology
 from ..plan.wire import MAX_SLICE_ROWS
 from .collectives import all_to_all
 from .comm_stats import CountsComm, Ledger, group_ranks, table_widths
@@ -298,35 +300,40 @@ class HierarchicalPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext
         self._node_table_widths = [table_widths(c.tolist(), column_tables) for c in node_columns]
         self._intra_peers, self._cross_peers = group_ranks(self._intra), group_ranks(self._cross)
         self._orders: Dict[Tuple[int, ...], torch.Tensor] = {}  # per batch sizes: stage 1's row order
+        # the routing (Topology.aggregator): the destinations each member of my node sums for, node-major
+        topology, node = Topology(self._world_size, local_world_size), self._rank // local_world_size
+        self._routed = [
+            [d for d in range(self._world_size) if topology.aggregator(node, d) == node * local_world_size + m]
+            for m in range(local_world_size)
+        ]
 
     def _ledgers(self, batch_per_rank: List[int]) -> tuple[Optional[Ledger], Optional[Ledger]]:
         """What stage 1 and stage 2 exchange, per table and peer (None when not counting)."""
         if self.comm_stats is None:
             return None, None
-        lws, nodes = self._lws, self._nodes
+        lws = self._lws
         node, local = divmod(self._rank, lws)
-        mine = sum(batch_per_rank[n * lws + local] for n in range(nodes))
+        mine = sum(batch_per_rank[d] for d in self._routed[local])
         intra = Ledger(self.comm_stats, self.comm_cluster, self._intra_peers)
-        for m in range(lws):
-            intra.add_columns(self._rank_widths[self._rank], m, False, sum(batch_per_rank[n * lws + m] for n in range(nodes)))
+        for m, routed in enumerate(self._routed):
+            intra.add_columns(self._rank_widths[self._rank], m, False, sum(batch_per_rank[d] for d in routed))
             intra.add_columns(self._rank_widths[node * lws + m], m, True, mine)
         cross = Ledger(self.comm_stats, self.comm_cluster, self._cross_peers)
-        for n in range(nodes):
-            cross.add_columns(self._node_table_widths[node], n, False, batch_per_rank[n * lws + local])
+        for n, d in enumerate(self._routed[local]):
+            cross.add_columns(self._node_table_widths[node], n, False, batch_per_rank[d])
             cross.add_columns(self._node_table_widths[n], n, True, batch_per_rank[self._rank])
         return intra, cross
 
     def _order(self, batch_per_rank: List[int]) -> torch.Tensor:
-        """Stage 1's send order: to node member l, the rows of destinations with local rank l
-        (node-major), in one gather, so that backward is one scatter; built once per batch sizes."""
+        """Stage 1's send order: to each node member, the rows of the destinations it sums for, in
+        one gather, so that backward is one scatter; built once per batch sizes."""
         key = tuple(batch_per_rank)
         order = self._orders.get(key)
         if order is None:
-            lws, nodes = self._lws, self._nodes
             starts = [0]
             for b in batch_per_rank:
                 starts.append(starts[-1] + b)
-            rows = [r for lr in range(lws) for n in range(nodes) for r in range(starts[n * lws + lr], starts[n * lws + lr + 1])]
+            rows = [r for routed in self._routed for d in routed for r in range(starts[d], starts[d + 1])]
             order = self._orders[key] = torch.tensor(rows, dtype=torch.int64, device=self._device)
         return order
 
@@ -334,11 +341,11 @@ class HierarchicalPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext
         self, local_embs: torch.Tensor, sharding_ctx: Optional[EmbeddingShardingContext] = None
     ) -> Awaitable[torch.Tensor]:
         batch = batch_per_rank(local_embs, sharding_ctx, self._world_size)
-        lws, nodes = self._lws, self._nodes
+        lws = self._lws
         node, local = divmod(self._rank, lws)
         dim = self._dims[self._rank]
-        send_sizes = [sum(batch[n * lws + lr] for n in range(nodes)) * dim for lr in range(lws)]
-        mine = [batch[n * lws + local] for n in range(nodes)]
+        send_sizes = [sum(batch[d] for d in routed) * dim for routed in self._routed]
+        mine = [batch[d] for d in self._routed[local]]  # the destinations I sum for, one per node
         member_dims = self._dims[node * lws : (node + 1) * lws]
         recv_sizes = [sum(mine) * d for d in member_dims]
         intra_ledger, cross_ledger = self._ledgers(batch)
@@ -403,8 +410,18 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
         for info in sharding_infos:
             cfg = info.embedding_config
             shards: List[ShardMetadata] = info.param_sharding.sharding_spec.shards  # type: ignore[union-attr]
-            rows = sorted({s.shard_offsets[0] for s in shards} | {s.shard_offsets[0] + s.shard_sizes[0] for s in shards})
-            cols = sorted({s.shard_offsets[1] for s in shards} | {s.shard_offsets[1] + s.shard_sizes[1] for s in shards})
+            row_bounds, col_bounds, _ = grid_from_shards(
+                f"table {cfg.name!r}",
+                [
+                    Shard(
+                        (s.shard_offsets[0], s.shard_offsets[0] + s.shard_sizes[0]),
+                        (s.shard_offsets[1], s.shard_offsets[1] + s.shard_sizes[1]),
+                        s.placement.rank(),  # type: ignore[union-attr]
+                    )
+                    for s in shards
+                ],
+            )
+            rows, cols = list(row_bounds), list(col_bounds)
             longest = max(b - a for a, b in zip(rows, rows[1:]))
             if longest >= MAX_SLICE_ROWS:
                 raise ValueError(

@@ -43,16 +43,17 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from tqdm import tqdm
 
 from embark_torchrec import EmbarkEmbeddingBagCollectionSharder, EmbarkPlanner, load_plan
-from embark_torchrec.plan.baselines import from_sharding_plan, table_row_wise_plan, torchrec_constraints, torchrec_topology
+from embark_torchrec.plan.baselines import table_row_wise_plan
 from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.layout import PRECISIONS, Plan, WirePrecision
-from embark_torchrec.sharding.parameter_sharding import module_sharding_plan
 from embark_torchrec.plan.profile import profile_features
 from embark_torchrec.plan.report import ScoredPlan, render
 from embark_torchrec.plan.search import SearchConfig
 from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec, builtin_model, load_model_spec
 from embark_torchrec.plan.topology import Topology, hardware_preset
 from embark_torchrec.sharding.comm_stats import enable_comm_stats
+from embark_torchrec.sharding.parameter_sharding import module_sharding_plan
+from embark_torchrec.sharding.torchrec_plans import from_sharding_plan, torchrec_constraints, torchrec_topology
 from embark_torchrec.testing import SyntheticData
 
 

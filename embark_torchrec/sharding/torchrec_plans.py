@@ -1,0 +1,97 @@
+"""TorchRec's default plan as a Plan, so that our cost model scores it beside ours: TorchRec's
+EmbeddingShardingPlanner run on the same model, topology and memory cap, its ShardingPlan converted
+shard by shard."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.planner import EmbeddingShardingPlanner
+from torchrec.distributed.planner.types import ParameterConstraints
+from torchrec.distributed.planner.types import Topology as TorchrecTopology
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from ..plan.layout import SHARDING_TYPE_PREFIX, Plan, parse_sharding_type
+from ..plan.spec import ModelSpec
+from ..plan.topology import Topology
+
+# torchrec sharding types whose partial sums are reduced inside the node before crossing it.
+_HIERARCHICAL_TYPES = ("table_row_wise", "grid_shard")
+
+
+def from_sharding_plan(sharding_plan: Any, topology: Topology, module_path: str = "") -> Plan:
+    """A torchrec ShardingPlan (one EmbeddingBagCollection) as a Plan; empty shards are dropped.
+    Our own "embark_*" types carry their cluster, reduction and precision in the string."""
+    if module_path:
+        module_plan = sharding_plan.plan[module_path]
+    else:
+        (module_plan,) = sharding_plan.plan.values()
+    tables: dict[str, Any] = {}
+    for name, ps in module_plan.items():
+        if ps.sharding_type == "data_parallel":
+            tables[name] = {"cluster": "dp", "shards": []}
+            continue
+        shards = [
+            {
+                "rows": [m.shard_offsets[0], m.shard_offsets[0] + m.shard_sizes[0]],
+                "cols": [m.shard_offsets[1], m.shard_offsets[1] + m.shard_sizes[1]],
+                "rank": m.placement.rank(),
+            }
+            for m in ps.sharding_spec.shards
+            if m.shard_sizes[0] > 0 and m.shard_sizes[1] > 0
+        ]
+        entry: dict[str, Any] = {"cluster": "rb", "shards": shards, "hierarchical": ps.sharding_type in _HIERARCHICAL_TYPES}
+        if ps.sharding_type.startswith(SHARDING_TYPE_PREFIX):
+            cluster, hierarchical, precision = parse_sharding_type(ps.sharding_type)
+            entry.update(cluster=cluster, hierarchical=hierarchical, precision={"forward": precision.forward, "backward": precision.backward})
+        tables[name] = entry
+    return Plan.from_dict(
+        {
+            "format": "embark-plan",
+            "version": 1,
+            "world_size": topology.world_size,
+            "local_world_size": topology.local_world_size,
+            "tables": tables,
+        }
+    )
+
+
+def torchrec_topology(topology: Topology, compute_device: str = "cuda") -> Any:
+    """torchrec's planner Topology with our hardware figures (its bandwidths are in bytes/ms)."""
+    hw = topology.hardware
+    return TorchrecTopology(
+        world_size=topology.world_size,
+        local_world_size=topology.local_world_size,
+        compute_device=compute_device,
+        hbm_cap=int(topology.hbm_cap_bytes),
+        hbm_mem_bw=hw.hbm_bw_gbps * 1e6,
+        intra_host_bw=hw.intra_node_bw_gbps * 1e6,
+        inter_host_bw=hw.inter_node_bw_gbps * 1e6,
+    )
+
+
+def meta_module(spec: ModelSpec) -> Any:
+    """An EmbeddingBagCollection on the meta device with the spec's tables (no memory used)."""
+    configs = [
+        EmbeddingBagConfig(name=t.name, embedding_dim=t.dim, num_embeddings=t.rows, feature_names=list(t.feature_names))
+        for t in spec.tables
+    ]
+    return EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+
+
+def torchrec_constraints(spec: ModelSpec) -> dict[str, Any]:
+    return {t.name: ParameterConstraints(pooling_factors=[t.pooling] * len(t.feature_names)) for t in spec.tables}
+
+
+def torchrec_default_plan(spec: ModelSpec, topology: Topology) -> Plan:
+    """Run torchrec's EmbeddingShardingPlanner with its defaults on our figures, as a Plan."""
+    planner = EmbeddingShardingPlanner(
+        topology=torchrec_topology(topology),
+        batch_size=spec.batch_size // topology.world_size,
+        constraints=torchrec_constraints(spec),
+    )
+    sharding_plan = planner.plan(meta_module(spec), [EmbeddingBagCollectionSharder()])
+    return from_sharding_plan(sharding_plan, topology)
