@@ -24,6 +24,8 @@ $(VENV)/.stamp: pyproject.toml Makefile
 venv: $(VENV)/.stamp
 
 test: $(VENV)/.stamp
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q tests
 
 demo: $(VENV)/.stamp

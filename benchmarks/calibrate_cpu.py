@@ -87,12 +87,15 @@ def unique_overhead_s() -> tuple[float, float]:
     from embark_torchrec.testing.training import sharded_model
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=UB_ROWS, embedding_dim=UB_DIM, feature_names=[f"f{i}"]) for i in range(UB_TABLES)]
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", num_embeddings=UB_ROWS, embedding_dim=UB_DIM, feature_names=[f"f{i}"])
+        for i in range(UB_TABLES)
+    ]
     models = {
         cluster: sharded_model(
-            tables, {t.name: TableLayout(cluster, (0, UB_ROWS), (0, UB_DIM), ((i % world,),)) for i, t in enumerate(tables)}, int(
-                __import__("os").environ.get("LOCAL_WORLD_SIZE", world)
-            )
+            tables,
+            {t.name: TableLayout(cluster, (0, UB_ROWS), (0, UB_DIM), ((i % world,),)) for i, t in enumerate(tables)},
+            int(__import__("os").environ.get("LOCAL_WORLD_SIZE", world)),
         )
         for cluster in ("rb", "ub")
     }
@@ -100,7 +103,11 @@ def unique_overhead_s() -> tuple[float, float]:
 
     def batch() -> KeyedJaggedTensor:  # one ID per bag, none twice in a feature of one rank's batch
         values = torch.cat([torch.randperm(UB_ROWS, generator=generator)[:UB_BATCH] for _ in tables])
-        return KeyedJaggedTensor(keys=[f"f{i}" for i in range(UB_TABLES)], values=values, lengths=torch.ones(UB_TABLES * UB_BATCH, dtype=torch.int32))
+        return KeyedJaggedTensor(
+            keys=[f"f{i}" for i in range(UB_TABLES)],
+            values=values,
+            lengths=torch.ones(UB_TABLES * UB_BATCH, dtype=torch.int32),
+        )
 
     batches = [batch() for _ in range(UB_STEPS)]
 

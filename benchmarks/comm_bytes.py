@@ -34,9 +34,14 @@ KINDS = ("ids", "lengths", "embeddings", "gradients")
 
 def _layouts(dim: int) -> dict[str, TableLayout]:
     return {
-        f"{cluster} {kind} {precision}": TableLayout(cluster, rows, (0, dim), ranks, WirePrecision(precision, precision))
+        f"{cluster} {kind} {precision}": TableLayout(
+            cluster, rows, (0, dim), ranks, WirePrecision(precision, precision)
+        )
         for cluster in ("rb", "ub")
-        for kind, rows, ranks in (("table-wise", (0, ROWS), ((1,),)), ("row-wise", QUARTERS, tuple((k,) for k in range(4))))
+        for kind, rows, ranks in (
+            ("table-wise", (0, ROWS), ((1,),)),
+            ("row-wise", QUARTERS, tuple((k,) for k in range(4))),
+        )
         for precision in ("fp32", "fp16")
     }
 
@@ -48,7 +53,9 @@ def _batch(rank: int, batch: int, pooling: int) -> KeyedJaggedTensor:
     p = torch.arange(1, ROWS + 1, dtype=torch.float64) ** -ALPHA
     gen.manual_seed(rank)
     ids = permutation[torch.multinomial(p, batch * pooling, replacement=True, generator=gen)]
-    return KeyedJaggedTensor(keys=["f"], values=ids, lengths=torch.full((batch,), pooling, dtype=torch.int32), stride=batch)
+    return KeyedJaggedTensor(
+        keys=["f"], values=ids, lengths=torch.full((batch,), pooling, dtype=torch.int32), stride=batch
+    )
 
 
 def _measure(dim: int, pooling: int, batch: int) -> dict[str, dict[str, int]]:
@@ -75,7 +82,8 @@ def _table(dim: int, pooling: int, batch: int, per_rank: list[dict[str, dict[str
     lines = [
         f"## dim {dim}, pooling {pooling}, batch {batch:,} per rank (measured unique ratio {ratio:.3f})",
         "",
-        "| layout | IDs | lengths / counts | embeddings | gradients | total | UB / RB (total) | fp16 / fp32 (embeddings) |",
+        "| layout | IDs | lengths / counts | embeddings | gradients | total | UB / RB (total) "
+        "| fp16 / fp32 (embeddings) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, t in total.items():

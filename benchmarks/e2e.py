@@ -65,10 +65,15 @@ INTER_TARGET = 0.7  # embark-fp16's inter-node bytes against torchrec's (issue 6
 
 def run_example(planner: str, args: argparse.Namespace, plan_out: Path, plan_in: Path | None = None) -> dict[str, Any]:
     """One torchrun job of the example; its RESULT as a dict (raises with the output's tail on failure)."""
-    model = [] if args.model is None else ["--model", str(Path(args.model).resolve()) if Path(args.model).exists() else args.model]
+    model = (
+        []
+        if args.model is None
+        else ["--model", str(Path(args.model).resolve()) if Path(args.model).exists() else args.model]
+    )
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.world_size), str(TRAIN),
-        *RUNS[planner], *model, "--local-world-size", str(args.local_world_size), "--steps", str(args.steps),
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.world_size),
+        str(TRAIN), *RUNS[planner], *model, "--local-world-size", str(args.local_world_size),
+        "--steps", str(args.steps),
         "--batch-size", str(args.batch_size), "--log-every", str(args.steps), "--plan-out", str(plan_out),
     ] + (["--plan-in", str(plan_in)] if plan_in else []) + (["--no-pipeline"] if args.no_pipeline else [])  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -155,7 +160,8 @@ def markdown(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, sp
         )
         + "samples/s: median over rounds (each run leaves its warm-up steps out); bytes: per training step, the "
         "maximum over ranks of what a rank sent + received (all embedding collectives; data-parallel tables' "
-        "all-reduce runs in DDP with the dense part and is not counted), counted by embark_torchrec.sharding.comm_stats; "
+        "all-reduce runs in DDP with the dense part and is not counted), "
+        "counted by embark_torchrec.sharding.comm_stats; "
         "clusters: tables per cluster of the plan that ran."
     )
     lines = [
@@ -171,7 +177,8 @@ def markdown(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, sp
         clusters = " / ".join(dict.fromkeys(", ".join(f"{c} {n}" for c, n in r["clusters"].items()) for r in runs[p]))
         per_round = ", ".join(f"{r['samples_per_s']:,.0f}" for r in runs[p])
         lines.append(
-            f"| {p} | {clusters} | {rate[p]:,.0f} | {per_round} | {total[p]:,.0f} | {inter[p]:,.0f} | {auc[p]:.4f} | {est[p]:.2f} |"
+            f"| {p} | {clusters} | {rate[p]:,.0f} | {per_round} | {total[p]:,.0f} | {inter[p]:,.0f} "
+            f"| {auc[p]:.4f} | {est[p]:.2f} |"
         )
     pairs = [(e, b) for e in EMBARK for b in BASELINES if e in planners and b in planners]
     pairs += [("embark", NO_UB)] if NO_UB in planners else []
@@ -208,7 +215,9 @@ def markdown(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, sp
     return "\n".join(lines) + "\n"
 
 
-def plot(runs: dict[str, list[dict[str, Any]]], plan_files: dict[str, Path], spec: ModelSpec, args: argparse.Namespace) -> None:
+def plot(
+    runs: dict[str, list[dict[str, Any]]], plan_files: dict[str, Path], spec: ModelSpec, args: argparse.Namespace
+) -> None:
     """One row per plan: the cost model's per-rank load (lookups, intra- and inter-node communication, ms)
     and the measured per-rank bytes per step (intra- and inter-node)."""
     import matplotlib
@@ -230,7 +239,9 @@ def plot(runs: dict[str, list[dict[str, Any]]], plan_files: dict[str, Path], spe
         c, left, right = costs[p], axes[row, 0], axes[row, 1]
         left.bar(ranks, c.rank_lookup_ms, label="lookup", color="#4c72b0")
         left.bar(ranks, c.rank_intra_ms, bottom=c.rank_lookup_ms, label="intra-node comm", color="#55a868")
-        left.bar(ranks, c.rank_inter_ms, bottom=c.rank_lookup_ms + c.rank_intra_ms, label="inter-node comm", color="#c44e52")
+        left.bar(
+            ranks, c.rank_inter_ms, bottom=c.rank_lookup_ms + c.rank_intra_ms, label="inter-node comm", color="#c44e52"
+        )
         left.set_ylim(0, top_ms)
         left.set_ylabel("ms")
         left.set_title(f"{p}: estimated per-rank load (step {c.step_ms:.2f} ms)")
@@ -270,7 +281,10 @@ def command(args: argparse.Namespace) -> str:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="model spec file (JSON/YAML) or built-in name, as train.py's --model; default: train.py's default")
+    p.add_argument(
+        "--model",
+        help="model spec file (JSON/YAML) or built-in name, as train.py's --model; default: train.py's default",
+    )
     p.add_argument("--world-size", type=int, default=4, help="ranks (torchrun's --nproc_per_node)")
     p.add_argument("--local-world-size", type=int, default=2, help="ranks per simulated node")
     p.add_argument(

@@ -62,7 +62,7 @@ STARTUP_S = 90.0  # a worker's imports and process group, before its first check
 WS_B, LWS_B = 4, 2
 
 
-# ================================================================================================ the model
+# ================================================================================ the model
 
 
 def _tables() -> list[Any]:
@@ -70,7 +70,9 @@ def _tables() -> list[Any]:
 
     return [
         EmbeddingBagConfig(name="t0", num_embeddings=1000, embedding_dim=16, feature_names=["f0"]),
-        EmbeddingBagConfig(name="t1", num_embeddings=500, embedding_dim=16, feature_names=["f1", "f2"], pooling=PoolingType.MEAN),
+        EmbeddingBagConfig(
+            name="t1", num_embeddings=500, embedding_dim=16, feature_names=["f1", "f2"], pooling=PoolingType.MEAN
+        ),
     ]
 
 
@@ -153,7 +155,11 @@ def _module_plan(kind: str, module: Any, sharder: Any, world_size: int, local_wo
         if ps.sharding_spec is not None:
             ps.sharding_spec = EnumerableShardingSpec(
                 [
-                    ShardMetadata(s.shard_offsets, s.shard_sizes, f"rank:{s.placement.rank()}/{device_type}" + (":0" if device_type == "cuda" else ""))
+                    ShardMetadata(
+                        s.shard_offsets,
+                        s.shard_sizes,
+                        f"rank:{s.placement.rank()}/{device_type}" + (":0" if device_type == "cuda" else ""),
+                    )
                     for s in ps.sharding_spec.shards
                 ]
             )
@@ -169,7 +175,9 @@ def _sharded(kind: str, tables: list[Any], world_size: int, local_world_size: in
 
     from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 
-    sharder = EmbarkEmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR})
+    sharder = EmbarkEmbeddingBagCollectionSharder(
+        fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR}
+    )
     meta = _arch(tables, torch.device("meta"))
     params = _module_plan(kind, meta.ebc, sharder, world_size, local_world_size, device.type)
     return DistributedModelParallel(
@@ -190,7 +198,7 @@ def _off_device(values: dict[str, Any], device: Any) -> list[str]:
     return [f"{k} on {v.device}" for k, v in values.items() if v.device.type != device.type]
 
 
-# ================================================================================================ (a) exact at world size 1
+# ================================================================================ (a) exact at world size 1
 
 
 def check_exact(kind: str, device: Any) -> dict[str, Any]:
@@ -244,11 +252,14 @@ def check_exact(kind: str, device: Any) -> dict[str, Any]:
         torch.cuda.synchronize()
     tolerance = TOLERANCE[precision]
     ok = all(math.isfinite(v) and v <= tolerance for v in worst.values()) and set(worst) == {"outputs", "weights"}
-    detail = f"max rel err outputs {worst.get('outputs', float('nan')):.2e} weights {worst.get('weights', float('nan')):.2e} (tol {tolerance:.0e})"
+    detail = (
+        f"max rel err outputs {worst.get('outputs', float('nan')):.2e} "
+        f"weights {worst.get('weights', float('nan')):.2e} (tol {tolerance:.0e})"
+    )
     return {"status": "pass" if ok else "FAIL", "detail": detail, "errors": worst}
 
 
-# ================================================================================================ (b) 4 ranks as rank 0 of a fake world
+# ================================================================================ (b) 4 ranks as rank 0 of a fake world
 
 
 @contextmanager
@@ -260,14 +271,30 @@ def _mirror_collectives() -> Iterator[None]:
     import torch
     import torch.distributed as dist
 
-    names = ("all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter")
+    names = (
+        "all_to_all_single",
+        "all_to_all",
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "reduce_scatter",
+    )
     originals = {name: getattr(dist, name) for name in names}
 
     def me_n(group: Any) -> tuple[int, int]:
         return dist.get_rank(group), dist.get_world_size(group)
 
-    def all_to_all_single(output: Any, input: Any, output_split_sizes: Any = None, input_split_sizes: Any = None, group: Any = None, async_op: bool = False) -> Any:
-        work = originals["all_to_all_single"](output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+    def all_to_all_single(
+        output: Any,
+        input: Any,
+        output_split_sizes: Any = None,
+        input_split_sizes: Any = None,
+        group: Any = None,
+        async_op: bool = False,
+    ) -> Any:
+        work = originals["all_to_all_single"](
+            output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+        )
         me, n = me_n(group)
         out_sizes = [int(x) for x in output_split_sizes] if output_split_sizes else [output.size(0) // n] * n
         in_sizes = [int(x) for x in input_split_sizes] if input_split_sizes else [input.size(0) // n] * n
@@ -299,14 +326,18 @@ def _mirror_collectives() -> Iterator[None]:
             output.view(n, -1).copy_(input.reshape(1, -1).expand(n, -1))
         return work
 
-    def reduce_scatter_tensor(output: Any, input: Any, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
+    def reduce_scatter_tensor(
+        output: Any, input: Any, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False
+    ) -> Any:
         work = originals["reduce_scatter_tensor"](output, input, op=op, group=group, async_op=async_op)
         me, n = me_n(group)
         with torch.no_grad():
             output.copy_(input.reshape(n, -1)[me].view_as(output))
         return work
 
-    def reduce_scatter(output: Any, input_list: Any, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
+    def reduce_scatter(
+        output: Any, input_list: Any, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False
+    ) -> Any:
         work = originals["reduce_scatter"](output, input_list, op=op, group=group, async_op=async_op)
         me, _ = me_n(group)
         with torch.no_grad():
@@ -358,10 +389,13 @@ def check_fake_world(kind: str, device: Any) -> dict[str, Any]:
                 torch.cuda.synchronize()
     finally:
         torchrec_comm._INTRA_PG, torchrec_comm._CROSS_PG = saved
-    return {"status": "pass", "detail": f"{STEPS_B} fwd+bwd, outputs on {device} {sorted(shapes.items())}, finite={finite}"}
+    return {
+        "status": "pass",
+        "detail": f"{STEPS_B} fwd+bwd, outputs on {device} {sorted(shapes.items())}, finite={finite}",
+    }
 
 
-# ================================================================================================ worker processes
+# ================================================================================ worker processes
 
 
 def _emit(what: str, **fields: Any) -> None:
@@ -388,7 +422,9 @@ def worker(part: str, kinds: list[str], device_type: str) -> int:
     for kind in kinds:
         _emit("start", kind=kind)
         start = time.perf_counter()
-        selftest = os.environ.get("GPU_CHECK_SELFTEST", "")  # "hang:<kind>" / "crash:<kind>": tests the parent's handling
+        selftest = os.environ.get(
+            "GPU_CHECK_SELFTEST", ""
+        )  # "hang:<kind>" / "crash:<kind>": tests the parent's handling
         if selftest == f"hang:{kind}":
             time.sleep(3600)
         if selftest == f"crash:{kind}":
@@ -397,7 +433,11 @@ def worker(part: str, kinds: list[str], device_type: str) -> int:
             result = check_exact(kind, device) if part == "a" else check_fake_world(kind, device)
         except Exception as e:  # noqa: BLE001 - reported in the summary
             tb = traceback.format_exc().strip().splitlines()
-            result = {"status": "FAIL", "detail": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}", "traceback": tb[-12:]}
+            result = {
+                "status": "FAIL",
+                "detail": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}",
+                "traceback": tb[-12:],
+            }
         result["seconds"] = round(time.perf_counter() - start, 2)
         _emit("result", kind=kind, **result)
     if dist.is_initialized():
@@ -405,7 +445,7 @@ def worker(part: str, kinds: list[str], device_type: str) -> int:
     return 0
 
 
-# ================================================================================================ the parent
+# ================================================================================ the parent
 
 
 @dataclass
@@ -437,7 +477,9 @@ def _read_lines(stream: Any, lines: "queue.Queue[str | None]") -> None:
     lines.put(None)
 
 
-def run_part(part: str, kinds: list[str], device_type: str, per_check_s: float, part_budget_s: float, verbose: bool) -> list[Row]:
+def run_part(
+    part: str, kinds: list[str], device_type: str, per_check_s: float, part_budget_s: float, verbose: bool
+) -> list[Row]:
     """Runs one part's kinds in worker subprocesses: a worker that crashes or overruns a check's budget is killed,
     that check is reported, and a new worker takes the rest (while the part's budget lasts)."""
     rows: list[Row] = []
@@ -447,10 +489,21 @@ def run_part(part: str, kinds: list[str], device_type: str, per_check_s: float, 
         if time.monotonic() >= part_deadline:
             rows += [Row(f"{part}/{k}", "SKIP", "the part's time budget ran out", 0.0) for k in remaining]
             break
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", part, "--device", device_type, "--kinds", ",".join(remaining)]
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--worker",
+            part,
+            "--device",
+            device_type,
+            "--kinds",
+            ",".join(remaining),
+        ]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         with tempfile.TemporaryFile("w+") as stderr:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=ROOT, env=env, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=ROOT, env=env, start_new_session=True
+            )
             lines: "queue.Queue[str | None]" = queue.Queue()
             threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True).start()
             current: str | None = None
@@ -494,7 +547,13 @@ def run_part(part: str, kinds: list[str], device_type: str, per_check_s: float, 
         victim = current or remaining[0]
         elapsed = round(time.monotonic() - started, 2)
         if ended == "timeout":
-            limit = "the part's budget" if time.monotonic() >= part_deadline else f"{per_check_s:.0f} s" if current else f"{STARTUP_S:.0f} s of start-up"
+            limit = (
+                "the part's budget"
+                if time.monotonic() >= part_deadline
+                else f"{per_check_s:.0f} s"
+                if current
+                else f"{STARTUP_S:.0f} s of start-up"
+            )
             detail = f"no result within {limit} (worker killed)"
         else:
             detail = f"worker died (exit {proc.returncode}) {'during' if current else 'before'} this check: {tail}"
@@ -502,7 +561,10 @@ def run_part(part: str, kinds: list[str], device_type: str, per_check_s: float, 
         print(f"  {part}/{victim}: FAIL {detail}", flush=True)
         remaining.remove(victim)
         if current is None:  # it died before its first check: the others would die the same way
-            rows += [Row(f"{part}/{k}", "FAIL", "not run: the worker died before its first check (see above)", 0.0) for k in remaining]
+            rows += [
+                Row(f"{part}/{k}", "FAIL", "not run: the worker died before its first check (see above)", 0.0)
+                for k in remaining
+            ]
             break
     return rows
 
@@ -510,16 +572,34 @@ def run_part(part: str, kinds: list[str], device_type: str, per_check_s: float, 
 def run_dlrm(steps: int, device_type: str, budget_s: float, extra: list[str], verbose: bool) -> Row:
     """(c): the DLRM example under torchrun, one process; its RESULT line parsed."""
     start = time.perf_counter()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", str(TRAIN), "--steps", str(steps), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "1",
+        str(TRAIN),
+        "--steps",
+        str(steps),
+        *extra,
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     if device_type == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # the example picks CUDA whenever it sees one
     print(f"  c/dlrm: {' '.join(cmd[1:])}", flush=True)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=budget_s, cwd=ROOT, env=env, start_new_session=True)
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=budget_s, cwd=ROOT, env=env, start_new_session=True
+        )
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return Row("c/dlrm", "FAIL", f"timed out after {budget_s:.0f} s; last output: {out.strip().splitlines()[-1:] if out else ''}", time.perf_counter() - start)
+        return Row(
+            "c/dlrm",
+            "FAIL",
+            f"timed out after {budget_s:.0f} s; last output: {out.strip().splitlines()[-1:] if out else ''}",
+            time.perf_counter() - start,
+        )
     seconds = time.perf_counter() - start
     out = proc.stdout.replace("\r", "\n")
     if verbose:
@@ -538,7 +618,8 @@ def run_dlrm(steps: int, device_type: str, budget_s: float, extra: list[str], ve
         if not isinstance(result.get(key), (int, float)) or not math.isfinite(result[key]):
             problems.append(f"{key} = {result.get(key)!r}")
     detail = (
-        f"device {result.get('device')}, {result.get('steps_run')} steps, loss {result.get('first_loss'):.4f} -> {result.get('final_loss'):.4f}, "
+        f"device {result.get('device')}, {result.get('steps_run')} steps, "
+        f"loss {result.get('first_loss'):.4f} -> {result.get('final_loss'):.4f}, "
         f"auc {result.get('auc')}, {result.get('samples_per_s')} samples/s"
         if not problems
         else "; ".join(problems) + f" (RESULT {json.dumps(result)[:300]})"
@@ -554,7 +635,8 @@ def environment_problem(dry_run: bool) -> str | None:
 
     if not torch.cuda.is_available():
         return (
-            f"CUDA is not available (torch {torch.__version__}, built with CUDA {torch.version.cuda}): run on a machine with an "
+            f"CUDA is not available (torch {torch.__version__}, built with CUDA {torch.version.cuda}): "
+            "run on a machine with an "
             "NVIDIA GPU and a CUDA build of torch, or validate the script logic with --dry-run-cpu"
         )
     import fbgemm_gpu
@@ -566,7 +648,11 @@ def environment_problem(dry_run: bool) -> str | None:
 
 
 def print_summary(rows: list[Row], header: str) -> None:
-    widths = [max(len(r.check) for r in rows + [Row("check", "", "", 0)]), 6, min(110, max(len(r.detail) for r in rows + [Row("", "", "detail", 0)]))]
+    widths = [
+        max(len(r.check) for r in rows + [Row("check", "", "", 0)]),
+        6,
+        min(110, max(len(r.detail) for r in rows + [Row("", "", "detail", 0)])),
+    ]
     line = f"{'check':<{widths[0]}}  {'status':<{widths[1]}}  {'detail':<{widths[2]}}  {'seconds':>8}"
     print("\n" + header)
     print(line)
@@ -576,13 +662,28 @@ def print_summary(rows: list[Row], header: str) -> None:
         print(f"{r.check:<{widths[0]}}  {r.status:<{widths[1]}}  {detail:<{widths[2]}}  {r.seconds:>8.1f}")
     passed = sum(r.status == "pass" for r in rows)
     print("-" * len(line))
-    print(f"{passed}/{len(rows)} passed" + ("" if passed == len(rows) else f", {len(rows) - passed} did not: " + ", ".join(r.check for r in rows if r.status != "pass")))
+    print(
+        f"{passed}/{len(rows)} passed"
+        + (
+            ""
+            if passed == len(rows)
+            else f", {len(rows) - passed} did not: " + ", ".join(r.check for r in rows if r.status != "pass")
+        )
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--dry-run-cpu", action="store_true", help="run (a) on gloo and (b) with CPU tensors, (c) on CPU: checks the script's logic without a GPU")
-    p.add_argument("--parts", default="a,b,c", help="which checks to run: a (exact, ws 1), b (fake ws 4), c (DLRM example)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument(
+        "--dry-run-cpu",
+        action="store_true",
+        help="run (a) on gloo and (b) with CPU tensors, (c) on CPU: checks the script's logic without a GPU",
+    )
+    p.add_argument(
+        "--parts", default="a,b,c", help="which checks to run: a (exact, ws 1), b (fake ws 4), c (DLRM example)"
+    )
     p.add_argument("--kinds", help="only these sharding types, comma separated (e.g. embark_rb:fp8,row_wise)")
     p.add_argument("--dlrm-steps", type=int, help="steps of the DLRM example (default 200; 20 with --dry-run-cpu)")
     p.add_argument("--per-check-s", type=float, default=60.0, help="time budget of one sharding type in (a) or (b)")
@@ -615,7 +716,11 @@ def main(argv: list[str] | None = None) -> int:
         kinds = [k for k in kinds if wanted is None or k in wanted or k.partition(":")[0] in wanted]
         if not kinds:
             continue
-        print(f"({part}) {'exact at world size 1' if part == 'a' else 'world size 4 as rank 0 of a fake group'} on {device_type}: {len(kinds)} types", flush=True)
+        print(
+            f"({part}) {'exact at world size 1' if part == 'a' else 'world size 4 as rank 0 of a fake group'} "
+            f"on {device_type}: {len(kinds)} types",
+            flush=True,
+        )
         try:
             rows += run_part(part, kinds, device_type, args.per_check_s, budget, args.verbose)
         except Exception as e:  # noqa: BLE001 - the other parts still run
@@ -628,7 +733,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(run_dlrm(steps, device_type, args.budget_c_s, extra, args.verbose))
         except Exception as e:  # noqa: BLE001
             rows.append(Row("c/dlrm", "FAIL", f"the checker itself failed: {type(e).__name__}: {e}", 0.0))
-    header = f"gpu_check summary ({'CPU dry run' if args.dry_run_cpu else 'CUDA'}, {time.perf_counter() - started:.0f} s)"
+    header = (
+        f"gpu_check summary ({'CPU dry run' if args.dry_run_cpu else 'CUDA'}, {time.perf_counter() - started:.0f} s)"
+    )
     print_summary(rows, header)
     if args.json:
         args.json.write_text(json.dumps([r.__dict__ for r in rows], indent=1) + "\n")

@@ -13,12 +13,14 @@ reduced there first; only with 2 or more nodes, i.e. 4 ranks) and unique-based "
 ranks), each at wire precision fp32, fp16 and fp8. Tables: 1,000 rows x dim 16, one feature each, batch 256 per
 rank; --bags multi-hot: ~2 IDs per bag (1-4, a quarter of the bags empty), one-hot: one ID per bag (as Criteo's
 DLRM; UB then sends as many vectors as table-wise when IDs do not repeat, so its time is its own host work); --ids
-nonrepeating: no ID twice in a rank's batch of a feature, zipf: Zipf(1.1). Ranks: gloo, 2 (one node) or 4 (2 nodes x 2). All configurations of one world size run in
-one spawn of ranks; step times are medians over steps, then over --rounds rounds that interleave all types.
+nonrepeating: no ID twice in a rank's batch of a feature, zipf: Zipf(1.1). Ranks: gloo, 2 (one node) or 4 (2 nodes
+x 2). All configurations of one world size run in one spawn of ranks; step times are medians over steps, then over
+--rounds rounds that interleave all types.
 Ratios (x tw) are against TorchRec's table-wise at the same tables and ranks.
 
     python benchmarks/host_overhead.py [--tables 8,64,512] [--ranks 2,4] [--types table_wise,row_wise,embark_rb,...]
-        [--precisions fp32,fp16,fp8] [--ids nonrepeating|zipf] [--bags multi-hot|one-hot] [--rounds 3] [--steps 5] [--warmup 2] [--json PATH]
+        [--precisions fp32,fp16,fp8] [--ids nonrepeating|zipf] [--bags multi-hot|one-hot] [--rounds 3] [--steps 5]
+        [--warmup 2] [--json PATH]
 """
 
 from __future__ import annotations
@@ -115,7 +117,14 @@ def _timed_steps(model: torch.nn.Module, batches: list[KeyedJaggedTensor], steps
 
 
 def _run(
-    table_counts: list[int], configs: list[tuple[str, str]], ids: str, batch: int, rounds: int, steps: int, warmup: int, bags: str
+    table_counts: list[int],
+    configs: list[tuple[str, str]],
+    ids: str,
+    batch: int,
+    rounds: int,
+    steps: int,
+    warmup: int,
+    bags: str,
 ) -> list[dict[str, Any]]:
     """On every rank: per table count, build every config's model, count one step, then time interleaved rounds."""
     torch.set_num_threads(1)
@@ -127,7 +136,9 @@ def _run(
             EmbeddingBagConfig(name=f"t{i}", num_embeddings=ROWS, embedding_dim=DIM, feature_names=[f"f{i}"])
             for i in range(n)
         ]
-        batches = [global_kjt_batch(tables, ws, batch, seed=s, ids=IDS[ids], **BAGS[bags])[rank] for s in range(BATCHES)]
+        batches = [
+            global_kjt_batch(tables, ws, batch, seed=s, ids=IDS[ids], **BAGS[bags])[rank] for s in range(BATCHES)
+        ]
         models = {}
         found = {}
         for kind, precision in configs:
@@ -137,7 +148,13 @@ def _run(
             with HostWorkCounter() as counter:
                 _step(model, batches[warmup % BATCHES])
             models[(kind, precision)] = model
-            found[(kind, precision)] = {"type": kind, "precision": precision, "tables": n, "ranks": ws, **counter.summary()}
+            found[(kind, precision)] = {
+                "type": kind,
+                "precision": precision,
+                "tables": n,
+                "ranks": ws,
+                **counter.summary(),
+            }
         times: dict[tuple[str, str], list[float]] = {c: [] for c in configs}
         for _ in range(rounds):
             for config, model in models.items():
@@ -166,12 +183,14 @@ def _fmt(x: float | None, digits: int = 2) -> str:
 
 def _table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| type | wire | tables | ranks | aten ops | x tw | host syncs | x tw | collectives | blocking | x tw | ms/step | x tw |",
+        "| type | wire | tables | ranks | aten ops | x tw | host syncs | x tw | collectives | blocking | x tw "
+        "| ms/step | x tw |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['type']} | {r['precision']} | {r['tables']} | {r['ranks']} | {r['aten_ops']} | {_fmt(r['aten_ops_x_tw'])} "
+            f"| {r['type']} | {r['precision']} | {r['tables']} | {r['ranks']} | {r['aten_ops']} "
+            f"| {_fmt(r['aten_ops_x_tw'])} "
             f"| {r['host_syncs']} | {_fmt(r['host_syncs_x_tw'])} | {r['collectives']} | {r['blocking_collectives']} "
             f"| {_fmt(r['blocking_collectives_x_tw'])} | {r['ms']:.1f} | {_fmt(r['ms_x_tw'])} |"
         )
@@ -211,14 +230,18 @@ def main() -> None:
     for ws in args.ranks:
         configs = _configs(types, args.precisions, ws)
         rows += run_ranks(
-            _run, ws, local_world_size=LOCAL_WORLD_SIZE, timeout_s=args.timeout,
+            _run,
+            ws,
+            local_world_size=LOCAL_WORLD_SIZE,
+            timeout_s=args.timeout,
             args=(args.tables, configs, args.ids, args.batch_per_rank, args.rounds, args.steps, args.warmup, args.bags),
         )[0]
     _ratios(rows)
     rows.sort(key=lambda r: (r["ranks"], r["tables"]))
     print(
         f"host work per training step on rank 0: {ROWS} rows x dim {DIM} per table, batch {args.batch_per_rank}/rank, "
-        f"{args.ids} IDs, {args.bags} bags, gloo ranks in nodes of {LOCAL_WORLD_SIZE}; ms: median of {args.rounds} interleaved rounds "
+        f"{args.ids} IDs, {args.bags} bags, gloo ranks in nodes of {LOCAL_WORLD_SIZE}; "
+        f"ms: median of {args.rounds} interleaved rounds "
         f"of {args.steps} steps after {args.warmup} warm-up steps"
     )
     print(_table(rows))

@@ -188,13 +188,18 @@ def torchrec_worker(request_path: str) -> None:
     Path(req["out"]).write_text(json.dumps(result.to_entry()))
 
 
-def torchrec_baseline(model: str, spec: ModelSpec, topology: Topology, limit_s: float, refresh: bool) -> tuple[Baseline, bool]:
+def torchrec_baseline(
+    model: str, spec: ModelSpec, topology: Topology, limit_s: float, refresh: bool
+) -> tuple[Baseline, bool]:
     """The cached result when valid for this limit, else a fresh run (cached). Also: was it cached."""
     path, key = cache_path(model, topology), case_key(spec, topology)
     cached = None if refresh else load_cached(path, key, limit_s)
     if cached is not None:
         return cached, True
-    print(f"  running TorchRec's planner for {model} at {topology.world_size} GPUs (limit {limit_s:g} s)...", file=sys.stderr)
+    print(
+        f"  running TorchRec's planner for {model} at {topology.world_size} GPUs (limit {limit_s:g} s)...",
+        file=sys.stderr,
+    )
     result = run_torchrec(spec, topology, limit_s)
     if result.status != "crashed":
         context = {"model": model, "batch_size": spec.batch_size, "torchrec": version("torchrec")}
@@ -228,11 +233,21 @@ def run_case(model: str, world_size: int, args: argparse.Namespace) -> Case:
     twrw = scored(table_row_wise_plan(spec, topology))
     baseline, cached = torchrec_baseline(model, spec, topology, args.torchrec_limit_s, args.refresh)
     case = Case(
-        model, world_size, embark, embark_error, embark_s, twrw, baseline,
+        model,
+        world_size,
+        embark,
+        embark_error,
+        embark_s,
+        twrw,
+        baseline,
         scored(baseline.plan) if baseline.plan is not None else None,
     )
-    print(f"done {model} at {world_size} GPUs: " + ", ".join(f"{k} {v}" for k, v in row(case, args).items() if k not in ("model", "GPUs"))
-          + (" [TorchRec from cache]" if cached else ""), file=sys.stderr)
+    print(
+        f"done {model} at {world_size} GPUs: "
+        + ", ".join(f"{k} {v}" for k, v in row(case, args).items() if k not in ("model", "GPUs"))
+        + (" [TorchRec from cache]" if cached else ""),
+        file=sys.stderr,
+    )
     return case
 
 
@@ -247,7 +262,12 @@ def fmt_speedup(case: Case, baseline: Scored | None) -> str:
 
 def row(case: Case, args: argparse.Namespace) -> dict[str, str]:
     tr = case.torchrec
-    torchrec_ms = {"ok": fmt_ms(case.torchrec_scored), "timeout": "n/a", "failed": f"failed: {tr.reason}", "crashed": f"crashed: {tr.reason}"}[tr.status]
+    torchrec_ms = {
+        "ok": fmt_ms(case.torchrec_scored),
+        "timeout": "n/a",
+        "failed": f"failed: {tr.reason}",
+        "crashed": f"crashed: {tr.reason}",
+    }[tr.status]
     torchrec_s = f"> {args.torchrec_limit_s:g} s" if tr.status == "timeout" else f"{tr.seconds:.1f}"
     return {
         "model": case.model,
@@ -270,10 +290,20 @@ def geomean_speedup(cases: list[Case], pick: str) -> tuple[float | None, int]:
 
 def command(args: argparse.Namespace) -> str:
     argv = [
-        "python", "benchmarks/plan_quality.py",
-        "--models", ",".join(args.models), "--world-sizes", ",".join(map(str, args.world_sizes)),
-        "--local-world-size", str(args.local_world_size), "--batch-size", str(args.batch_size),
-        "--hardware", args.hardware, "--torchrec-limit-s", f"{args.torchrec_limit_s:g}",
+        "python",
+        "benchmarks/plan_quality.py",
+        "--models",
+        ",".join(args.models),
+        "--world-sizes",
+        ",".join(map(str, args.world_sizes)),
+        "--local-world-size",
+        str(args.local_world_size),
+        "--batch-size",
+        str(args.batch_size),
+        "--hardware",
+        args.hardware,
+        "--torchrec-limit-s",
+        f"{args.torchrec_limit_s:g}",
     ]
     return "PYTHONPATH=. " + shlex.join(argv + (["--out", args.out] if args.out else []))
 
@@ -314,11 +344,18 @@ def as_json(cases: list[Case], args: argparse.Namespace) -> str:
 
     out = [
         {
-            "model": c.model, "world_size": c.world_size, "embark": scored(c.embark), "embark_error": c.embark_error,
+            "model": c.model,
+            "world_size": c.world_size,
+            "embark": scored(c.embark),
+            "embark_error": c.embark_error,
             "embark_plan_s": c.embark_s,
-            "twrw": scored(c.twrw), "torchrec": scored(c.torchrec_scored),
-            "torchrec_status": c.torchrec.status, "torchrec_plan_s": c.torchrec.seconds, "torchrec_reason": c.torchrec.reason,
-            "speedup_vs_twrw": c.speedup(c.twrw), "speedup_vs_torchrec": c.speedup(c.torchrec_scored),
+            "twrw": scored(c.twrw),
+            "torchrec": scored(c.torchrec_scored),
+            "torchrec_status": c.torchrec.status,
+            "torchrec_plan_s": c.torchrec.seconds,
+            "torchrec_reason": c.torchrec.reason,
+            "speedup_vs_twrw": c.speedup(c.twrw),
+            "speedup_vs_torchrec": c.speedup(c.torchrec_scored),
         }
         for c in cases
     ]

@@ -94,7 +94,10 @@ def _run(layout: str, rounds: int, steps: int, batch_per_rank: int) -> dict[str,
     torch.set_num_threads(1)
     tables = _tables()
     batches = [global_kjt_batch(tables, WORLD_SIZE, batch_per_rank, seed=s, max_bag_size=20) for s in range(4)]
-    models = {f"torchrec {BUILTIN[layout]}": _model(tables, layout, ours=False), "embark": _model(tables, layout, ours=True)}
+    models = {
+        f"torchrec {BUILTIN[layout]}": _model(tables, layout, ours=False),
+        "embark": _model(tables, layout, ours=True),
+    }
     for model in models.values():  # warm-up
         _time_steps(model, batches, 2)
     results: dict[str, list[float]] = {name: [] for name in models}
@@ -112,7 +115,10 @@ def main() -> None:
     p.add_argument("--batch-per-rank", type=int, default=256)
     args = p.parse_args()
     results = run_ranks(
-        _run, WORLD_SIZE, local_world_size=LOCAL_WORLD_SIZE, timeout_s=1800,
+        _run,
+        WORLD_SIZE,
+        local_world_size=LOCAL_WORLD_SIZE,
+        timeout_s=1800,
         args=(args.layout, args.rounds, args.steps, args.batch_per_rank),
     )[0]
     medians = {name: statistics.median(v) for name, v in results.items()}

@@ -42,7 +42,9 @@ LAYOUTS = {
 KEYS = ["t", "g", "u", "d"]
 
 
-def _kjt(values: list[int], lengths: list[int], keys: list[str] = KEYS, weights: list[float] | None = None) -> KeyedJaggedTensor:
+def _kjt(
+    values: list[int], lengths: list[int], keys: list[str] = KEYS, weights: list[float] | None = None
+) -> KeyedJaggedTensor:
     return KeyedJaggedTensor(
         keys=keys,
         values=torch.tensor(values, dtype=torch.int64),
@@ -114,7 +116,9 @@ def test_bad_batches_are_refused_by_name(results: list[dict[str, Any]], case: st
 def test_missing_features_and_weights_are_refused(results: list[dict[str, Any]]) -> None:
     """A feature missing from the KJT, or weights that do not match the values, are refused by name."""
     for r in results:
-        assert r["missing_feature"].startswith("InvalidInputError") and "['d']" in r["missing_feature"], r["missing_feature"]
+        assert r["missing_feature"].startswith("InvalidInputError") and "['d']" in r["missing_feature"], r[
+            "missing_feature"
+        ]
         assert r["weights_disagree"].startswith("InvalidInputError") and "5 weights" in r["weights_disagree"]
         assert r["good_after"] == "no error"
 
@@ -157,7 +161,8 @@ def test_bad_plan_files_are_refused() -> None:
     ],
 )
 def test_bad_model_specs_are_refused_by_table(table: dict[str, Any], message: str) -> None:
-    """Negative sizes, dims not a multiple of 4, bad pooling or unique ratio, unknown keys: an error naming the table."""
+    """Negative sizes, dims not a multiple of 4, bad pooling or unique ratio, unknown keys: an error naming the
+    table."""
     with pytest.raises(SpecError, match=message):
         ModelSpec.from_dict({"name": "m", "batch_size": 8, "tables": [table]})
 
@@ -198,15 +203,24 @@ def test_a_dying_rank_fails_the_others_within_the_timeout(tmp_path: Any) -> None
         port = s.getsockname()[1]
     script = tmp_path / "dying.py"
     script.write_text(_DYING)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), os.environ.get("PYTHONPATH", "")]),
+    }
     procs = [
-        subprocess.Popen([sys.executable, str(script), str(r), str(port), os.path.dirname(__file__)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), str(port), os.path.dirname(__file__)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
         for r in range(2)
     ]
     start = time.monotonic()
     outs = [p.communicate(timeout=240)[0] for p in procs]
     assert procs[1].returncode == 7, outs[1][-2000:]
     assert procs[0].returncode == 3, outs[0][-2000:]
-    line = next(l for l in outs[0].splitlines() if l.startswith("ERROR after"))
+    line = next(ln for ln in outs[0].splitlines() if ln.startswith("ERROR after"))
     assert float(line.split()[2]) <= 25.0, line
     assert time.monotonic() - start < 240

@@ -78,7 +78,8 @@ EMBARK = {
 _MODEL_PARALLEL = ["table_wise", "column_wise", "row_wise", "table_row_wise", "table_column_wise"]
 # TorchRec's planner picks freely among its model-parallel types; only the DP table is held to data_parallel
 TORCHREC_CONSTRAINTS = {
-    t.name: ParameterConstraints(sharding_types=["data_parallel"] if t.name == "dp" else _MODEL_PARALLEL) for t in TABLES
+    t.name: ParameterConstraints(sharding_types=["data_parallel"] if t.name == "dp" else _MODEL_PARALLEL)
+    for t in TABLES
 }
 TARGETS = ["torchrec@4", "embark@2", "torchrec@2", "embark@4-back", "torchrec@4-back"]
 
@@ -93,7 +94,9 @@ def _sharding_plan(kind: str) -> Any:
     return torchrec_sharding_plan(TABLES, LOCAL[ws], TORCHREC_CONSTRAINTS, batch_size=BATCH)
 
 
-def _load_into(kind: str, checkpoint: str, saved: dict[str, torch.Tensor], seed: int) -> tuple[Any, Any, dict[str, Any]]:
+def _load_into(
+    kind: str, checkpoint: str, saved: dict[str, torch.Tensor], seed: int
+) -> tuple[Any, Any, dict[str, Any]]:
     """A fresh model (other weights, zero optimizer states) sharded by `kind`'s plan loads `checkpoint`; returns the
     model, its dense optimizer and what the checks need."""
     plan = _sharding_plan(kind)
@@ -107,7 +110,10 @@ def _load_into(kind: str, checkpoint: str, saved: dict[str, torch.Tensor], seed:
     fresh = training_state(model, dense)  # read back from the model and the optimizers, not from `state`
     after = compare_with_full(fresh, saved)
     loaded = gather_full(fresh)  # raises unless every element of every table is held exactly once
-    whole = {p: int((v.contiguous().view(torch.int32) != saved[p].contiguous().view(torch.int32)).sum()) for p, v in loaded.items()}
+    whole = {
+        p: int((v.contiguous().view(torch.int32) != saved[p].contiguous().view(torch.int32)).sum())
+        for p, v in loaded.items()
+    }
     report = {
         "shardings": {name: ps.sharding_type for name, ps in plan.plan["ebc"].items()},
         "before": {p: r["differing"] for p, r in before.items()},
@@ -151,7 +157,11 @@ def _second(directory: str) -> dict[str, Any]:
     if dist.get_rank() == 0:
         expected = unsharded_steps(TABLES, saved, MORE_STEPS, seed=22, world_size=2, batch_per_rank=BATCH, ids="zipf")
         out["resumed"] = {
-            p: (float((trained[p].double() - v.double()).abs().max()), float(v.double().abs().max()), float((v.double() - saved[p].double()).abs().max()))
+            p: (
+                float((trained[p].double() - v.double()).abs().max()),
+                float(v.double().abs().max()),
+                float((v.double() - saved[p].double()).abs().max()),
+            )
             for p, v in expected.items()
         }
     dcp.save(state, checkpoint_id=f"{directory}/B")
@@ -200,7 +210,11 @@ def test_source_plan_and_checkpoint_are_not_trivial(chain: dict[str, Any]) -> No
     }
     saved = first[0]["saved"]
     for t in TABLES:
-        key = f"dense/ebc.embedding_bags.{t.name}.weight/sum" if t.name == "dp" else f"fused/ebc.embedding_bags.{t.name}.weight/{t.name}.momentum1"
+        key = (
+            f"dense/ebc.embedding_bags.{t.name}.weight/sum"
+            if t.name == "dp"
+            else f"fused/ebc.embedding_bags.{t.name}.weight/{t.name}.momentum1"
+        )
         assert saved[key].shape == (t.num_embeddings, t.embedding_dim) and bool((saved[key] > 0).any()), key
     assert float(saved["dense/ebc.embedding_bags.dp.weight/step"]) == FIRST_STEPS
 
@@ -239,7 +253,13 @@ def test_target_plans_differ_from_the_source(target: str, chain: dict[str, Any])
     if target.startswith("torchrec"):
         assert not any(s.startswith("embark") for s in shardings.values()), shardings
     elif target == "embark@2":
-        assert shardings == {"grid": "embark_rb", "hier": "embark_rb_hier", "ub": "embark_ub", "dp": "data_parallel", "tw": "column_wise"}
+        assert shardings == {
+            "grid": "embark_rb",
+            "hier": "embark_rb_hier",
+            "ub": "embark_ub",
+            "dp": "data_parallel",
+            "tw": "column_wise",
+        }
 
 
 def test_training_resumes_from_the_loaded_state(chain: dict[str, Any]) -> None:

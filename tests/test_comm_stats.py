@@ -1,10 +1,12 @@
 """Communication accounting: the bytes the runtime counts equal the bytes the cost model predicts.
 
 One 4-rank spawn (2 nodes x 2) trains one step of a model holding an RB grid (flat), an RB grid with hierarchical
-reduction and two cells of a row slice on one rank, a table-wise table on TorchRec's own sharding, two UB tables
-(a grid at fp16/bf16 on the wire, a row split) and a DP table, on Zipf IDs. Every rank's counted bytes, per table,
-kind (ids, lengths, embeddings, gradients) and peer, must equal traffic.table_messages given the batch's actual
-IDs per row slice (RB) and distinct IDs per row slice (UB), exactly.
+reduction and two cells of a row slice on one rank, another at fp8 on the wire, table-wise and column-wise tables
+on TorchRec's own shardings, three UB tables (a grid at fp16/bf16 on the wire, a row split, a row split at
+fp8/fp16) and a DP table, on Zipf IDs. The counters measure the payloads handed to each collective (the KJT
+tensors; our all-to-alls' encoded payload per member, which the per-table split must add up to, or counting
+raises). Every rank's counted bytes, per table, kind (ids, lengths, embeddings, gradients) and peer, must equal
+traffic.table_messages given the batch's actual IDs per row slice (RB) and distinct IDs per row slice (UB), exactly.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ TABLES = [
     EmbeddingBagConfig(name="ub_grid", num_embeddings=24, embedding_dim=8, feature_names=["u0", "u1"]),
     EmbeddingBagConfig(name="ub_rows", num_embeddings=50, embedding_dim=4, feature_names=["r"]),
     EmbeddingBagConfig(name="dp", num_embeddings=10, embedding_dim=4, feature_names=["d"]),
+    EmbeddingBagConfig(name="cw", num_embeddings=20, embedding_dim=8, feature_names=["c"]),
+    EmbeddingBagConfig(name="rb_fp8", num_embeddings=30, embedding_dim=8, feature_names=["e"]),
+    EmbeddingBagConfig(name="ub_fp8", num_embeddings=40, embedding_dim=8, feature_names=["q0", "q1"]),
 ]
 LAYOUTS = {
     "rb_flat": TableLayout("rb", (0, 13, 40), (0, 8, 16), ((0, 1), (3, 2))),
@@ -44,6 +49,11 @@ LAYOUTS = {
     "ub_grid": TableLayout("ub", (0, 9, 24), (0, 4, 8), ((3, 0), (1, 3)), WirePrecision("fp16", "bf16")),
     "ub_rows": TableLayout("ub", (0, 7, 31, 50), (0, 4), ((2,), (0,), (3,))),
     "dp": TableLayout.data_parallel(),
+    "cw": TableLayout("rb", (0, 20), (0, 4, 8), ((0, 3),)),  # TorchRec's column-wise
+    "rb_fp8": TableLayout(
+        "rb", (0, 12, 30), (0, 4, 8), ((2, 1), (0, 3)), WirePrecision("fp8", "fp8"), hierarchical=True
+    ),
+    "ub_fp8": TableLayout("ub", (0, 15, 40), (0, 8), ((1,), (2,)), WirePrecision("fp8", "fp16")),
 }
 
 
@@ -51,7 +61,9 @@ def _batches() -> list[KeyedJaggedTensor]:
     """The global batch, with int32 lengths (what the cost model assumes on the wire)."""
     out = []
     for kjt in global_kjt_batch(TABLES, WS, BATCH, seed=SEED, ids="zipf", max_bag_size=6):
-        out.append(KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths().to(torch.int32), stride=BATCH))
+        out.append(
+            KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths().to(torch.int32), stride=BATCH)
+        )
     return out
 
 
@@ -69,7 +81,12 @@ def _one_step() -> dict[str, Any]:
     by_table: dict[tuple[str, str], np.ndarray] = {}
     for (table, kind), arr in counted.items():
         by_table[(table, kind)] = by_table.get((table, kind), 0) + arr
-    return {"counted": by_table, "clusters": sorted({k.cluster for k in stats.keys()}), "render": stats.render(), "totals": stats.totals()}
+    return {
+        "counted": by_table,
+        "sharding_types": sorted({k.sharding_type for k in stats.keys()}),
+        "render": stats.render(),
+        "totals": stats.totals(),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +110,11 @@ def _actual_ids(table: EmbeddingBagConfig, layout: TableLayout) -> np.ndarray:
 
 def _predicted(table: EmbeddingBagConfig) -> dict[str, np.ndarray]:
     """Per kind: [W, 2, W] bytes each rank sends to / receives from each peer, from the message model."""
-    spec = ModelSpec("m", WS * BATCH, tuple(TableSpec(t.name, t.num_embeddings, t.embedding_dim, 1.0, tuple(t.feature_names)) for t in TABLES))
+    spec = ModelSpec(
+        "m",
+        WS * BATCH,
+        tuple(TableSpec(t.name, t.num_embeddings, t.embedding_dim, 1.0, tuple(t.feature_names)) for t in TABLES),
+    )
     cost = CostModel(spec, Topology(WS, LWS))
     layout = LAYOUTS[table.name]
     out = {kind: np.zeros((WS, 2, WS)) for kind in KINDS}
@@ -119,8 +140,10 @@ def test_counted_bytes_equal_predicted_bytes(results: list[dict[str, Any]], tabl
 def test_every_cluster_is_counted_and_printable(results: list[dict[str, Any]]) -> None:
     """Our three dists and TorchRec's table-wise one all record; totals add up; render names every table."""
     for r in results:
-        assert {"embark_rb", "embark_rb_hier", "embark_ub", "table_wise"} <= {c.split(":")[0] for c in r["clusters"]}
+        assert {"embark_rb", "embark_rb_hier", "embark_ub", "table_wise", "column_wise"} <= {
+            c.split(":")[0] for c in r["sharding_types"]
+        }
         t = r["totals"]
         assert t["sent"] == t["sent_intra"] + t["sent_inter"] and t["sent_inter"] > 0
-        for name in ("rb_flat", "rb_hier", "tw", "ub_grid", "ub_rows"):
+        for name in ("rb_flat", "rb_hier", "tw", "ub_grid", "ub_rows", "cw", "rb_fp8", "ub_fp8"):
             assert name in r["render"]

@@ -96,8 +96,12 @@ def _plan_texts() -> tuple[Any, dict[str, Any]]:
         "rank": dist.get_rank(),
         "str": str(sharding_plan),
         "serialized": json.dumps(sharding_plan._serialize(), sort_keys=True),
-        "plan_file": json.dumps(from_sharding_plan(sharding_plan, topology, module_path="ebc").to_dict(), sort_keys=True),
-        "planner_plan_file": json.dumps(planner.plans["ebc"].plan.to_dict(), sort_keys=True) if "ebc" in planner.plans else None,
+        "plan_file": json.dumps(
+            from_sharding_plan(sharding_plan, topology, module_path="ebc").to_dict(), sort_keys=True
+        ),
+        "planner_plan_file": json.dumps(planner.plans["ebc"].plan.to_dict(), sort_keys=True)
+        if "ebc" in planner.plans
+        else None,
     }
     return sharding_plan, texts
 
@@ -141,7 +145,9 @@ def runs() -> dict[str, Any]:
     other_seed = "12345" if seed in (None, "", "random") else str((int(seed) + 1) % 4294967296)
     code = _SUBPROCESS.format(root=str(tests.parent), tests=str(tests), world=WORLD, local=LOCAL)
     env = {**os.environ, "PYTHONHASHSEED": other_seed}
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         first = run_ranks(_plan_and_train, WORLD, local_world_size=LOCAL, timeout_s=300)
         second = run_ranks(_plan_and_train, WORLD, local_world_size=LOCAL, timeout_s=300)
@@ -218,4 +224,4 @@ def test_training_with_a_fixed_seed_is_bitwise_reproducible(runs: dict[str, Any]
         assert torch.equal(same, other), (key, float((a[key].double() - b[key].double()).abs().max()))
         if "momentum1" in key or key.endswith("/sum"):
             assert bool((a[key] > 0).any()), key  # every table was trained: non-zero Adagrad state
-    assert len({l for r in first for l in r["losses"]}) > 1
+    assert len({loss for r in first for loss in r["losses"]}) > 1

@@ -61,7 +61,9 @@ META = torch.device("meta")
 # t1 is MEAN-pooled, so the dists' per-feature mean flags (and their buffers) are exercised too
 TABLES = [
     EmbeddingBagConfig(name="t0", num_embeddings=ROWS, embedding_dim=DIM, feature_names=["f0"]),
-    EmbeddingBagConfig(name="t1", num_embeddings=ROWS, embedding_dim=DIM, feature_names=["f1"], pooling=PoolingType.MEAN),
+    EmbeddingBagConfig(
+        name="t1", num_embeddings=ROWS, embedding_dim=DIM, feature_names=["f1"], pooling=PoolingType.MEAN
+    ),
 ]
 FEATURES = ["f0", "f1"]
 # per sharding type: the layout of each table (as in test_plan_groups), all in that one sharding type
@@ -201,7 +203,11 @@ def _meta_inputs(
 
 def _describe(error: BaseException) -> str:
     frames = [f for f in traceback.extract_tb(error.__traceback__) if "embark_torchrec" in f.filename]
-    where = f" at {frames[-1].filename.split('embark_torchrec/')[-1]}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+    where = (
+        f" at {frames[-1].filename.split('embark_torchrec/')[-1]}:{frames[-1].lineno} ({frames[-1].line})"
+        if frames
+        else ""
+    )
     message = str(error).splitlines()[0][:120] if str(error) else ""
     return f"{type(error).__name__}: {message}{where}"
 
@@ -220,7 +226,10 @@ def _dists_one_by_one(module: EmbeddingBagCollection, params: dict[str, Any], en
             problems.append(f"{kind} sharding: construction raised {_describe(e)}")
             continue
         problems += stray_tensors({f"{kind} sharding": sharding}, META)[0]
-        builders = (("input dist", lambda: sharding.create_input_dist()), ("output dist", lambda: sharding.create_output_dist(device=META)))
+        builders = (
+            ("input dist", lambda: sharding.create_input_dist()),
+            ("output dist", lambda: sharding.create_output_dist(device=META)),
+        )
         for which, build in builders:
             try:
                 built = build()
@@ -254,7 +263,9 @@ def _placement_problems(kind: str, precision: str, rank: int) -> tuple[list[str]
 
 @pytest.mark.parametrize("rank", range(WS))
 @pytest.mark.parametrize("kind,precision", CASES, ids=[f"{k}-{p}" for k, p in CASES])
-def test_dists_codecs_and_counters_live_on_their_device(fresh_node_groups: None, kind: str, precision: str, rank: int) -> None:
+def test_dists_codecs_and_counters_live_on_their_device(
+    fresh_node_groups: None, kind: str, precision: str, rank: int
+) -> None:
     problems, seen = _placement_problems(kind, precision, rank)
     assert not problems, (
         f"{_expected_type(kind, precision)} on rank {rank} of {WS} ({LWS} per node), sharded onto {META}: "
@@ -334,7 +345,9 @@ class _OneDevice(TorchDispatchMode):
 
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
 @pytest.mark.parametrize("kind", OURS)
-def test_input_dist_cut_under_fake_cuda(fresh_node_groups: None, monkeypatch: pytest.MonkeyPatch, kind: str, pooling: str) -> None:
+def test_input_dist_cut_under_fake_cuda(
+    fresh_node_groups: None, monkeypatch: pytest.MonkeyPatch, kind: str, pooling: str
+) -> None:
     """Our input dist, built for a fake cuda device, cuts a fake cuda batch (ID cutting / de-duplication) up to its
     first collective, with every op's tensors on that device. (With MEAN tables today's grid stops at once, at
     int(lengths.sum()); the SUM case carries the grid's check.)"""
@@ -358,7 +371,8 @@ def test_input_dist_cut_under_fake_cuda(fresh_node_groups: None, monkeypatch: py
                 values=torch.tensor([3, 17, 30, 39] * len(FEATURES), dtype=torch.int64, device=cuda),
                 lengths=torch.tensor([1, 2, 0, 1] * len(FEATURES), dtype=torch.int32, device=cuda),
                 stride=4,
-                length_per_key=[4] * len(FEATURES),  # on the host already, as the sharded EBC's input validation leaves it
+                length_per_key=[4]
+                * len(FEATURES),  # on the host already, as the sharded EBC's input validation leaves it
             )
             try:
                 with monkeypatch.context() as patch, _OneDevice():

@@ -20,13 +20,15 @@ from torchmetrics.functional.classification import binary_auroc
 
 from embark_torchrec.plan.layout import Plan
 from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec
-from embark_torchrec.testing.synthetic import LABEL_FEATURES, SyntheticData
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples" / "dlrm"))
+from dlrm_data import LABEL_FEATURES, SyntheticData  # noqa: E402 (the example's own data module; needs the path above)
+
 TRAIN = ROOT / "examples" / "dlrm" / "train.py"
 RESULT_KEYS = {
-    "planner", "world_size", "local_world_size", "steps", "steps_run", "samples_per_s", "first_loss", "final_loss", "auc",
-    "comm_bytes", "inter_node_bytes", "comm_bytes_per_step", "inter_node_bytes_per_step", "estimated_step_ms",
+    "planner", "world_size", "local_world_size", "steps", "steps_run", "samples_per_s", "first_loss", "final_loss",
+    "auc", "comm_bytes", "inter_node_bytes", "comm_bytes_per_step", "inter_node_bytes_per_step", "estimated_step_ms",
 }  # fmt: skip
 
 SPEC = ModelSpec(
@@ -61,7 +63,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("dlrm")
     common = ("--batch-size", "256", "--log-every", "10", "--eval-batches", "8", "--checkpoint-dir", str(tmp / "ckpt"))
     first, first_out = _torchrun("--steps", "40", "--save-every", "20", "--plan-out", str(tmp / "plan.json"), *common)
-    resumed, resumed_out = _torchrun("--steps", "50", "--resume", "--no-pipeline", "--plan-in", str(tmp / "plan.json"), *common)
+    resumed, resumed_out = _torchrun(
+        "--steps", "50", "--resume", "--no-pipeline", "--plan-in", str(tmp / "plan.json"), *common
+    )
     return {"first": first, "first_out": first_out, "resumed": resumed, "resumed_out": resumed_out, "tmp": tmp}
 
 
@@ -70,7 +74,12 @@ def test_example_prints_plan_progress_and_one_result_line(runs: dict[str, Any]) 
     on one node, with counted bytes on every rank and an estimated step from the cost model."""
     result, out = runs["first"], runs["first_out"]
     assert "# embark plan for dlrm-dcnv2-cpu" in out and "| rank | node |" in out
-    assert [line.split(":")[0] for line in out.splitlines() if line.startswith("step ")] == ["step 10", "step 20", "step 30", "step 40"]
+    assert [line.split(":")[0] for line in out.splitlines() if line.startswith("step ")] == [
+        "step 10",
+        "step 20",
+        "step 30",
+        "step 40",
+    ]
     assert RESULT_KEYS <= set(result), RESULT_KEYS - set(result)
     assert (result["planner"], result["world_size"], result["local_world_size"]) == ("embark", 2, 2)
     assert (result["steps"], result["steps_run"]) == (40, 40)
@@ -136,7 +145,9 @@ def test_zipf_ids_match_the_cost_models_distribution() -> None:
     planner's cost model expects (IdDistribution.expected_distinct), within 3%; the uniform table is uniform."""
     n = 400
     data = SyntheticData(SPEC, n, seed=1)
-    ids = [np.concatenate([data.arrays(step, 0)[1][i].ravel() for step in range(20)]) for i in range(len(data.features))]
+    ids = [
+        np.concatenate([data.arrays(step, 0)[1][i].ravel() for step in range(20)]) for i in range(len(data.features))
+    ]
     small = ids[0]
     weights = np.arange(1, 501, dtype=np.float64) ** -1.1
     hottest = np.bincount(small).max() / len(small)

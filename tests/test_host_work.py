@@ -41,7 +41,9 @@ def _layout(kind: str, i: int, precision: str) -> TableLayout:
     if kind == "table_wise":
         layout = TableLayout.table_wise(ROWS, DIM, i % WS)
     elif kind == "embark_rb":  # a 2x2 grid over four ranks
-        layout = TableLayout("rb", (0, 15, ROWS), (0, 4, DIM), tuple(tuple((i + 2 * r + c) % WS for c in range(2)) for r in range(2)))
+        layout = TableLayout(
+            "rb", (0, 15, ROWS), (0, 4, DIM), tuple(tuple((i + 2 * r + c) % WS for c in range(2)) for r in range(2))
+        )
     elif kind == "embark_rb_hier":  # column c on node (i + c) mod 2, its two row slices on that node's two ranks
         ranks = tuple(tuple(((i + c) % 2) * LWS + r for c in range(2)) for r in range(2))
         layout = TableLayout("rb", (0, 15, ROWS), (0, 4, DIM), ranks, hierarchical=True)
@@ -61,7 +63,10 @@ def _count_steps() -> dict[str, dict[str, Any]]:
     rank = dist.get_rank()
     result = {}
     for n in TABLE_COUNTS:
-        tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=ROWS, embedding_dim=DIM, feature_names=[f"f{i}"]) for i in range(n)]
+        tables = [
+            EmbeddingBagConfig(name=f"t{i}", num_embeddings=ROWS, embedding_dim=DIM, feature_names=[f"f{i}"])
+            for i in range(n)
+        ]
         for case in [BASELINE, *OUR_CASES]:
             kind, precision = case.split(":")
             layouts = {t.name: _layout(kind, i, precision) for i, t in enumerate(tables)}

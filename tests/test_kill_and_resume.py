@@ -34,7 +34,11 @@ def _command(*extra: str) -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
 
 
 def _losses(out: str) -> dict[int, str]:
@@ -90,7 +94,11 @@ def _final_state(directory: Path, tmp: Path) -> dict[str, torch.Tensor]:
 def test_killed_and_resumed_run_ends_like_an_uninterrupted_one(tmp_path: Path) -> None:
     """Same losses after the checkpoint, same final weights and optimizer state, and no hang when a rank dies."""
     straight = subprocess.Popen(  # runs alongside the run that gets killed
-        _command("--checkpoint-dir", str(tmp_path / "a")), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+        _command("--checkpoint-dir", str(tmp_path / "a")),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
     )
     killed = subprocess.Popen(
         _command("--checkpoint-dir", str(tmp_path / "b"), "--save-every", str(EVERY)),
@@ -112,7 +120,11 @@ def test_killed_and_resumed_run_ends_like_an_uninterrupted_one(tmp_path: Path) -
     assert straight.returncode == 0, straight_out[-3000:] + straight_err[-3000:]
 
     resumed = subprocess.run(
-        _command("--checkpoint-dir", str(tmp_path / "b"), "--resume"), capture_output=True, text=True, env=_env(), timeout=300
+        _command("--checkpoint-dir", str(tmp_path / "b"), "--resume"),
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
     )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"at step {2 * EVERY}" in resumed.stdout, resumed.stdout[-3000:]

@@ -43,7 +43,9 @@ LAYOUTS = {
     "grid_same_rank": TableLayout("rb", (0, 300, 1000), (0, 4, 16), ((2, 2), (2, 5))),
     "ub_grid": TableLayout("ub", (0, 300, 1000), (0, 8, 16), ((0, 4), (4, 7))),
     "ub_same_rank": TableLayout("ub", (0, 300, 1000), (0, 8, 16), ((3, 3), (3, 6))),
-    "grid_hier_same_rank": TableLayout("rb", (0, 200, 700, 1000), (0, 8, 16), ((1, 1), (1, 2), (5, 1)), hierarchical=True),
+    "grid_hier_same_rank": TableLayout(
+        "rb", (0, 200, 700, 1000), (0, 8, 16), ((1, 1), (1, 2), (5, 1)), hierarchical=True
+    ),
     "table_wise_hier": TableLayout("rb", (0, 1000), (0, 16), ((3,),), hierarchical=True),
     "fp16_fp8": TableLayout("rb", (0, 500, 1000), (0, 16), ((0,), (6,)), WirePrecision("fp16", "fp8"), True),
 }
@@ -88,7 +90,9 @@ def test_dp_allreduce_and_step_parts() -> None:
     assert load.dp_inter == pytest.approx(2 * 1 / 2 * grad / 8)
     assert load.send_intra.sum() == 0 and load.send_inter.sum() == 0
     step = cost.step_cost(load)
-    assert step.dp_allreduce_ms == pytest.approx(load.dp_intra / (hw.intra_node_bw_gbps * 1e6) + load.dp_inter / (hw.inter_node_bw_gbps * 1e6))
+    assert step.dp_allreduce_ms == pytest.approx(
+        load.dp_intra / (hw.intra_node_bw_gbps * 1e6) + load.dp_inter / (hw.inter_node_bw_gbps * 1e6)
+    )
     assert step.dense_ms == pytest.approx(4 / 1000 * hw.dense_ms_per_ksample)
     assert step.step_ms == pytest.approx(step.lookup_ms + step.comm_ms + step.dp_allreduce_ms + step.dense_ms)
 

@@ -1,9 +1,9 @@
 """Sharding groups: the collectives the cost model charges per group are the ones the runtime issues.
 
 For each sharding type (TorchRec's table-wise, column-wise, row-wise, table-row-wise; our flat and hierarchical
-RB grids and UB), 4 gloo ranks (2 nodes x 2, one spawn for all cases) train one step of a model whose tables all run in that group,
-and count every torch.distributed collective the step calls; a model with tables in three groups must issue the
-sum of the three. The count must equal groups.collectives_per_step, and the cost model must charge exactly
+RB grids and UB), 4 gloo ranks (2 nodes x 2, one spawn for all cases) train one step of a model whose tables all run
+in that group, and count every torch.distributed collective the step calls; a model with tables in three groups must
+issue the sum of the three. The count must equal groups.collectives_per_step, and the cost model must charge exactly
 group_ms for each distinct group, whatever the number of tables in it.
 """
 
@@ -38,7 +38,9 @@ LAYOUTS: dict[str, tuple[TableLayout, TableLayout]] = {
     "embark_rb_hier": (TableLayout("rb", (0, 15, 40), (0, 4, 8), ((0, 1), (2, 3)), hierarchical=True),) * 2,
     "embark_ub": (TableLayout.table_wise(ROWS, DIM, 0, "ub"), TableLayout("ub", (0, 25, 40), (0, DIM), ((1,), (3,)))),
 }
-TABLES = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=ROWS, embedding_dim=DIM, feature_names=[f"f{i}"]) for i in range(2)]
+TABLES = [
+    EmbeddingBagConfig(name=f"t{i}", num_embeddings=ROWS, embedding_dim=DIM, feature_names=[f"f{i}"]) for i in range(2)
+]
 MIXED_TABLES = TABLES + [EmbeddingBagConfig(name="t2", num_embeddings=ROWS, embedding_dim=DIM, feature_names=["f2"])]
 MIXED_LAYOUTS = {"t0": LAYOUTS["table_wise"][0], "t1": LAYOUTS["embark_ub"][1], "t2": LAYOUTS["embark_rb_hier"][0]}
 
@@ -113,13 +115,17 @@ def test_cost_model_charges_each_distinct_group_once() -> None:
     mixed = {**tw, "t1": LAYOUTS["embark_ub"][0], "t2": LAYOUTS["embark_rb_hier"][0]}
     assert collective_ms(mixed) == pytest.approx((5 + 5 + 7) * hw.collective_us / 1e3)
     step = cost.evaluate(Plan(WS, LWS, mixed))
-    assert step.step_ms == pytest.approx(step.lookup_ms + step.comm_ms + step.collective_ms + step.dp_allreduce_ms + step.dense_ms)
+    assert step.step_ms == pytest.approx(
+        step.lookup_ms + step.comm_ms + step.collective_ms + step.dp_allreduce_ms + step.dense_ms
+    )
     free = CostModel(spec, Topology(WS, LWS, hw.with_overrides(collective_us=0.0)))
     assert free.evaluate(Plan(WS, LWS, mixed)).collective_ms == 0.0
 
 
 def _groups(plan: Plan, spec: ModelSpec) -> set[str]:
-    return {sharding_type(plan[t.name], t.rows, plan.world_size, plan.local_world_size) for t in spec.tables} - {"data_parallel"}
+    return {sharding_type(plan[t.name], t.rows, plan.world_size, plan.local_world_size) for t in spec.tables} - {
+        "data_parallel"
+    }
 
 
 def test_costly_collectives_keep_the_plan_in_one_group() -> None:
@@ -127,7 +133,9 @@ def test_costly_collectives_keep_the_plan_in_one_group() -> None:
     cost more than any table's traffic, the plan runs in a single sharding group."""
     tables = tuple(
         TableSpec(f"t{i}", rows, 32, pooling, id_distribution=IdDistribution("zipf", 1.1))
-        for i, (rows, pooling) in enumerate([(1_000, 1.0), (2_000, 2.0), (50_000, 6.0), (100_000, 12.0), (100_000, 20.0)])
+        for i, (rows, pooling) in enumerate(
+            [(1_000, 1.0), (2_000, 2.0), (50_000, 6.0), (100_000, 12.0), (100_000, 20.0)]
+        )
     )
     spec = ModelSpec("m", 8 * 256, tables)
     free = PRESETS["dgx-h100"].with_overrides(collective_us=0.0)

@@ -182,10 +182,14 @@ def test_feature_of_no_table_is_refused_by_name() -> None:
 
 
 def test_ids_outside_rows_are_refused_naming_table_feature_and_ids() -> None:
-    with pytest.raises(ValueError, match=r"table 'a' feature 'a2' \(batch 0\): 2 distinct IDs outside \[0, 100\): \[-3, 100\]"):
+    with pytest.raises(
+        ValueError, match=r"table 'a' feature 'a2' \(batch 0\): 2 distinct IDs outside \[0, 100\): \[-3, 100\]"
+    ):
         profile_features([_kjt({"a1": [[0], [1]], "a2": [[-3, 5], [100, 100]]})], _spec())
     many = list(range(10, 30))
-    with pytest.raises(ValueError, match=r"table 'b' feature 'b1'.*20 distinct IDs.*\[10, 11, 12, 13, 14, 15, 16, 17, '\.\.\.'\]"):
+    with pytest.raises(
+        ValueError, match=r"table 'b' feature 'b1'.*20 distinct IDs.*\[10, 11, 12, 13, 14, 15, 16, 17, '\.\.\.'\]"
+    ):
         profile_features([_kjt({"b1": [many]})], _spec())
 
 

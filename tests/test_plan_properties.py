@@ -72,7 +72,9 @@ def test_random_plans_keep_the_invariants(seed: int) -> None:
         for shard in shards:
             assert 0 <= shard["rank"] < topology.world_size
             assert shard["cols"][0] % 4 == 0 and shard["cols"][1] % 4 == 0
-            assert 0 <= shard["rows"][0] < shard["rows"][1] <= t.rows and 0 <= shard["cols"][0] < shard["cols"][1] <= t.dim
+            assert (
+                0 <= shard["rows"][0] < shard["rows"][1] <= t.rows and 0 <= shard["cols"][0] < shard["cols"][1] <= t.dim
+            )
         assert (_coverage(shards, t.rows, t.dim) == 1).all(), t.name
     assert float(planned.cost.rank_memory.max()) <= topology.hbm_cap_bytes
     assert plan_model(spec, topology).plan.to_dict() == plan.to_dict()

@@ -242,7 +242,12 @@ def test_search_is_near_an_exhaustive_search_on_tiny_models(seed: int) -> None:
     grids or UB)."""
     rng = np.random.default_rng(seed)
     tables = tuple(
-        TableSpec(f"t{i}", int(rng.choice([100, 5_000, 200_000, 2_000_000])), int(rng.choice([16, 64, 128])), float(rng.choice([1, 5, 30])))
+        TableSpec(
+            f"t{i}",
+            int(rng.choice([100, 5_000, 200_000, 2_000_000])),
+            int(rng.choice([16, 64, 128])),
+            float(rng.choice([1, 5, 30])),
+        )
         for i in range(int(rng.integers(2, 5)))
     )
     spec = ModelSpec("tiny", 4096, tables, IdDistribution("zipf", 1.1))

@@ -107,7 +107,10 @@ ERROR_CASES = {
     "missing pooling": (_drop(1, "pooling"), ["'big'", "pooling"]),
     "zipf without alpha": (_set(1, "id_distribution", {"kind": "zipf"}), ["'big'", "alpha"]),
     "unknown distribution kind": (_set(1, "id_distribution", {"kind": "poisson"}), ["'big'", "poisson"]),
-    "unknown distribution key": (_set(1, "id_distribution", {"kind": "zipf", "alpha": 1, "beta": 2}), ["'big'", "beta"]),
+    "unknown distribution key": (
+        _set(1, "id_distribution", {"kind": "zipf", "alpha": 1, "beta": 2}),
+        ["'big'", "beta"],
+    ),
 }
 
 
@@ -208,7 +211,9 @@ def _meta_ebc(tables: list[tuple[str, int, int, list[str]]]) -> Any:
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
     return EmbeddingBagCollection(
-        tables=[EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=f) for n, r, d, f in tables],
+        tables=[
+            EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=f) for n, r, d, f in tables
+        ],
         device=torch.device("meta"),
     )
 
@@ -219,8 +224,13 @@ def test_from_module_reads_rows_dim_pooling_and_features() -> None:
     from torchrec.distributed.planner.types import ParameterConstraints
 
     ebc = _meta_ebc([("ta", 1000, 16, ["fa"]), ("tb", 50, 8, ["fb1", "fb2"]), ("tc", 77, 4, ["fc"])])
-    constraints = {"ta": ParameterConstraints(pooling_factors=[3.5]), "tb": ParameterConstraints(pooling_factors=[2.0, 2.0])}
-    spec = ModelSpec.from_module(ebc, constraints, batch_size=1024, name="m", id_distribution=IdDistribution("zipf", 1.2))
+    constraints = {
+        "ta": ParameterConstraints(pooling_factors=[3.5]),
+        "tb": ParameterConstraints(pooling_factors=[2.0, 2.0]),
+    }
+    spec = ModelSpec.from_module(
+        ebc, constraints, batch_size=1024, name="m", id_distribution=IdDistribution("zipf", 1.2)
+    )
     assert spec.name == "m" and spec.batch_size == 1024
     assert spec.id_distribution == IdDistribution("zipf", 1.2)
     assert [t.name for t in spec.tables] == ["ta", "tb", "tc"]
@@ -281,7 +291,9 @@ def test_expected_unique_ratio_orders_sensibly() -> None:
     t = TableSpec("t", 1_000_000, 4, 1.0)
     ratios = [ModelSpec("m", b, (t,), zipf).expected_unique_ratio(t, 1) for b in (1000, 10_000, 100_000)]
     assert ratios[0] > ratios[1] > ratios[2]
-    assert ModelSpec("m", 100_000, (t,), zipf).expected_unique_ratio(t, 1) < ModelSpec("m", 100_000, (t,), uni).expected_unique_ratio(t, 1)
+    assert ModelSpec("m", 100_000, (t,), zipf).expected_unique_ratio(t, 1) < ModelSpec(
+        "m", 100_000, (t,), uni
+    ).expected_unique_ratio(t, 1)
     spec = ModelSpec("m", 65536, (t,), zipf)
     assert spec.expected_unique_ratio(t, 16) > spec.expected_unique_ratio(t, 2)
 

@@ -49,7 +49,9 @@ TABLES = [
 
 def _ebc(tables: list[tuple[str, int, int, list[str]]] = TABLES) -> EmbeddingBagCollection:
     return EmbeddingBagCollection(
-        tables=[EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=f) for n, r, d, f in tables],
+        tables=[
+            EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=f) for n, r, d, f in tables
+        ],
         device=torch.device("meta"),
     )
 
@@ -69,7 +71,9 @@ def _constraints(world: int = 8) -> dict[str, Any]:
         "grid": TableConstraints(
             layout=TableLayout("rb", (0, 1000, 4000), (0, 32, 64), ((1, 2), (2, 3)), hierarchical=True)
         ),
-        "rw": TableConstraints(layout=TableLayout("rb", _ceil(8000, world), (0, 16), tuple((k,) for k in range(world)))),
+        "rw": TableConstraints(
+            layout=TableLayout("rb", _ceil(8000, world), (0, 16), tuple((k,) for k in range(world)))
+        ),
         "uq": TableConstraints(cluster="ub"),
     }
 
@@ -107,14 +111,17 @@ def _summary(sharding_plan: Any) -> dict[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def planned() -> tuple[EmbarkPlanner, Any]:
-    planner = EmbarkPlanner(world_size=8, local_world_size=4, batch_size=512, constraints=_constraints(), compute_device="cuda")
+    planner = EmbarkPlanner(
+        world_size=8, local_world_size=4, batch_size=512, constraints=_constraints(), compute_device="cuda"
+    )
     return planner, planner.plan(_Model(), [EmbeddingBagCollectionSharder()])
 
 
 def test_plan_is_consistent_with_the_layouts(planned: tuple[EmbarkPlanner, Any]) -> None:
     """Every table of the ShardingPlan has ranks and shard metadata (offsets, sizes, placement rank
-    and device) equal to its layout's shards; DP tables are data_parallel / dense on every rank, as torchrec's data_parallel() gives;
-    the sharding type is the built-in one when there is one, else our string."""
+    and device) equal to its layout's shards; DP tables are data_parallel / dense on every rank, as
+    torchrec's data_parallel() gives; the sharding type is the built-in one when there is one, else
+    our string."""
     planner, sharding_plan = planned
     assert list(sharding_plan.plan) == ["sparse"]
     plan = planner.plans["sparse"].plan
@@ -234,7 +241,10 @@ BUILTIN_CASES = {
     "table-row-wise node 0": (_rows(_ceil(ROWS, L), list(range(L)), hier=True), "table_row_wise"),
     "table-row-wise node 1": (_rows(_ceil(ROWS, L), list(range(L, 2 * L)), hier=True), "table_row_wise"),
     "table-row-wise flat": (_rows(_ceil(ROWS, L), list(range(L, 2 * L))), None),
-    "table-row-wise uneven": (_rows((0,) + tuple(125 * i + 1 for i in range(1, L)) + (ROWS,), list(range(L)), hier=True), None),
+    "table-row-wise uneven": (
+        _rows((0,) + tuple(125 * i + 1 for i in range(1, L)) + (ROWS,), list(range(L)), hier=True),
+        None,
+    ),
     "table-row-wise straddling": (_rows(_ceil(ROWS, L), list(range(4, 4 + L)), hier=True), None),
     "table-row-wise shuffled": (_rows(_ceil(ROWS, L), [L + 1, L] + list(range(L + 2, 2 * L)), hier=True), None),
     "ub table-wise": (TableLayout("ub", (0, ROWS), (0, 64), ((3,),)), None),
@@ -314,7 +324,10 @@ def test_builtin_types_match_torchrec_constructors(kind: str, rows: int, dim: in
         (TableLayout("rb", (0, 5, 10), (0, 8), ((0,), (1,)), hierarchical=True), "embark_rb_hier"),
         (TableLayout("ub", (0, 10), (0, 8), ((0,),)), "embark_ub"),
         (TableLayout("ub", (0, 10), (0, 8), ((0,),), WirePrecision("fp16", "bf16")), "embark_ub:fp16-bf16"),
-        (TableLayout("rb", (0, 5, 10), (0, 8), ((0,), (1,)), WirePrecision("fp8", "fp32"), True), "embark_rb_hier:fp8-fp32"),
+        (
+            TableLayout("rb", (0, 5, 10), (0, 8), ((0,), (1,)), WirePrecision("fp8", "fp32"), True),
+            "embark_rb_hier:fp8-fp32",
+        ),
         (TableLayout("rb", (0, 10), (0, 8), ((0,),), WirePrecision("fp32", "fp16")), "embark_rb:fp32-fp16"),
     ],
 )
@@ -329,8 +342,18 @@ def test_sharding_type_name(layout: TableLayout, name: str) -> None:
 RT_SPEC = ModelSpec(
     "rt",
     4096,
-    tuple(TableSpec(n, rows, 64, 1.0) for n, rows in [("dp", 100), ("tw", 1000), ("cw", 1000), ("rw", 1000),
-                                                          ("twrw", 1000), ("flatgrid", 1000), ("uneven", 1000)]),
+    tuple(
+        TableSpec(n, rows, 64, 1.0)
+        for n, rows in [
+            ("dp", 100),
+            ("tw", 1000),
+            ("cw", 1000),
+            ("rw", 1000),
+            ("twrw", 1000),
+            ("flatgrid", 1000),
+            ("uneven", 1000),
+        ]
+    ),
 )
 
 
@@ -363,7 +386,11 @@ def test_from_sharding_plan_inverts_module_sharding_plan() -> None:
 def test_from_sharding_plan_keeps_embark_types() -> None:
     """from_sharding_plan(module_sharding_plan(plan)) == plan also for UB tables, hierarchical RB
     grids and reduced wire precision, whose cluster, hierarchy and precision the sharding type names."""
-    spec = ModelSpec("rt2", 4096, (TableSpec("ub", 1000, 64, 1.0), TableSpec("hier", 1000, 64, 1.0), TableSpec("half", 1000, 64, 1.0)))
+    spec = ModelSpec(
+        "rt2",
+        4096,
+        (TableSpec("ub", 1000, 64, 1.0), TableSpec("hier", 1000, 64, 1.0), TableSpec("half", 1000, 64, 1.0)),
+    )
     plan = Plan(
         W,
         L,
@@ -399,7 +426,9 @@ def test_collective_plan_under_fake_world_16() -> None:
     the process group and LOCAL_WORLD_SIZE from the environment, and equals the plan made with
     explicit sizes; ranks 5 and 15 planning for themselves get the same plan (plan() does not
     depend on the rank)."""
-    expected = _summary(EmbarkPlanner(world_size=16, local_world_size=8).plan(_Model(), [EmbeddingBagCollectionSharder()]))
+    expected = _summary(
+        EmbarkPlanner(world_size=16, local_world_size=8).plan(_Model(), [EmbeddingBagCollectionSharder()])
+    )
     with fake_world(16, rank=0, local_world_size=8):
         planner = EmbarkPlanner()
         got = _summary(planner.collective_plan(_Model()))

@@ -41,7 +41,12 @@ def _quickstart(plan_path: str) -> dict[str, Any]:
     copy_global_weights(sharded, reference)
     batch = global_kjt_batch(TABLES, dist.get_world_size(), 8, seed=3)[dist.get_rank()]
     diffs = assert_matches_unsharded(sharded, reference, batch)
-    return {"plan": str(plan), "reloaded": str(reloaded), "diffs": diffs, "types": sorted({ps.sharding_type for ps in plan.plan[""].values()})}
+    return {
+        "plan": str(plan),
+        "reloaded": str(reloaded),
+        "diffs": diffs,
+        "types": sorted({ps.sharding_type for ps in plan.plan[""].values()}),
+    }
 
 
 def test_readme_quick_start_runs_and_matches_unsharded(tmp_path: Path) -> None:

@@ -1,17 +1,18 @@
 """Randomised: over random model specs and topologies, the plans EmbarkPlanner's search makes run exactly.
 
 Each case draws (seeded) 3-6 tables of 8-500 rows and dims 4-32 (multiples of 4), 1-2 features each, uniform or
-Zipf IDs for the planner, for a world of 2 ranks (2 nodes x 1), 3 (1 node) or 4 (2 nodes x 2); plan_model plans it on the "cpu-gloo"
-hardware with a memory cap of 1.15-2.5x the tables' share per rank, so the search splits tables into row, column
+Zipf IDs for the planner, for a world of 2 ranks (2 nodes x 1), 3 (1 node) or 4 (2 nodes x 2); plan_model plans it
+on the "cpu-gloo" hardware with a memory cap of 1.15-2.5x the tables' share per rank, so the search splits tables
+into row, column
 and grid cells and puts tables in the DP and UB clusters. Then, in gloo ranks, a model with those tables (sum or
 mean pooling per table), sharded by that plan, trains 1 or 2 steps (fused SGD or Adagrad; uniform or Zipf IDs)
 next to an unsharded copy: outputs and weights must match. The cases are grouped into one spawn per world size.
 
 The seeds are fixed (SALT), so the test is deterministic; SALT was picked so that the cases cover grids (RB and UB),
-a split table at every world size, a hierarchical row split, DP, UB and torchrec's own column- and table-wise types, which
-test_random_cases_cover_every_kind checks: if a change to the planner loses that coverage, pick another SALT. (TorchRec's
-row-wise type sends int64 IDs where our grid sends int32 ones, so the planner now reduces row splits hierarchically on our
-sharding instead; tests/test_sharding_grid.py trains torchrec's row-wise layouts.)
+a split table at every world size, a hierarchical row split, DP, UB and torchrec's own column- and table-wise types,
+which test_random_cases_cover_every_kind checks: if a change to the planner loses that coverage, pick another SALT.
+(TorchRec's row-wise type sends int64 IDs where our grid sends int32 ones, so the planner now reduces row splits
+hierarchically on our sharding instead; tests/test_sharding_grid.py trains torchrec's row-wise layouts.)
 
 A wider sweep (45-60 cases per world size, outside the suite) found one bug: when the planner gave a rank several
 cells of one table with different column widths, DMP construction failed (torchrec's per-table parameter views
@@ -67,8 +68,13 @@ def _spec_and_topology(ws: int, index: int, salt: int) -> tuple[ModelSpec, Topol
     # unique-based tables, hierarchical reductions and mixed groups appear among the kinds checked
     reserve = PRESETS["cpu-gloo"].hbm_reserve_gb
     hardware = Hardware(
-        name="test", hbm_gb=reserve + cap / 1e9, hbm_reserve_gb=reserve, hbm_bw_gbps=5.0, intra_node_bw_gbps=2.0,
-        inter_node_bw_gbps=1.0, dense_ms_per_ksample=50.0,
+        name="test",
+        hbm_gb=reserve + cap / 1e9,
+        hbm_reserve_gb=reserve,
+        hbm_bw_gbps=5.0,
+        intra_node_bw_gbps=2.0,
+        inter_node_bw_gbps=1.0,
+        dense_ms_per_ksample=50.0,
     )
     return spec, Topology(ws, lws, hardware)
 
@@ -102,7 +108,8 @@ def random_case(ws: int, index: int, salt: int = SALT) -> dict[str, Any]:
 
 
 def _kind(layout: TableLayout, rows: int, ws: int, lws: int) -> str:
-    """How a layout runs, e.g. "dp", "rb grid embark", "ub rows embark", "rb rows hier embark", "rb cols column_wise"."""
+    """How a layout runs, e.g. "dp", "rb grid embark", "ub rows embark", "rb rows hier embark",
+    "rb cols column_wise"."""
     if layout.cluster == "dp":
         return "dp"
     nr, nc = layout.num_row_slices, layout.num_col_slices
@@ -158,7 +165,9 @@ def test_random_cases_cover_every_kind() -> None:
     assert not missing, (missing, dict(kinds))
     for ws, n in CASES.items():
         layouts = [layout for i in range(n) for layout in random_case(ws, i)["layouts"].values()]
-        assert any(layout.cluster != "dp" and layout.num_row_slices * layout.num_col_slices > 1 for layout in layouts), ws
+        assert any(
+            layout.cluster != "dp" and layout.num_row_slices * layout.num_col_slices > 1 for layout in layouts
+        ), ws
 
 
 @pytest.mark.parametrize("ws", sorted(CASES))

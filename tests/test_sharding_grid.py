@@ -61,8 +61,20 @@ TABLES: dict[str, tuple[int, int, int, str, dict[int, TableLayout]]] = {
             4: TableLayout("rb", (0, 18), (0, 8, 12, 16), ((3, 1, 1),)),  # uneven widths, a rank twice
         },
     ),
-    "rw": (31, 8, 1, "row_wise", {ws: TableLayout("rb", _ceil_rows(31, ws), (0, 8), tuple((k,) for k in range(ws))) for ws in WORLDS}),
-    "twrw": (25, 8, 1, "table_row_wise", {4: TableLayout("rb", _ceil_rows(25, 2), (0, 8), ((2,), (3,)), hierarchical=True)}),
+    "rw": (
+        31,
+        8,
+        1,
+        "row_wise",
+        {ws: TableLayout("rb", _ceil_rows(31, ws), (0, 8), tuple((k,) for k in range(ws))) for ws in WORLDS},
+    ),
+    "twrw": (
+        25,
+        8,
+        1,
+        "table_row_wise",
+        {4: TableLayout("rb", _ceil_rows(25, 2), (0, 8), ((2,), (3,)), hierarchical=True)},
+    ),
     # a 2x2 grid with uneven rows, shared by two features
     "grid": (
         40,
@@ -166,7 +178,9 @@ def _tables(ws: int, pooling: str) -> tuple[list[EmbeddingBagConfig], dict[str, 
         layouts[name] = per_world[ws]
     if pooling == "mean":
         name, rows, dim, per_world = MIXED_SUM
-        configs.append(EmbeddingBagConfig(name=name, num_embeddings=rows, embedding_dim=dim, feature_names=[f"{name}_f0"]))
+        configs.append(
+            EmbeddingBagConfig(name=name, num_embeddings=rows, embedding_dim=dim, feature_names=[f"{name}_f0"])
+        )
         layouts[name] = per_world[ws]
     return configs, layouts
 
@@ -179,7 +193,11 @@ def _row_split_mean(ws: int) -> tuple[list[EmbeddingBagConfig], dict[str, TableL
         if ws in per_world:
             configs.append(
                 EmbeddingBagConfig(
-                    name=name, num_embeddings=rows, embedding_dim=dim, feature_names=[f"{name}_f0"], pooling=PoolingType.MEAN
+                    name=name,
+                    num_embeddings=rows,
+                    embedding_dim=dim,
+                    feature_names=[f"{name}_f0"],
+                    pooling=PoolingType.MEAN,
                 )
             )
             layouts[name] = per_world[ws]
@@ -190,7 +208,9 @@ def _row_split_mean_beside_others(ws: int) -> tuple[list[EmbeddingBagConfig], di
     """A MEAN table on torchrec's row-wise sharding next to a table-wise SUM table and a grid SUM table."""
     rows, dim, _, _, per_world = TABLES["rw"]
     configs = [
-        EmbeddingBagConfig(name="rw", num_embeddings=rows, embedding_dim=dim, feature_names=["rw_f0"], pooling=PoolingType.MEAN),
+        EmbeddingBagConfig(
+            name="rw", num_embeddings=rows, embedding_dim=dim, feature_names=["rw_f0"], pooling=PoolingType.MEAN
+        ),
         EmbeddingBagConfig(name="tw", num_embeddings=20, embedding_dim=12, feature_names=["tw_f0"]),
         EmbeddingBagConfig(name="grid", num_embeddings=40, embedding_dim=16, feature_names=["grid_f0"]),
     ]
@@ -199,7 +219,9 @@ def _row_split_mean_beside_others(ws: int) -> tuple[list[EmbeddingBagConfig], di
 
 def _expected_cells(layout: TableLayout, rank: int) -> list[tuple[list[int], list[int]]]:
     return sorted(
-        ([s.rows[0], s.cols[0]], [s.rows[1] - s.rows[0], s.cols[1] - s.cols[0]]) for s in layout.shards() if s.rank == rank
+        ([s.rows[0], s.cols[0]], [s.rows[1] - s.rows[0], s.cols[1] - s.cols[0]])
+        for s in layout.shards()
+        if s.rank == rank
     )
 
 
@@ -220,7 +242,9 @@ def _inspect(model: nn.Module) -> dict[str, Any]:
     state: dict[str, Any] = {}
     for key, value in model.state_dict().items():
         if isinstance(value, ShardedTensor):
-            shards = sorted((list(s.metadata.shard_offsets), list(s.metadata.shard_sizes)) for s in value.local_shards())
+            shards = sorted(
+                (list(s.metadata.shard_offsets), list(s.metadata.shard_sizes)) for s in value.local_shards()
+            )
             sizes_ok = all(list(s.tensor.shape) == list(s.metadata.shard_sizes) for s in value.local_shards())
             state[key] = ("sharded", list(value.size()), shards, sizes_ok)
         else:
@@ -270,8 +294,9 @@ def _target_plans(tables: list[EmbeddingBagConfig], ws: int) -> dict[str, dict[s
 def _checkpoint_round_trip(directory: str, lws: int) -> dict[str, Any]:
     """Save a model sharded by the grid plan with torch.distributed.checkpoint; load it in place into a fresh model
     sharded by another plan, save that, load into the next (grid -> table_wise -> other_grid -> uneven_cols ->
-    multi_cell). Reports per target: weight differences to the saved weights before and after loading, output differences, the
-    shards held, and whether DMP.load_state_dict copies the loaded state into yet another fresh model exactly."""
+    multi_cell). Reports per target: weight differences to the saved weights before and after loading, output
+    differences, the shards held, and whether DMP.load_state_dict copies the loaded state into yet another fresh model
+    exactly."""
     ws, rank = dist.get_world_size(), dist.get_rank()
     tables, grid_plan = _tables(ws, "sum")
     torch.manual_seed(1)
@@ -328,7 +353,10 @@ def _run_world(lws: int, checkpoint_dir: str | None) -> dict[str, Any]:
             silent_rank=SILENT[ws] if silent else None,
             seed=ws,
         )
-    for key, make in (("row_split_mean", _row_split_mean), ("row_split_mean_beside_others", _row_split_mean_beside_others)):
+    for key, make in (
+        ("row_split_mean", _row_split_mean),
+        ("row_split_mean_beside_others", _row_split_mean_beside_others),
+    ):
         tables, layouts = make(ws)
         out[key] = compare_sharded_training(
             tables, layouts, lws, steps=STEPS, optimizer="adagrad", silent_rank=SILENT[ws], seed=ws + 10
@@ -352,7 +380,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
         if ws not in cache:  # a failed spawn is kept too, so that it is not repeated for every test
             checkpoint = str(tmp_path_factory.mktemp(f"dcp{ws}")) if ws == 4 else None
             try:
-                cache[ws] = run_ranks(_run_world, ws, local_world_size=WORLDS[ws], timeout_s=400, args=(WORLDS[ws], checkpoint))
+                cache[ws] = run_ranks(
+                    _run_world, ws, local_world_size=WORLDS[ws], timeout_s=400, args=(WORLDS[ws], checkpoint)
+                )
             except Exception as exc:  # noqa: BLE001
                 cache[ws] = exc
         if isinstance(cache[ws], Exception):
@@ -414,8 +444,12 @@ def test_layouts_get_the_intended_sharding_types(ws: int, runs: Any) -> None:
         shardings = result["inspect"]["shardings"]
         assert set(shardings) == want_types, (rank, shardings)
         for kind, cls in shardings.items():
-            expected = {"embark_ub": UniquePooledEmbeddingSharding, "embark_rb": GridPooledEmbeddingSharding}.get(kind[:9])
-            assert cls == (expected.__name__ if expected else cls) and (expected is None) != kind.startswith("embark_"), (kind, cls)
+            expected = {"embark_ub": UniquePooledEmbeddingSharding, "embark_rb": GridPooledEmbeddingSharding}.get(
+                kind[:9]
+            )
+            assert cls == (expected.__name__ if expected else cls) and (expected is None) != kind.startswith(
+                "embark_"
+            ), (kind, cls)
 
 
 @pytest.mark.parametrize("ws", sorted(WORLDS))
@@ -447,8 +481,9 @@ def test_state_dict_shards_are_the_layout_cells(ws: int, runs: Any) -> None:
 def test_checkpoint_round_trips_across_plans(target: str, runs: Any) -> None:
     """torch.distributed.checkpoint between plans: a model sharded by the grid plan (4 ranks, 2 nodes) saves; a fresh
     model sharded by a different plan (all table-wise; from that checkpoint, other grids; from that, grids with
-    unequal column widths, then several cells of a table on one rank) loads it in place and then holds every weight exactly (checked shard by
-    shard, against the saved weights) and computes the same outputs; its shards are its own plan's cells."""
+    unequal column widths, then several cells of a table on one rank) loads it in place and then holds every weight
+    exactly (checked shard by shard, against the saved weights) and computes the same outputs; its shards are its own
+    plan's cells."""
     results = runs(4)
     tables, _ = _tables(4, "sum")
     keys = {f"ebc.embedding_bags.{t.name}.weight" for t in tables}
@@ -469,7 +504,9 @@ def test_checkpoint_round_trips_across_plans(target: str, runs: Any) -> None:
             assert entry[1] == [t.num_embeddings, t.embedding_dim], (rank, t.name, entry)
             assert entry[2] == _expected_cells(plan[t.name], rank), (rank, t.name, entry)
             held[t.name] += len(entry[2])
-    assert all(held[t.name] == len(list(results[0]["checkpoint"]["plans"][target][t.name].shards())) for t in tables), held
+    assert all(held[t.name] == len(list(results[0]["checkpoint"]["plans"][target][t.name].shards())) for t in tables), (
+        held
+    )
     kinds = set(results[0]["checkpoint"][target]["inspect"]["shardings"])
     want = {"table_wise": {"table_wise"}, "multi_cell": {"embark_rb"}}.get(target, {"embark_rb", "embark_rb_hier"})
     assert kinds == want, kinds

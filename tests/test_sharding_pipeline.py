@@ -164,7 +164,7 @@ def _pipelined_vs_plain() -> dict[str, Any]:
         "steps": (len(plain_losses), len(piped_losses)),
         "loss_diff": [float((a - b).abs().max()) for a, b in zip(plain_losses, piped_losses)],
         "logit_diff": [float((a - b).abs().max()) for a, b in zip(plain_logits, piped_logits)],
-        "losses": [float(l.sum()) for l in plain_losses],
+        "losses": [float(loss.sum()) for loss in plain_losses],
         "weight_keys": (sorted(plain_w), sorted(piped_w)),
         "weight_diff": {
             k: max((float((a - b).abs().max()) for a, b in zip(plain_w[k], piped_w[k]) if a.numel()), default=0.0)
@@ -198,7 +198,7 @@ def test_pipelined_losses_equal_plain_losses(results: list[dict[str, Any]]) -> N
         assert max(r["loss_diff"]) <= 1e-6, (rank, r["loss_diff"])
         assert max(r["logit_diff"]) <= 1e-6, (rank, r["logit_diff"])
         # training moved: the loss is not the same at every step
-        assert len({round(l, 6) for l in r["losses"]}) > 1, (rank, r["losses"])
+        assert len({round(loss, 6) for loss in r["losses"]}) > 1, (rank, r["losses"])
 
 
 def test_pipelined_bytes_equal_plain_bytes(results: list[dict[str, Any]]) -> None:
@@ -207,14 +207,19 @@ def test_pipelined_bytes_equal_plain_bytes(results: list[dict[str, Any]]) -> Non
     for rank, r in enumerate(results):
         plain, piped = r["bytes"]
         assert plain == piped, rank
-        assert any("'ids'" in k and "embark_ub" in k for k in plain) and any("'ids'" in k and "table_wise" in k for k in plain)
+        assert any("'ids'" in k and "embark_ub" in k for k in plain) and any(
+            "'ids'" in k and "table_wise" in k for k in plain
+        )
 
 
 def test_pipelined_weights_equal_plain_weights(results: list[dict[str, Any]]) -> None:
     """After K steps every weight (each local shard of the grid, hierarchical and table-wise tables, the DP table
     and the dense layers) equals plain training's; and those weights did change during training."""
     expected = {f"ebc.embedding_bags.{t.name}.weight" for t in TABLES} | {
-        "dense.weight", "dense.bias", "over.weight", "over.bias"
+        "dense.weight",
+        "dense.bias",
+        "over.weight",
+        "over.bias",
     }
     held = {k: 0 for k in expected}
     for rank, r in enumerate(results):

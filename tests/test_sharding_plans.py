@@ -77,7 +77,7 @@ def test_scaled_plans_split_tables(planned: dict[str, Any]) -> None:
     grids = 0
     for name, (spec, _, plan) in planned.items():
         layouts = {t.name: plan[t.name] for t in spec.tables}
-        assert any(l.cluster != "dp" and l.num_row_slices > 1 for l in layouts.values()), (name, layouts)
+        assert any(lay.cluster != "dp" and lay.num_row_slices > 1 for lay in layouts.values()), (name, layouts)
         for t in spec.tables:
             layout = layouts[t.name]
             kinds.add(_kind(layout, t.rows))
@@ -110,7 +110,9 @@ def test_planned_model_trains_like_unsharded(
     for rank, result in enumerate(trained):
         diffs = result[name]
         assert {k.split("/", 1)[1] for k in diffs if k.startswith("step0/")} == features, (rank, name)
-        assert {k for k in diffs if k.startswith("weight/")} == {f"weight/ebc.embedding_bags.{t.name}.weight" for t in tables}
+        assert {k for k in diffs if k.startswith("weight/")} == {
+            f"weight/ebc.embedding_bags.{t.name}.weight" for t in tables
+        }
         bad = {k: v for k, v in diffs.items() if not v <= ATOL}
         assert not bad, (rank, name, bad)
 
@@ -206,8 +208,16 @@ REFUSALS = {
         WORLD_SIZE,
         r"no layout for tables \['extra'\]",
     ),
-    "row_mismatch": (_resized("grid", rows=1), WORLD_SIZE, r"table 'grid'.*row bounds \[0, 13, 40\] do not cover \[0, 41\)"),
-    "dim_mismatch": (_resized("cw", dim=4), WORLD_SIZE, r"table 'cw'.*column bounds \[0, 4, 16\] do not cover \[0, 20\)"),
+    "row_mismatch": (
+        _resized("grid", rows=1),
+        WORLD_SIZE,
+        r"table 'grid'.*row bounds \[0, 13, 40\] do not cover \[0, 41\)",
+    ),
+    "dim_mismatch": (
+        _resized("cw", dim=4),
+        WORLD_SIZE,
+        r"table 'cw'.*column bounds \[0, 4, 16\] do not cover \[0, 20\)",
+    ),
     "fewer_rows": (_resized("hier", rows=-2), WORLD_SIZE, r"table 'hier'.*row bounds"),
 }
 

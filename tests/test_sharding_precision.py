@@ -56,7 +56,10 @@ def _train_losses(precision: str) -> list[float]:
     for step in range(TRAIN_STEPS):
         batch = global_kjt_batch(TABLES, dist.get_world_size(), 32, seed=step, ids="zipf")[dist.get_rank()]
         # per sample, a click label that depends on its IDs, as in a DLRM (learnable up to collisions)
-        score = sum(torch.segment_reduce((kjt.values() % 3).float() - 1.0, "sum", lengths=kjt.lengths()) for kjt in batch.to_dict().values())
+        score = sum(
+            torch.segment_reduce((kjt.values() % 3).float() - 1.0, "sum", lengths=kjt.lengths())
+            for kjt in batch.to_dict().values()
+        )
         label = (score > 0).float()
         out = model(batch)
         out = (out.wait() if hasattr(out, "wait") else out).to_dict()
@@ -95,7 +98,12 @@ def test_codec_error_and_size_on_normal_rows(precision: str) -> None:
     y = decode(codec, encode(codec, x, peers), peers)
     err = (y - x).abs()
     if precision == "fp8":
-        row_max = torch.cat([p.view(-1, w).abs().amax(dim=1, keepdim=True).expand(-1, w).reshape(-1) for p, (_, w) in zip(torch.split(x, [e for e, _ in segments]), segments)])
+        row_max = torch.cat(
+            [
+                p.view(-1, w).abs().amax(dim=1, keepdim=True).expand(-1, w).reshape(-1)
+                for p, (_, w) in zip(torch.split(x, [e for e, _ in segments]), segments)
+            ]
+        )
         bound = UNIT["fp8"] * x.abs() + 2.0**-10 * row_max / 448.0
     else:
         bound = UNIT[precision] * x.abs() + 2.0**-24

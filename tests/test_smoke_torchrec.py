@@ -38,8 +38,11 @@ FEATURES = [name for table in TABLES for name in table.feature_names]
 
 # Table-wise puts t0/t2 on rank 0 and t1 on rank 1, so both ranks own something and outputs need the all-to-all.
 PLANS = {
-    "table_wise": {"t0": table_wise(rank=0, compute_kernel=FUSED), "t1": table_wise(rank=1, compute_kernel=FUSED),
-                   "t2": table_wise(rank=0, compute_kernel=FUSED)},
+    "table_wise": {
+        "t0": table_wise(rank=0, compute_kernel=FUSED),
+        "t1": table_wise(rank=1, compute_kernel=FUSED),
+        "t2": table_wise(rank=0, compute_kernel=FUSED),
+    },
     "column_wise": {name: column_wise(ranks=[0, 1], compute_kernel=FUSED) for name in ("t0", "t1", "t2")},
 }
 

@@ -175,8 +175,13 @@ def test_unpicklable_fn_is_rejected_before_spawning() -> None:
 def _threaded_report() -> tuple[int, int, float, str, str]:
     total = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(total)
-    return (dist.get_rank(), dist.get_world_size(), total.item(), os.environ["LOCAL_WORLD_SIZE"],
-            threading.current_thread().name)
+    return (
+        dist.get_rank(),
+        dist.get_world_size(),
+        total.item(),
+        os.environ["LOCAL_WORLD_SIZE"],
+        threading.current_thread().name,
+    )
 
 
 def _threaded_raise_on_rank_three() -> None:

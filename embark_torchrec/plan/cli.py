@@ -22,6 +22,7 @@ from .report import ScoredPlan, plot_rank_loads, render, summary
 from .spec import ModelSpec, SpecError, builtin_model, load_model_spec
 from .topology import DEFAULT_HARDWARE, PRESETS, Topology, hardware_preset
 
+
 def _torchrec_default_plan(spec: ModelSpec, topology: Topology) -> Plan:
     """TorchRec's own planner's plan: the one comparison that needs torchrec, imported only when asked for."""
     from ..sharding.torchrec_plans import torchrec_default_plan
@@ -83,7 +84,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot:
         plot_rank_loads(plans, args.plot)
     if args.json:
-        print(json.dumps({"model": spec.name, "world_size": topology.world_size, "plans": {p.name: summary(p) for p in plans}}))
+        print(
+            json.dumps(
+                {"model": spec.name, "world_size": topology.world_size, "plans": {p.name: summary(p) for p in plans}}
+            )
+        )
     else:
         print(render(plans, topology, spec.name))
         if args.out:

@@ -80,4 +80,6 @@ def _group_ms(cost: CostModel, tables: list[TableSpec], cluster: str) -> float:
     if not tables:
         return 0.0
     t = tables[0]
-    return cost.group_ms(sharding_type(_table_wise(t, cluster), t.rows, cost.topology.world_size, cost.topology.local_world_size))
+    return cost.group_ms(
+        sharding_type(_table_wise(t, cluster), t.rows, cost.topology.world_size, cost.topology.local_world_size)
+    )

@@ -24,9 +24,10 @@ same traffic message by message, and the runtime's dists send exactly that):
   back into its samples' bags; DP: b F p x dim x 4. Backward costs BACKWARD_COMPUTE_MULTIPLIER x forward.
   UB also costs every rank b F p x unique_ns_per_id for its own host work: de-duplication, routing
   the distinct IDs, the expansion back into bags (measured against table-wise on IDs that never
-  repeat, benchmarks/calibrate_cpu.py; zero in the GPU presets, where it runs on the device). Every ID a cell looks up (the same counts, without the width) also costs
-  lookup_ns_per_id: indexing and optimizer bookkeeping per ID, whatever its width, which is why a
-  column split is not free on a CPU (zero in the GPU presets).
+  repeat, benchmarks/calibrate_cpu.py; zero in the GPU presets, where it runs on the device). Every
+  ID a cell looks up (the same counts, without the width) also costs lookup_ns_per_id: indexing and
+  optimizer bookkeeping per ID, whatever its width, which is why a column split is not free on a CPU
+  (zero in the GPU presets).
 - Memory per rank: per row of a cell, w_c x (4 + optimizer bytes per element) + optimizer bytes
   per row; DP tables in full on every rank.
 
@@ -34,8 +35,9 @@ same traffic message by message, and the runtime's dists send exactly that):
   groups.py) issues a fixed number of collectives per step, each costing collective_us to launch
   and synchronise, whatever its size (about 1 ms on gloo; zero in the GPU presets).
 
-Time per rank: lookup_ms = lookup bytes / HBM bandwidth + IDs x lookup_ns_per_id + de-duplication; comm_ms = max(sent, received) intra /
-NVLink bandwidth + max(sent, received) inter / network bandwidth. Step = max over ranks of lookup_ms
+Time per rank: lookup_ms = lookup bytes / HBM bandwidth + IDs x lookup_ns_per_id + de-duplication;
+comm_ms = max(sent, received) intra / NVLink bandwidth + max(sent, received) inter / network
+bandwidth. Step = max over ranks of lookup_ms
 + max over ranks of comm_ms + collective ms + DP all-reduce ms + dense ms (b / 1000 x
 dense_ms_per_ksample, plus the dense all-reduce), the same formulas for every plan. When every rank
 shares one host's cores (host_cores > 0: our CPU test box), the lookups take at least the sum over
@@ -187,7 +189,8 @@ class CostModel:
         self._loads: dict[tuple[tuple, TableLayout], RankLoad] = {}
         # what a table's cost depends on: tables with equal signatures cost the same in any layout
         self.signature = {
-            t.name: (t.rows, t.dim, t.pooling, len(t.feature_names), spec.distribution(t), t.unique_ratio) for t in spec.tables
+            t.name: (t.rows, t.dim, t.pooling, len(t.feature_names), spec.distribution(t), t.unique_ratio)
+            for t in spec.tables
         }
         w, lws = topology.world_size, topology.local_world_size
         self._node = np.arange(w) // lws
@@ -351,7 +354,9 @@ class CostModel:
         fwd, bwd = layout.precision.forward, layout.precision.backward
         wire = np.array([vector_bytes(int(x), fwd) + vector_bytes(int(x), bwd) for x in widths])
         kind = sharding_type(layout, t.rows, w, lws)
-        per_peer = feats * (ids * id_bytes(kind) + (0 if ub else b * LENGTH_BYTES))[:, None] + feats * vectors[:, None] * wire
+        per_peer = (
+            feats * (ids * id_bytes(kind) + (0 if ub else b * LENGTH_BYTES))[:, None] + feats * vectors[:, None] * wire
+        )
         peers_ms = (lws - 1) / (hw.intra_node_bw_gbps * 1e6) + (w - lws) / (hw.inter_node_bw_gbps * 1e6)
         looked_up = (w * ids) if ub else (self.spec.batch_size * t.pooling * mass)
         lookup = feats * looked_up[:, None] * widths[None, :] * WEIGHT_BYTES * (1.0 + BACKWARD_COMPUTE_MULTIPLIER)
@@ -397,4 +402,3 @@ class CostModel:
 
     def evaluate(self, plan: Plan) -> StepCost:
         return self.step_cost(self.rank_load(plan))
-

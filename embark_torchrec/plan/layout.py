@@ -89,7 +89,9 @@ class TableLayout:
     def __hash__(self) -> int:  # layouts key the cost model's caches; hash the grid once
         cached = self.__dict__.get("_hash")
         if cached is None:
-            cached = hash((self.cluster, self.row_bounds, self.col_bounds, self.ranks, self.precision, self.hierarchical))
+            cached = hash(
+                (self.cluster, self.row_bounds, self.col_bounds, self.ranks, self.precision, self.hierarchical)
+            )
             object.__setattr__(self, "_hash", cached)
         return cached
 
@@ -132,7 +134,8 @@ class TableLayout:
         mixed = self.mixed_width_rank()
         if mixed is not None:
             raise PlanError(
-                f"{where}: rank {mixed} holds cells of different widths; TorchRec 1.8 assumes one width per table on a rank"
+                f"{where}: rank {mixed} holds cells of different widths; "
+                "TorchRec 1.8 assumes one width per table on a rank"
             )
 
     def mixed_width_rank(self) -> int | None:
@@ -179,7 +182,8 @@ class Plan:
             for rank, used in enumerate(memory_per_rank):
                 if used > cap_bytes:
                     raise PlanError(
-                        f"rank {rank} needs {used / 1e9:.2f} GB of embedding memory, over its cap of {cap_bytes / 1e9:.2f} GB"
+                        f"rank {rank} needs {used / 1e9:.2f} GB of embedding memory, "
+                        f"over its cap of {cap_bytes / 1e9:.2f} GB"
                     )
 
     def to_dict(self) -> dict[str, Any]:
@@ -204,7 +208,10 @@ class Plan:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Plan":
         if d.get("format") != PLAN_FORMAT or d.get("version") != PLAN_VERSION:
-            raise PlanError(f"not an {PLAN_FORMAT} version {PLAN_VERSION} file (format={d.get('format')!r}, version={d.get('version')!r})")
+            raise PlanError(
+                f"not an {PLAN_FORMAT} version {PLAN_VERSION} file "
+                f"(format={d.get('format')!r}, version={d.get('version')!r})"
+            )
         ws, lws = int(d["world_size"]), int(d["local_world_size"])
         tables = {name: _layout_from_dict(name, entry, ws) for name, entry in d["tables"].items()}
         return cls(ws, lws, tables)
@@ -217,7 +224,9 @@ class Plan:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
-def grid_from_shards(where: str, shards: Sequence[Shard]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, ...], ...]]:
+def grid_from_shards(
+    where: str, shards: Sequence[Shard]
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, ...], ...]]:
     """The R x C grid a shard list forms (row bounds, column bounds, the rank of each cell); refused,
     naming `where`, when the shards are not an exact grid: empty, overlapping, not one cell each, or
     leaving a gap. The one parser of shard lists: plan files and the runtime's ShardMetadata."""
@@ -232,17 +241,21 @@ def grid_from_shards(where: str, shards: Sequence[Shard]) -> tuple[tuple[int, ..
             for c in range(col_bounds.index(c0), col_bounds.index(c1)):
                 if (r, c) in cell:
                     raise PlanError(
-                        f"{where}: shards overlap at rows {row_bounds[r]}:{row_bounds[r + 1]} cols {col_bounds[c]}:{col_bounds[c + 1]}"
+                        f"{where}: shards overlap at rows {row_bounds[r]}:{row_bounds[r + 1]} "
+                        f"cols {col_bounds[c]}:{col_bounds[c + 1]}"
                     )
                 cell[(r, c)] = s.rank
         if (row_bounds.index(r1) - row_bounds.index(r0)) * (col_bounds.index(c1) - col_bounds.index(c0)) != 1:
-            raise PlanError(f"{where}: shard rows {list(s.rows)} cols {list(s.cols)} is not one cell of the table's grid")
+            raise PlanError(
+                f"{where}: shard rows {list(s.rows)} cols {list(s.cols)} is not one cell of the table's grid"
+            )
     n_r, n_c = len(row_bounds) - 1, len(col_bounds) - 1
     gaps = [(r, c) for r in range(n_r) for c in range(n_c) if (r, c) not in cell]
     if gaps:
         r, c = gaps[0]
         raise PlanError(
-            f"{where}: no shard covers rows {row_bounds[r]}:{row_bounds[r + 1]} cols {col_bounds[c]}:{col_bounds[c + 1]}"
+            f"{where}: no shard covers rows {row_bounds[r]}:{row_bounds[r + 1]} "
+            f"cols {col_bounds[c]}:{col_bounds[c + 1]}"
         )
     return tuple(row_bounds), tuple(col_bounds), tuple(tuple(cell[(r, c)] for c in range(n_c)) for r in range(n_r))
 
@@ -274,7 +287,9 @@ def _layout_from_dict(name: str, entry: Mapping[str, Any], world_size: int) -> T
     for s in shards:
         if not isinstance(s, Mapping) or not {"rows", "cols", "rank"} <= set(s):
             raise PlanError(f"{where}: a shard needs 'rows', 'cols' and 'rank', got {s!r}")
-    row_bounds, col_bounds, ranks = grid_from_shards(where, [Shard(tuple(s["rows"]), tuple(s["cols"]), int(s["rank"])) for s in shards])
+    row_bounds, col_bounds, ranks = grid_from_shards(
+        where, [Shard(tuple(s["rows"]), tuple(s["cols"]), int(s["rank"])) for s in shards]
+    )
     layout = TableLayout(cluster, row_bounds, col_bounds, ranks, precision, bool(entry.get("hierarchical", False)))
     if cluster not in CLUSTERS:
         raise PlanError(f"{where}: cluster {cluster!r} is not one of {CLUSTERS}")

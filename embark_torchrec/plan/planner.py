@@ -61,7 +61,9 @@ class EmbarkPlanner(ShardingPlanner):
     def _topology(self) -> Topology:
         import torch.distributed as dist
 
-        ws = self.world_size or (dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1")))
+        ws = self.world_size or (
+            dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        )
         lws = self.local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", str(ws)))
         return Topology(ws, lws, self.hardware)
 
@@ -94,7 +96,9 @@ class EmbarkPlanner(ShardingPlanner):
             raise ValueError("no module in the model is an EmbeddingBagCollection that the given sharders shard")
         unknown = sorted({t.name for t in self.measured.tables} - planned_tables) if self.measured is not None else []
         if unknown:
-            raise ValueError(f"measured tables {unknown} are not tables of the planned modules {sorted(planned_tables)}")
+            raise ValueError(
+                f"measured tables {unknown} are not tables of the planned modules {sorted(planned_tables)}"
+            )
         return result
 
     def collective_plan(self, module: Any, sharders: list[Any] | None = None, pg: Any = None) -> Any:

@@ -82,9 +82,8 @@ def comparison_table(plans: Sequence[ScoredPlan]) -> str:
     """Every plan's estimate side by side; speedup = other plan's step / embark's step."""
     base = plans[0]
     lines = [
-        "| plan | step ms | lookup ms | comm ms | collective ms | dp ms | dense ms | imbalance | planning s | speedup of "
-        + base.name
-        + " |",
+        "| plan | step ms | lookup ms | comm ms | collective ms | dp ms | dense ms | imbalance | planning s "
+        "| speedup of " + base.name + " |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for p in plans:
@@ -108,7 +107,8 @@ def render(plans: Sequence[ScoredPlan], topology: Topology, model_name: str) -> 
         f"{topology.local_world_size}), {hw.name}, cap {topology.hbm_cap_bytes / 1e9:.0f} GB per GPU",
         "",
         f"estimated step {s['step_ms']:.3f} ms = lookups {s['lookup_ms']:.3f} + embedding comm {s['comm_ms']:.3f} "
-        f"+ collectives {s['collective_ms']:.3f} + DP all-reduce {s['dp_allreduce_ms']:.3f} + dense {s['dense_ms']:.3f}",
+        f"+ collectives {s['collective_ms']:.3f} + DP all-reduce {s['dp_allreduce_ms']:.3f} "
+        f"+ dense {s['dense_ms']:.3f}",
         f"imbalance (max/mean load) {s['imbalance']:.2f}; clusters {s['clusters']}; tables by layout {s['kinds']}; "
         f"{s['shards']} shards; {s['hierarchical_tables']} tables reduce inside nodes first",
         "",
@@ -132,7 +132,13 @@ def plot_rank_loads(plans: Sequence[ScoredPlan], path: str | Path) -> None:
         ranks = np.arange(len(p.cost.rank_load_ms))
         ax.bar(ranks, p.cost.rank_lookup_ms, label="lookup", color="#4c72b0")
         ax.bar(ranks, p.cost.rank_intra_ms, bottom=p.cost.rank_lookup_ms, label="intra-node comm", color="#55a868")
-        ax.bar(ranks, p.cost.rank_inter_ms, bottom=p.cost.rank_lookup_ms + p.cost.rank_intra_ms, label="inter-node comm", color="#c44e52")
+        ax.bar(
+            ranks,
+            p.cost.rank_inter_ms,
+            bottom=p.cost.rank_lookup_ms + p.cost.rank_intra_ms,
+            label="inter-node comm",
+            color="#c44e52",
+        )
         ax.set_ylim(0, top)
         ax.set_ylabel("ms")
         ax.set_title(f"{p.name}: estimated step {p.cost.step_ms:.2f} ms")

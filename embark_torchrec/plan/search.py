@@ -4,8 +4,9 @@ Phase 1, split and re-place (after NVIDIA's planners): every model-parallel tabl
 cell (table-wise). Each round, all cells are placed from scratch, longest first, onto the allowed
 rank with the least estimated load that has memory left and, where possible, no other cell of the
 same table (CostModel.cell_ms prices a cell); for row-split tables a second placement also keeps
-each table's cells on the nodes it already uses, so that hierarchical reduction pays. The plan is then scored exactly. The costliest rank (most
-lookups + communication) names the table that loads it most; we try doubling its row slices and
+each table's cells on the nodes it already uses, so that hierarchical reduction pays. The plan is
+then scored exactly. The costliest rank (most lookups + communication) names the table that loads
+it most; we try doubling its row slices and
 doubling its column slices, for it alone and for it with its twins (identical tables), and keep
 whichever gives the lower estimated step time, even when that
 is worse than the current plan, because on a plateau of equally loaded ranks a cut pays only once
@@ -214,7 +215,9 @@ class GreedySearch:
         if 2 * n_c <= t.dim // 4 and 2 * n_r * n_c <= limit:
             yield (n_r, 2 * n_c)
 
-    def _costliest_table(self, layouts: Mapping[str, TableLayout], loads: Mapping[str, RankLoad], total: RankLoad) -> str | None:
+    def _costliest_table(
+        self, layouts: Mapping[str, TableLayout], loads: Mapping[str, RankLoad], total: RankLoad
+    ) -> str | None:
         """The splittable movable table that loads the costliest rank most."""
         rank = int(np.argmax(self.cost.step_cost(total).rank_load_ms))
         on_rank = [
@@ -230,7 +233,13 @@ class GreedySearch:
         also tries cutting them all at once."""
 
         def signature(n: str) -> tuple:
-            return self.cost.signature[n], self.clusters[n], self._shapes[n], tuple(self._allowed(n)), self._precision(n)
+            return (
+                self.cost.signature[n],
+                self.clusters[n],
+                self._shapes[n],
+                tuple(self._allowed(n)),
+                self._precision(n),
+            )
 
         key = signature(name)
         return [n for n in self.movable if signature(n) == key]
@@ -253,10 +262,13 @@ class GreedySearch:
                 largest = [(self.cost.table(n).rows / shapes[n][0], n) for n in self.movable if can_grow(n)]
                 growing = [max(largest)[1]] if largest else []
             if not growing:
-                need = sum(self.cost.table(n).rows * self.cost.row_memory(n, self.cost.table(n).dim) for n in self.movable)
+                need = sum(
+                    self.cost.table(n).rows * self.cost.row_memory(n, self.cost.table(n).dim) for n in self.movable
+                )
                 raise PlanError(
                     f"tables {unplaced} do not fit: the model-parallel tables need {need / 1e9:.1f} GB of weights and "
-                    f"optimizer state, beside {self._fixed_memory.max() / 1e9:.1f} GB per rank of data-parallel and fixed "
+                    f"optimizer state, beside {self._fixed_memory.max() / 1e9:.1f} GB per rank "
+                    "of data-parallel and fixed "
                     f"tables, on {self.world_size} ranks of {self.cap / 1e9:.1f} GB"
                 )
             for n in growing:
@@ -323,7 +335,12 @@ class GreedySearch:
             if rank not in layout.used_ranks():
                 continue
             ms = self.cost.cell_ms(name, layout)
-            scored += [(-float(ms[r, c]), order, r, c) for r, row in enumerate(layout.ranks) for c, k in enumerate(row) if k == rank]
+            scored += [
+                (-float(ms[r, c]), order, r, c)
+                for r, row in enumerate(layout.ranks)
+                for c, k in enumerate(row)
+                if k == rank
+            ]
         scored.sort()
         return [(self.movable[o], r, c) for _, o, r, c in scored[: self.config.cells_per_rank]]
 

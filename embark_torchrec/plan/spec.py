@@ -77,7 +77,7 @@ class IdDistribution:
         e = np.asarray(edges)
         sizes = e[1:] - e[:-1]
         mid = e[:-1] + 1.0 + (sizes - 1.0) / 2.0  # 1-based middle row of each bucket
-        head_w, tail_w = head ** -self.alpha, mid ** -self.alpha
+        head_w, tail_w = head**-self.alpha, mid**-self.alpha
         norm = head_w.sum() + (tail_w * sizes).sum()
         hit = lambda w: -np.expm1(draws * np.log1p(-w / norm))  # noqa: E731
         return float(hit(head_w).sum() + (hit(tail_w) * sizes).sum())
@@ -233,7 +233,9 @@ class ModelSpec:
                     feature_names=tuple(cfg.feature_names),
                 )
             )
-        return cls(name=name, batch_size=batch_size, tables=tuple(tables), id_distribution=id_distribution or IdDistribution())
+        return cls(
+            name=name, batch_size=batch_size, tables=tuple(tables), id_distribution=id_distribution or IdDistribution()
+        )
 
 
 def _table_from_dict(t: Any, index: int) -> TableSpec:

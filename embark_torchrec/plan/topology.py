@@ -39,16 +39,31 @@ class Hardware:
 # use a similar work ratio). Dense cost: DCNv2's dense part on H100 at ~2 ms per 8k samples.
 PRESETS: dict[str, Hardware] = {
     "dgx-h100": Hardware(
-        name="dgx-h100", hbm_gb=80.0, hbm_reserve_gb=16.0, hbm_bw_gbps=3350.0 / 2, intra_node_bw_gbps=450.0,
-        inter_node_bw_gbps=50.0, dense_ms_per_ksample=0.25,
+        name="dgx-h100",
+        hbm_gb=80.0,
+        hbm_reserve_gb=16.0,
+        hbm_bw_gbps=3350.0 / 2,
+        intra_node_bw_gbps=450.0,
+        inter_node_bw_gbps=50.0,
+        dense_ms_per_ksample=0.25,
     ),
     "dgx-a100": Hardware(
-        name="dgx-a100", hbm_gb=80.0, hbm_reserve_gb=16.0, hbm_bw_gbps=2039.0 / 2, intra_node_bw_gbps=300.0,
-        inter_node_bw_gbps=25.0, dense_ms_per_ksample=0.5,
+        name="dgx-a100",
+        hbm_gb=80.0,
+        hbm_reserve_gb=16.0,
+        hbm_bw_gbps=2039.0 / 2,
+        intra_node_bw_gbps=300.0,
+        inter_node_bw_gbps=25.0,
+        dense_ms_per_ksample=0.5,
     ),
     "h200": Hardware(
-        name="h200", hbm_gb=141.0, hbm_reserve_gb=20.0, hbm_bw_gbps=4800.0 / 2, intra_node_bw_gbps=450.0,
-        inter_node_bw_gbps=50.0, dense_ms_per_ksample=0.2,
+        name="h200",
+        hbm_gb=141.0,
+        hbm_reserve_gb=20.0,
+        hbm_bw_gbps=4800.0 / 2,
+        intra_node_bw_gbps=450.0,
+        inter_node_bw_gbps=50.0,
+        dense_ms_per_ksample=0.2,
     ),
     # Gloo over loopback on a CPU box: what our CPU tests and the e2e benchmark run on. Measured by
     # benchmarks/calibrate_cpu.py with 4 ranks on this 2-core host (README, "The cost model"; medians
@@ -58,9 +73,17 @@ PRESETS: dict[str, Hardware] = {
     # work (de-duplication, routing, expansion) at ~320 ns per ID (UB against table-wise on IDs that
     # never repeat). The dense figure is not calibrated (it is the same for every plan).
     "cpu-gloo": Hardware(
-        name="cpu-gloo", hbm_gb=16.0, hbm_reserve_gb=4.0, hbm_bw_gbps=8.5, intra_node_bw_gbps=0.86,
-        inter_node_bw_gbps=0.86, dense_ms_per_ksample=50.0, unique_ns_per_id=320.0, collective_us=750.0,
-        lookup_ns_per_id=27.0, host_cores=2,
+        name="cpu-gloo",
+        hbm_gb=16.0,
+        hbm_reserve_gb=4.0,
+        hbm_bw_gbps=8.5,
+        intra_node_bw_gbps=0.86,
+        inter_node_bw_gbps=0.86,
+        dense_ms_per_ksample=50.0,
+        unique_ns_per_id=320.0,
+        collective_us=750.0,
+        lookup_ns_per_id=27.0,
+        host_cores=2,
     ),
 }
 DEFAULT_HARDWARE = "dgx-h100"
@@ -85,9 +108,7 @@ class Topology:
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if self.local_world_size < 1 or self.world_size % self.local_world_size:
-            raise ValueError(
-                f"local_world_size {self.local_world_size} must divide world_size {self.world_size}"
-            )
+            raise ValueError(f"local_world_size {self.local_world_size} must divide world_size {self.world_size}")
 
     @property
     def num_nodes(self) -> int:

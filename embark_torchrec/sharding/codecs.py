@@ -64,7 +64,10 @@ class Fp8RowwiseCodec:
             q = (rows / scale.unsqueeze(1)).to(torch.float8_e4m3fn).view(torch.uint8).reshape(-1)
         else:
             widths, _ = self._row_widths(segments, x.device)
-            scale = torch.segment_reduce(x.abs(), "max", lengths=widths).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX
+            scale = (
+                torch.segment_reduce(x.abs(), "max", lengths=widths).clamp(min=torch.finfo(torch.float32).tiny)
+                / FP8_MAX
+            )
             q = (x / scale.repeat_interleave(widths, output_size=x.numel())).to(torch.float8_e4m3fn).view(torch.uint8)
         scale_bytes = scale.view(torch.uint8)
         elems = [sum(e for e, _ in segs) for segs in peers]
@@ -102,7 +105,9 @@ class TorchRecCodec:
     row_wise = False
 
     def __init__(self, precision: str) -> None:
-        config = QCommsConfig(forward_precision=_TORCHREC_TYPES[precision], backward_precision=_TORCHREC_TYPES[precision])
+        config = QCommsConfig(
+            forward_precision=_TORCHREC_TYPES[precision], backward_precision=_TORCHREC_TYPES[precision]
+        )
         self._codec = get_qcomm_codecs(config).forward
         self.wire_precision = precision
         self.quantized_dtype = self._codec.quantized_dtype

@@ -45,14 +45,23 @@ class _Exchange:
         self.buffer: Optional[torch.Tensor] = None
         self.dummy = torch.empty(1, device=device, requires_grad=True)
 
-    def start(self, x: torch.Tensor, send: Sequence[Sequence[Segment]], recv: Sequence[Sequence[Segment]], codec: Any, backward: bool) -> None:
+    def start(
+        self,
+        x: torch.Tensor,
+        send: Sequence[Sequence[Segment]],
+        recv: Sequence[Sequence[Segment]],
+        codec: Any,
+        backward: bool,
+    ) -> None:
         payload = encode(codec, x.contiguous(), send)
         send_sizes = [encoded_size(codec, segs) for segs in send]
         recv_sizes = [encoded_size(codec, segs) for segs in recv]
         if self.on_send is not None:
             self.on_send(payload, send_sizes, recv_sizes, backward)
         self.buffer = payload.new_empty(sum(recv_sizes))
-        self.work = dist.all_to_all_single(self.buffer, payload, recv_sizes, send_sizes, group=self.group, async_op=True)
+        self.work = dist.all_to_all_single(
+            self.buffer, payload, recv_sizes, send_sizes, group=self.group, async_op=True
+        )
 
     def finish(self, recv: Sequence[Sequence[Segment]], codec: Any) -> torch.Tensor:
         assert self.work is not None and self.buffer is not None

@@ -2,7 +2,7 @@
 
 `enable_comm_stats(model)` turns counting on for every EmbarkShardedEmbeddingBagCollection in a
 model and returns this rank's `CommStats`. Our own collectives (hierarchical reduction, unique-based
-dists) record each call's bytes per peer, cluster, table and kind; the TorchRec all-to-alls our
+dists) record each call's bytes per peer, sharding type, table and kind; the TorchRec all-to-alls our
 grid borrows, and TorchRec's own shardings run by our sharder (table-wise, column-wise, row-wise,
 table-row-wise), are counted by hooks (torchrec_counting.py). Off by default: a dist that is not
 counting pays one `is None` check.
@@ -30,13 +30,13 @@ _DIRECTIONS = ("sent", "received")
 
 @dataclass(frozen=True)
 class CommKey:
-    cluster: str
+    sharding_type: str  # the sharding group's type string, e.g. "table_wise", "embark_ub:fp16-fp16"
     table: str
     kind: str
 
 
 class CommStats:
-    """This rank's bytes, kept per (cluster, table, kind) as per-peer sent/received arrays."""
+    """This rank's bytes, kept per (sharding type, table, kind) as per-peer sent/received arrays."""
 
     def __init__(self, rank: int, world_size: int, local_world_size: int) -> None:
         self.rank, self.world_size, self.local_world_size = rank, world_size, local_world_size
@@ -54,11 +54,13 @@ class CommStats:
         for source in self._sources:
             source.flush()
 
-    def record(self, cluster: str, table: str, kind: str, sent: Sequence[float], received: Sequence[float]) -> None:
+    def record(
+        self, sharding_type: str, table: str, kind: str, sent: Sequence[float], received: Sequence[float]
+    ) -> None:
         """Bytes sent to and received from each global rank (index = rank) in one collective."""
         if kind not in KINDS:
             raise ValueError(f"unknown communication kind {kind!r}; known: {KINDS}")
-        key = CommKey(cluster, table, kind)
+        key = CommKey(sharding_type, table, kind)
         entry = self._bytes.get(key)
         if entry is None:
             entry = self._bytes[key] = np.zeros((2, self.world_size))
@@ -73,10 +75,10 @@ class CommStats:
 
     def keys(self) -> List[CommKey]:
         self._flush()
-        return sorted(self._bytes, key=lambda k: (k.cluster, k.table, KINDS.index(k.kind)))
+        return sorted(self._bytes, key=lambda k: (k.sharding_type, k.table, KINDS.index(k.kind)))
 
     def per_peer(self, key: CommKey) -> np.ndarray:
-        """[2, world_size] bytes sent to / received from each rank for one (cluster, table, kind)."""
+        """[2, world_size] bytes sent to / received from each rank for one (sharding type, table, kind)."""
         self._flush()
         return self._bytes.get(key, np.zeros((2, self.world_size))).copy()
 
@@ -95,17 +97,20 @@ class CommStats:
         return out
 
     def by(self, field: str) -> Dict[str, Dict[str, int]]:
-        """totals() grouped by "cluster", "table" or "kind"."""
+        """totals() grouped by "sharding_type", "table" or "kind"."""
         groups: Dict[str, List[CommKey]] = {}
         for key in self.keys():
             groups.setdefault(getattr(key, field), []).append(key)
         return {name: self.totals(keys) for name, keys in groups.items()}
 
     def render(self) -> str:
-        """A table of this rank's bytes per cluster, table and kind."""
-        head = f"{'cluster':<26} {'table':<14} {'kind':<10} {'sent':>13} {'received':>13} {'inter sent':>13} {'inter recv':>13}"
+        """A table of this rank's bytes per sharding type, table and kind."""
+        head = (
+            f"{'sharding type':<26} {'table':<14} {'kind':<10} {'sent':>13} {'received':>13} "
+            f"{'inter sent':>13} {'inter recv':>13}"
+        )
         lines = [f"communication bytes of rank {self.rank}", head, "-" * len(head)]
-        rows = [(f"{k.cluster:<26} {k.table:<14} {k.kind:<10}", self.totals([k])) for k in self.keys()]
+        rows = [(f"{k.sharding_type:<26} {k.table:<14} {k.kind:<10}", self.totals([k])) for k in self.keys()]
         rows.append((f"{'total':<52}", self.totals()))
         for label, t in rows:
             lines.append(
@@ -116,10 +121,10 @@ class CommStats:
 
 class CountsComm:
     """Mixin of our dists that record their own collectives: `comm_stats` is set by
-    enable_comm_stats (None: off); `comm_cluster` names the sharding type."""
+    enable_comm_stats (None: off); `comm_sharding_type` names the sharding type."""
 
     comm_stats: Optional[CommStats] = None
-    comm_cluster: str = ""
+    comm_sharding_type: str = ""
 
 
 def per_peer_bytes(world_size: int, peers: Sequence[int], nbytes: Sequence[float]) -> np.ndarray:
@@ -144,7 +149,9 @@ def enable_comm_stats(model: torch.nn.Module) -> CommStats:
 
     modules = [m for m in model.modules() if isinstance(m, EmbarkShardedEmbeddingBagCollection)]
     if not modules:
-        raise ValueError("the model has no EmbarkShardedEmbeddingBagCollection: shard it with EmbarkEmbeddingBagCollectionSharder")
+        raise ValueError(
+            "the model has no EmbarkShardedEmbeddingBagCollection: shard it with EmbarkEmbeddingBagCollectionSharder"
+        )
     stats = next((m.comm_stats for m in modules if m.comm_stats is not None), None) or modules[0].new_comm_stats()
     for module in modules:
         module.count_comm(stats)
@@ -166,10 +173,12 @@ def wire_bytes(codec: Any, elems: np.ndarray, rows: np.ndarray) -> np.ndarray:
 class Ledger:
     """Per table, the elements and rows one embedding all-to-all exchanges with each member of its
     group; recorded as "embeddings" when forward sends them and as "gradients" (the same messages
-    reversed) when backward does."""
+    reversed) when backward does, from the payload handed to the collective: record() checks that
+    the tables' bytes add up, member by member, to what is sent and received, and refuses to
+    count otherwise."""
 
-    def __init__(self, stats: CommStats, cluster: str, peers: Sequence[int]) -> None:
-        self._stats, self._cluster, self._peers = stats, cluster, list(peers)
+    def __init__(self, stats: CommStats, sharding_type: str, peers: Sequence[int]) -> None:
+        self._stats, self._sharding_type, self._peers = stats, sharding_type, list(peers)
         self._blocks: Dict[str, np.ndarray] = {}  # [4, members]: sent elems, sent rows, received elems, received rows
 
     def add(self, table: str, member: int, received: bool, elems: float, rows: float) -> None:
@@ -180,7 +189,13 @@ class Ledger:
         block[2 * received + 1, member] += rows
 
     def add_many(
-        self, tables: Sequence[str], table: np.ndarray, member: np.ndarray, received: bool, elems: np.ndarray, rows: np.ndarray
+        self,
+        tables: Sequence[str],
+        table: np.ndarray,
+        member: np.ndarray,
+        received: bool,
+        elems: np.ndarray,
+        rows: np.ndarray,
     ) -> None:
         """add() for many (table index into `tables`, member) pairs at once."""
         for t in np.unique(table).tolist():
@@ -195,14 +210,36 @@ class Ledger:
         for table, width in widths.items():
             self.add(table, member, received, rows * width, rows)
 
-    def record(self, codec: Any, backward: bool) -> None:
+    def record(
+        self,
+        codec: Any,
+        backward: bool,
+        element_bytes: int,
+        send_sizes: Optional[Sequence[int]],
+        recv_sizes: Optional[Sequence[int]] = None,
+    ) -> None:
+        """Counts one direction of the exchange, checked against the payload handed to the
+        all-to-all where the caller sees it: its elements per member sent and received, of
+        `element_bytes` each on the wire."""
         world = self._stats.world_size
+        per_table = []
         for table, b in self._blocks.items():
             sent, received = wire_bytes(codec, b[0], b[1]), wire_bytes(codec, b[2], b[3])
-            if backward:
-                sent, received = received, sent
+            per_table.append((table, *((received, sent) if backward else (sent, received))))
+        for side, name, sizes in ((1, "sent", send_sizes), (2, "received", recv_sizes)):
+            if sizes is None:
+                continue
+            measured = np.asarray(sizes, dtype=np.float64) * element_bytes
+            tables = sum((entry[side] for entry in per_table), np.zeros(len(self._peers)))
+            if not np.array_equal(tables, measured):
+                raise RuntimeError(
+                    f"{self._sharding_type}: the {'gradients' if backward else 'embeddings'} {name} per member, "
+                    f"{measured.tolist()} bytes, are not the tables' {tables.tolist()}: byte counting is out of "
+                    "step with what the all-to-all carries"
+                )
+        for table, sent, received in per_table:
             self._stats.record(
-                self._cluster,
+                self._sharding_type,
                 table,
                 "gradients" if backward else "embeddings",
                 per_peer_bytes(world, self._peers, sent),

@@ -153,7 +153,9 @@ class GridSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         )
         self._block_sizes = torch.tensor([max(1, -(-rows // buckets)) for rows in table_rows], device=device)
         self._mean = torch.tensor(mean, device=device)
-        self._route_rows = torch.tensor([r.row_slice * n_features + r.feature for r in routes], dtype=torch.int32, device=device)
+        self._route_rows = torch.tensor(
+            [r.row_slice * n_features + r.feature for r in routes], dtype=torch.int32, device=device
+        )
         self._dist = KJTAllToAll(pg=pg, splits=features_per_rank)
 
     def _cut(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
@@ -182,7 +184,9 @@ class GridSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         return self._dist(self._cut(sparse_features))
 
 
-def batch_per_rank(local_embs: torch.Tensor, sharding_ctx: Optional[EmbeddingShardingContext], world_size: int) -> List[int]:
+def batch_per_rank(
+    local_embs: torch.Tensor, sharding_ctx: Optional[EmbeddingShardingContext], world_size: int
+) -> List[int]:
     """Each rank's batch size: from the input dist's context, or equal parts of the lookup output."""
     if sharding_ctx is not None and sharding_ctx.batch_size_per_rank:
         return list(sharding_ctx.batch_size_per_rank)
@@ -198,7 +202,8 @@ def _ledger_hook(ledger: Optional[Ledger], codecs: Optional[QuantizedCommCodecs]
         return None
 
     def on_send(payload: torch.Tensor, send_sizes: List[int], recv_sizes: List[int], backward: bool) -> None:
-        ledger.record((codecs.backward if backward else codecs.forward) if codecs else None, backward=backward)
+        codec = (codecs.backward if backward else codecs.forward) if codecs else None
+        ledger.record(codec, backward, payload.element_size(), send_sizes, recv_sizes)
 
     return on_send
 
@@ -227,7 +232,7 @@ class GridPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.
         if self.comm_stats is None:
             return None
         here = batch[self._rank]
-        ledger = Ledger(self.comm_stats, self.comm_cluster, list(range(self._world_size)))
+        ledger = Ledger(self.comm_stats, self.comm_sharding_type, list(range(self._world_size)))
         for k in range(self._world_size):
             ledger.add_columns(self._widths[self._rank], k, False, batch[k])
             ledger.add_columns(self._widths[k], k, True, here)
@@ -241,7 +246,13 @@ class GridPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.
         send = [[(b * dim, dim)] for b in batch]
         recv = [[(here * d, d)] for d in self._dims]
         awaitable = all_to_all(
-            local_embs.reshape(-1), send, recv, self._pg, self._codecs, self._world_size, _ledger_hook(self._ledger(batch), self._codecs)
+            local_embs.reshape(-1),
+            send,
+            recv,
+            self._pg,
+            self._codecs,
+            self._world_size,
+            _ledger_hook(self._ledger(batch), self._codecs),
         )
         dims = self._dims
 
@@ -253,7 +264,9 @@ class GridPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.
         return awaitable
 
 
-class HierarchicalPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.Tensor, torch.Tensor], CountsComm):
+class HierarchicalPooledEmbeddingDist(
+    BaseEmbeddingDist[EmbeddingShardingContext, torch.Tensor, torch.Tensor], CountsComm
+):
     """Partial sums reduced inside each node first, then once across nodes (EMBark's hierarchical RB).
 
     Stage 1, intra-node all-to-all: for destination j, every rank sends its partial sums to the rank
@@ -314,11 +327,11 @@ class HierarchicalPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext
         lws = self._lws
         node, local = divmod(self._rank, lws)
         mine = sum(batch_per_rank[d] for d in self._routed[local])
-        intra = Ledger(self.comm_stats, self.comm_cluster, self._intra_peers)
+        intra = Ledger(self.comm_stats, self.comm_sharding_type, self._intra_peers)
         for m, routed in enumerate(self._routed):
             intra.add_columns(self._rank_widths[self._rank], m, False, sum(batch_per_rank[d] for d in routed))
             intra.add_columns(self._rank_widths[node * lws + m], m, True, mine)
-        cross = Ledger(self.comm_stats, self.comm_cluster, self._cross_peers)
+        cross = Ledger(self.comm_stats, self.comm_sharding_type, self._cross_peers)
         for n, d in enumerate(self._routed[local]):
             cross.add_columns(self._node_table_widths[node], n, False, batch_per_rank[d])
             cross.add_columns(self._node_table_widths[n], n, True, batch_per_rank[self._rank])
@@ -523,7 +536,9 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
                 cell = self._cells[v]
                 start = offsets[cell.feature] + cell.col_start
                 target.extend(range(start, start + width))
-            targets_per_rank.append(torch.tensor(target, dtype=torch.int64))  # host-side layout; the dists keep what they need on `device`
+            targets_per_rank.append(
+                torch.tensor(target, dtype=torch.int64)
+            )  # host-side layout; the dists keep what they need on `device`
         registry = self.qcomm_codecs_registry or {}
         if self._hierarchical:
             return HierarchicalPooledEmbeddingDist(

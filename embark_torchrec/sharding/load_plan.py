@@ -46,7 +46,9 @@ def load_plan(
         spec = ModelSpec.from_module(ebc, batch_size=loaded.world_size)
         for t in spec.tables:
             if t.name in owners:
-                raise PlanError(f"table {t.name!r} is in two collections ({owners[t.name]!r} and {path!r}); plan files name tables")
+                raise PlanError(
+                    f"table {t.name!r} is in two collections ({owners[t.name]!r} and {path!r}); plan files name tables"
+                )
             owners[t.name] = path
         missing = [t.name for t in spec.tables if t.name not in loaded.tables]
         if missing:

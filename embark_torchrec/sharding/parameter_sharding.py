@@ -21,10 +21,16 @@ def module_sharding_plan(plan: Plan, spec: ModelSpec, compute_device: str = "cud
         layout = plan[t.name]
         kind = sharding_type(layout, t.rows, plan.world_size, lws)
         if kind == DATA_PARALLEL:
-            out[t.name] = ParameterSharding(sharding_type=kind, compute_kernel="dense", ranks=list(range(plan.world_size)))
+            out[t.name] = ParameterSharding(
+                sharding_type=kind, compute_kernel="dense", ranks=list(range(plan.world_size))
+            )
             continue
         shards = list(layout.shards())
-        device = (lambda k: f"rank:{k}/cuda:{k % lws}") if compute_device == "cuda" else (lambda k: f"rank:{k}/{compute_device}")
+        device = (
+            (lambda k: f"rank:{k}/cuda:{k % lws}")
+            if compute_device == "cuda"
+            else (lambda k: f"rank:{k}/{compute_device}")
+        )
         metadata = [
             ShardMetadata(
                 shard_offsets=[s.rows[0], s.cols[0]],

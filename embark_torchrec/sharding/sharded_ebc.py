@@ -22,6 +22,7 @@ from .torchrec_counting import KJTCounter, count_borrowed_dists
 from .unique import UniquePooledEmbeddingSharding, UniqueShardingContext, UniqueSparseFeaturesDist
 from .validation import InputValidator
 
+
 class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     """torchrec builds one EmbeddingSharding per distinct sharding-type string, so each EMBark
     cluster variant (one string) gets its own dists; built-in strings go to torchrec.
@@ -45,12 +46,16 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             invalid_ids,
         )
         self._unique_shardings = [
-            (i, sharding) for i, sharding in enumerate(self._embedding_shardings) if isinstance(sharding, UniquePooledEmbeddingSharding)
+            (i, sharding)
+            for i, sharding in enumerate(self._embedding_shardings)
+            if isinstance(sharding, UniquePooledEmbeddingSharding)
         ]
         if self._has_mean_pooling_callback:
             divided = set(self._pooling_type_to_rs_features[PoolingType.MEAN.value])
             features = [f for sharding in self._embedding_shardings for f in sharding.feature_names()]
-            self._pooling_type_to_rs_features[PoolingType.SUM.value] = [f for f in dict.fromkeys(features) if f not in divided]
+            self._pooling_type_to_rs_features[PoolingType.SUM.value] = [
+                f for f in dict.fromkeys(features) if f not in divided
+            ]
 
     @classmethod
     def create_embedding_bag_sharding(
@@ -64,15 +69,23 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         sharding_type = sharding_infos[0].param_sharding.sharding_type
         if not sharding_type.startswith(SHARDING_TYPE_PREFIX):
             return super().create_embedding_bag_sharding(
-                sharding_infos, env, device, permute_embeddings=permute_embeddings, qcomm_codecs_registry=qcomm_codecs_registry
+                sharding_infos,
+                env,
+                device,
+                permute_embeddings=permute_embeddings,
+                qcomm_codecs_registry=qcomm_codecs_registry,
             )
         cluster, hierarchical, precision = parse_sharding_type(sharding_type)
         codecs = wire_codecs(precision)
         if cluster == "ub":
             return UniquePooledEmbeddingSharding(sharding_infos, env, device, qcomm_codecs_registry=codecs)
-        return GridPooledEmbeddingSharding(sharding_infos, env, device, qcomm_codecs_registry=codecs, hierarchical=hierarchical)
+        return GridPooledEmbeddingSharding(
+            sharding_infos, env, device, qcomm_codecs_registry=codecs, hierarchical=hierarchical
+        )
 
-    def input_dist(self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor) -> Awaitable[Awaitable[KJTList]]:
+    def input_dist(
+        self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor
+    ) -> Awaitable[Awaitable[KJTList]]:
         """The batch checked (validation.py), then torchrec's input dist; then each UB dist's
         de-duplication state goes into this batch's context, where its output dist finds it
         (pipelined batches each carry their own)."""
@@ -115,10 +128,12 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def _count_dists(self, dists: Any) -> None:
         assert self.comm_stats is not None
         feature_table = {f: c.name for c in self._embedding_bag_configs for f in c.feature_names}
-        for i, (sharding_type, sharding, dist_module) in enumerate(zip(self._sharding_types, self._embedding_shardings, dists)):
+        for i, (sharding_type, sharding, dist_module) in enumerate(
+            zip(self._sharding_types, self._embedding_shardings, dists)
+        ):
             for m in dist_module.modules():
                 if isinstance(m, CountsComm):
-                    m.comm_stats, m.comm_cluster = self.comm_stats, sharding_type
+                    m.comm_stats, m.comm_sharding_type = self.comm_stats, sharding_type
             counter = count_borrowed_dists(sharding, dist_module, self.comm_stats, sharding_type, feature_table)
             if counter is not None:
                 self._kjt_counters[i] = counter
@@ -134,7 +149,9 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         if self._unique_shardings:
             features = list(input)
             for i, sharding in self._unique_shardings:
-                features[i], ctx.sharding_contexts[i].received_counts = sharding.lookup_input(features[i], self._lookups[i], self._unique_lookup)
+                features[i], ctx.sharding_contexts[i].received_counts = sharding.lookup_input(
+                    features[i], self._lookups[i], self._unique_lookup
+                )
             input = KJTList(features)
         return super().compute_and_output_dist(ctx, input)
 
@@ -161,7 +178,8 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                         source = incoming.get(tuple(offsets))
                     if source is None or tuple(source.shape) != tuple(sizes):
                         raise ValueError(
-                            f"table {table!r}: the state dict has no shard of shape {list(sizes)} at offsets {list(offsets)} "
+                            f"table {table!r}: the state dict has no shard of shape {list(sizes)} "
+                            f"at offsets {list(offsets)} "
                             "for this rank; was it saved with another plan? load it with torch.distributed.checkpoint"
                         )
                     shard.tensor.copy_(source)

@@ -36,8 +36,8 @@ class KJTCounter:
     IDs per key and peer are summed on the device, step after step, and read (one host sync) only
     when the statistics are (flush, called by CommStats); bag counts are known on the host."""
 
-    def __init__(self, a2a: KJTAllToAll, stats: CommStats, cluster: str, feature_table: Dict[str, str]) -> None:
-        self._stats, self._cluster, self._feature_table = stats, cluster, feature_table
+    def __init__(self, a2a: KJTAllToAll, stats: CommStats, sharding_type: str, feature_table: Dict[str, str]) -> None:
+        self._stats, self._sharding_type, self._feature_table = stats, sharding_type, feature_table
         self._peers = group_ranks(a2a._pg)
         self._splits: List[int] = list(a2a._splits)
         self._peer_of_key = np.repeat(np.arange(len(self._peers)), self._splits)
@@ -63,7 +63,7 @@ class KJTCounter:
         labels = 3 + (sent.weights_or_none() is not None)  # lengths, values, [weights,] and the batch size
         meta = np.zeros(self._stats.world_size)
         meta[self._peers] = labels * 8.0
-        self._stats.record(self._cluster, ALL_TABLES, "metadata", meta, meta)
+        self._stats.record(self._sharding_type, ALL_TABLES, "metadata", meta, meta)
 
     def record_received(self, received: KeyedJaggedTensor, stride_per_rank: Optional[List[int]]) -> None:
         """The all-to-all's output: per key, one segment of bags from each peer."""
@@ -73,7 +73,9 @@ class KJTCounter:
             return
         strides = list(stride_per_rank) if stride_per_rank else [received.stride() // n] * n
         ends = np.cumsum(np.tile(strides, len(keys)))
-        cumulative = torch.cat([received.lengths().new_zeros(1, dtype=torch.int64), torch.cumsum(received.lengths().long(), 0)])
+        cumulative = torch.cat(
+            [received.lengths().new_zeros(1, dtype=torch.int64), torch.cumsum(received.lengths().long(), 0)]
+        )
         bounds = torch.tensor(np.concatenate([[0], ends]), device=cumulative.device)
         ids = cumulative[bounds[1:]] - cumulative[bounds[:-1]]
         self._received = ids if self._received is None else self._received + ids
@@ -111,22 +113,24 @@ class KJTCounter:
         if self._weight_bytes:
             self._add(per_table, key, "weights", direction, peer, ids * self._weight_bytes)
 
-    def _add(self, per_table: Dict[tuple, np.ndarray], key: str, kind: str, direction: int, peer: int, nbytes: float) -> None:
+    def _add(
+        self, per_table: Dict[tuple, np.ndarray], key: str, kind: str, direction: int, peer: int, nbytes: float
+    ) -> None:
         table = self._feature_table[base_feature(key)]
         arr = per_table.setdefault((table, kind), np.zeros((2, self._stats.world_size)))
         arr[direction, self._peers[peer]] += nbytes
 
     def _flush_bytes(self, per_table: Dict[tuple, np.ndarray]) -> None:
         for (table, kind), arr in per_table.items():
-            self._stats.record(self._cluster, table, kind, arr[0], arr[1])
+            self._stats.record(self._sharding_type, table, kind, arr[0], arr[1])
 
 
 class _PooledCounter:
     """What the pooled collectives' counters share: the group's members and the codecs. Messages go
     into a comm_stats.Ledger, which records them as embeddings and, reversed, as gradients."""
 
-    def __init__(self, module: Any, stats: CommStats, cluster: str) -> None:
-        self._stats, self._cluster = stats, cluster
+    def __init__(self, module: Any, stats: CommStats, sharding_type: str) -> None:
+        self._stats, self._sharding_type = stats, sharding_type
         self._peers = group_ranks(module._pg)
         self._me = self._peers.index(stats.rank)
         codecs = module._codecs
@@ -137,9 +141,18 @@ class _PooledCounter:
         n = len(self._peers)
         return list(given) if given else [local_embs.size(0) // n] * n
 
-    def _record(self, ledger: Ledger) -> None:
-        ledger.record(self._codecs[0], backward=False)
-        ledger.record(self._codecs[1], backward=True)
+    def _record(self, ledger: Ledger, local_embs: torch.Tensor, rows: List[int]) -> None:
+        """Both directions; the forward message each member gets is checked against the rows of
+        `local_embs` it is handed (the gradients coming back are the same messages reversed,
+        inside TorchRec's autograd function, out of our sight)."""
+        sent = [r * local_embs.size(1) for r in rows]
+        for backward, codec in ((False, self._codecs[0]), (True, self._codecs[1])):
+            element = (
+                torch.empty(0, dtype=codec.quantized_dtype).element_size()
+                if codec is not None
+                else local_embs.element_size()
+            )
+            ledger.record(codec, backward, element, None if backward else sent)
 
 
 class PooledAllToAllCounter(_PooledCounter):
@@ -147,18 +160,22 @@ class PooledAllToAllCounter(_PooledCounter):
     gradients mirror them (recorded at forward time, see comm_stats)."""
 
     def __init__(
-        self, a2a: PooledEmbeddingsAllToAll, stats: CommStats, cluster: str, table_widths_per_rank: List[Dict[str, int]]
+        self,
+        a2a: PooledEmbeddingsAllToAll,
+        stats: CommStats,
+        sharding_type: str,
+        table_widths_per_rank: List[Dict[str, int]],
     ) -> None:
-        super().__init__(a2a, stats, cluster)
+        super().__init__(a2a, stats, sharding_type)
         self._widths = table_widths_per_rank
 
     def __call__(self, module: PooledEmbeddingsAllToAll, args: Any, kwargs: Any) -> None:
         batch = self._rows(args[0], kwargs.get("batch_size_per_rank") or (args[1] if len(args) > 1 else None))
-        ledger = Ledger(self._stats, self._cluster, self._peers)
+        ledger = Ledger(self._stats, self._sharding_type, self._peers)
         for i in range(len(self._peers)):
             ledger.add_columns(self._widths[self._me], i, False, batch[i])
             ledger.add_columns(self._widths[i], i, True, batch[self._me])
-        self._record(ledger)
+        self._record(ledger, args[0], batch)
 
 
 class ReduceScatterCounter(_PooledCounter):
@@ -169,11 +186,11 @@ class ReduceScatterCounter(_PooledCounter):
         local_embs = args[0]
         rows = self._rows(local_embs, kwargs.get("input_splits") or (args[1] if len(args) > 1 else None))
         columns = {ALL_TABLES: local_embs.size(1)}
-        ledger = Ledger(self._stats, self._cluster, self._peers)
+        ledger = Ledger(self._stats, self._sharding_type, self._peers)
         for i in range(len(self._peers)):
             ledger.add_columns(columns, i, False, rows[i])
             ledger.add_columns(columns, i, True, rows[self._me])
-        self._record(ledger)
+        self._record(ledger, local_embs, rows)
 
 
 def table_widths_per_rank(sharding: Any, feature_table: Dict[str, str]) -> List[Dict[str, int]]:
@@ -189,7 +206,7 @@ def table_widths_per_rank(sharding: Any, feature_table: Dict[str, str]) -> List[
 
 
 def count_borrowed_dists(
-    sharding: Any, dist_module: torch.nn.Module, stats: CommStats, cluster: str, feature_table: Dict[str, str]
+    sharding: Any, dist_module: torch.nn.Module, stats: CommStats, sharding_type: str, feature_table: Dict[str, str]
 ) -> Optional[KJTCounter]:
     """Hooks the TorchRec collectives inside one of a sharding's dists (input or output); returns
     the KJT counter of an input dist, whose received side the caller records (KJTCounter).
@@ -204,14 +221,14 @@ def count_borrowed_dists(
     kjt_counter = None
     for m in dist_module.modules():
         if isinstance(m, KJTAllToAll):
-            kjt_counter = KJTCounter(m, stats, cluster, feature_table)
+            kjt_counter = KJTCounter(m, stats, sharding_type, feature_table)
             m.register_forward_hook(kjt_counter)
         elif isinstance(m, PooledEmbeddingsAllToAll):
             if hasattr(sharding, "_emb_dim_per_rank_per_feature") and len(group_ranks(m._pg)) == stats.world_size:
                 widths = table_widths_per_rank(sharding, feature_table)
             else:  # table-row-wise's cross-node hop: every column of the sharding
                 widths = [{ALL_TABLES: int(d)} for d in m._dim_sum_per_rank]
-            m.register_forward_pre_hook(PooledAllToAllCounter(m, stats, cluster, widths), with_kwargs=True)
+            m.register_forward_pre_hook(PooledAllToAllCounter(m, stats, sharding_type, widths), with_kwargs=True)
         elif isinstance(m, PooledEmbeddingsReduceScatter):
-            m.register_forward_pre_hook(ReduceScatterCounter(m, stats, cluster), with_kwargs=True)
+            m.register_forward_pre_hook(ReduceScatterCounter(m, stats, sharding_type), with_kwargs=True)
     return kjt_counter

@@ -43,10 +43,18 @@ def from_sharding_plan(sharding_plan: Any, topology: Topology, module_path: str 
             for m in ps.sharding_spec.shards
             if m.shard_sizes[0] > 0 and m.shard_sizes[1] > 0
         ]
-        entry: dict[str, Any] = {"cluster": "rb", "shards": shards, "hierarchical": ps.sharding_type in _HIERARCHICAL_TYPES}
+        entry: dict[str, Any] = {
+            "cluster": "rb",
+            "shards": shards,
+            "hierarchical": ps.sharding_type in _HIERARCHICAL_TYPES,
+        }
         if ps.sharding_type.startswith(SHARDING_TYPE_PREFIX):
             cluster, hierarchical, precision = parse_sharding_type(ps.sharding_type)
-            entry.update(cluster=cluster, hierarchical=hierarchical, precision={"forward": precision.forward, "backward": precision.backward})
+            entry.update(
+                cluster=cluster,
+                hierarchical=hierarchical,
+                precision={"forward": precision.forward, "backward": precision.backward},
+            )
         tables[name] = entry
     return Plan.from_dict(
         {

@@ -132,14 +132,18 @@ class UniqueLayout:
 class UniqueSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
     """De-duplicates per (feature, row slice) and sends each distinct ID once per holder."""
 
-    def __init__(self, pg: dist.ProcessGroup, layout: UniqueLayout, weighted: bool, mean: List[bool], device: torch.device) -> None:
+    def __init__(
+        self, pg: dist.ProcessGroup, layout: UniqueLayout, weighted: bool, mean: List[bool], device: torch.device
+    ) -> None:
         super().__init__()
         self._layout = layout
         self._weighted = weighted or any(mean)
         self._mean = torch.tensor(mean, device=device)
         self._key_start = torch.tensor(layout.key_start, dtype=torch.int64, device=device)
         first_group = [layout.group_feature.index(f) for f in range(len(layout.features))]
-        self._feature_key_start = torch.tensor([layout.key_start[g] for g in first_group], dtype=torch.int64, device=device)
+        self._feature_key_start = torch.tensor(
+            [layout.key_start[g] for g in first_group], dtype=torch.int64, device=device
+        )
         send_groups = [g for groups in layout.groups_on for g in groups]
         self._send_names = [layout.group_names[g] for g in send_groups]
         self._send_groups_host = np.asarray(send_groups, dtype=np.int64)
@@ -176,7 +180,12 @@ class UniqueSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         # the per-key lengths are known here: TorchRec's all-to-all need not read them off the device again
         per_key = np.asarray(group_counts, dtype=np.int64)[self._send_groups_host].tolist()
         send = KeyedJaggedTensor(
-            keys=self._send_names, values=send_values, lengths=send_lengths.reshape(-1), stride=1, length_per_key=per_key, stride_per_key=[1] * len(per_key)
+            keys=self._send_names,
+            values=send_values,
+            lengths=send_lengths.reshape(-1),
+            stride=1,
+            length_per_key=per_key,
+            stride_per_key=[1] * len(per_key),
         )
         return self._dist(send)
 
@@ -251,7 +260,9 @@ class _BagSum(torch.autograd.Function):
     backward sorts the IDs first and is several times slower on CPU)."""
 
     @staticmethod
-    def forward(ctx: Any, table: torch.Tensor, index: torch.Tensor, lengths: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
+    def forward(
+        ctx: Any, table: torch.Tensor, index: torch.Tensor, lengths: torch.Tensor, weights: Optional[torch.Tensor]
+    ) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(index, lengths, weights)
         ctx.rows = table.size(0)
         offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths.long())
@@ -271,7 +282,12 @@ class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.T
     """Sends each sender the vectors of its distinct IDs; the sender expands them into its bags."""
 
     def __init__(
-        self, pg: dist.ProcessGroup, layout: UniqueLayout, tables: List[str], device: torch.device, codecs: Optional[QuantizedCommCodecs] = None
+        self,
+        pg: dist.ProcessGroup,
+        layout: UniqueLayout,
+        tables: List[str],
+        device: torch.device,
+        codecs: Optional[QuantizedCommCodecs] = None,
     ) -> None:
         super().__init__()
         self._pg, self._layout, self._codecs = pg, layout, codecs
@@ -289,7 +305,11 @@ class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.T
         self._num_features = len(layout.features)
         self._dims = layout.dims
         # received blocks, in arrival order (holder, then its cells): group, width, first column
-        blocks = [(g, w, c.col_start) for k in range(world) for g, w, c in zip(layout.cell_group_on[k], layout.cell_widths_on[k], layout.cells_on[k])]
+        blocks = [
+            (g, w, c.col_start)
+            for k in range(world)
+            for g, w, c in zip(layout.cell_group_on[k], layout.cell_widths_on[k], layout.cells_on[k])
+        ]
         self._block_group = torch.tensor([b[0] for b in blocks], dtype=torch.int64, device=device)
         self._block_width = torch.tensor([b[1] for b in blocks], dtype=torch.int64, device=device)
         self._block_col = torch.tensor([b[2] for b in blocks], dtype=torch.int64, device=device)
@@ -304,7 +324,9 @@ class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.T
         table_index = {t: i for i, t in enumerate(dict.fromkeys(tables))}
         self._tables = list(table_index)
         feature_table = [table_index[tables[f]] for f in range(len(layout.features))]
-        self._cell_table = np.asarray([feature_table[layout.group_feature[g]] for g in layout.cell_group_on[me]], dtype=np.int64)
+        self._cell_table = np.asarray(
+            [feature_table[layout.group_feature[g]] for g in layout.cell_group_on[me]], dtype=np.int64
+        )
         self._block_table = np.asarray([feature_table[layout.group_feature[b[0]]] for b in blocks], dtype=np.int64)
         self._block_rank = np.asarray([k for k in range(world) for _ in layout.cell_group_on[k]], dtype=np.int64)
         self._block_group_host = np.asarray([b[0] for b in blocks], dtype=np.int64)
@@ -321,22 +343,30 @@ class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.T
             segments[m].append((r * w, w))
         return segments
 
-    def forward(self, local_embs: torch.Tensor, sharding_ctx: Optional[UniqueShardingContext] = None) -> Awaitable[torch.Tensor]:
+    def forward(
+        self, local_embs: torch.Tensor, sharding_ctx: Optional[UniqueShardingContext] = None
+    ) -> Awaitable[torch.Tensor]:
         if sharding_ctx is None or sharding_ctx.unique is None or sharding_ctx.received_counts is None:
-            raise RuntimeError("UniquePooledEmbeddingDist needs its batch's UniqueShardingContext (set by the sharded EBC)")
+            raise RuntimeError(
+                "UniquePooledEmbeddingDist needs its batch's UniqueShardingContext (set by the sharded EBC)"
+            )
         state, received = sharding_ctx.unique, sharding_ctx.received_counts
         world = self._world
         # what I send: per sender, per cell of mine, its distinct IDs' vectors (the lookup's order)
         per_cell = received[self._cell_pos]  # [cells, senders]
         cells = len(self._cell_pos)
-        send = self._segments(per_cell.T.reshape(-1), np.tile(self._cell_widths, world), np.repeat(np.arange(world), cells))
+        send = self._segments(
+            per_cell.T.reshape(-1), np.tile(self._cell_widths, world), np.repeat(np.arange(world), cells)
+        )
         # what I receive: per holder, per cell of its, the vectors of my distinct IDs
         counts = np.asarray(state.group_counts, dtype=np.int64)
         recv = self._segments(counts[self._block_group_host], self._block_width_host, self._block_rank)
         ledger = self._ledger(per_cell, counts) if self.comm_stats is not None else None
         if local_embs.dim() == 2:  # a padded lookup (see unique_lookup_input)
             local_embs = self._sender_major(local_embs, per_cell)
-        awaitable = all_to_all(local_embs.reshape(-1), send, recv, self._pg, self._codecs, world, _ledger_hook(ledger, self._codecs))
+        awaitable = all_to_all(
+            local_embs.reshape(-1), send, recv, self._pg, self._codecs, world, _ledger_hook(ledger, self._codecs)
+        )
         awaitable.callbacks.append(lambda vectors: self._expand(vectors, state))
         return awaitable
 
@@ -360,7 +390,9 @@ class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.T
         columns = np.tile(np.concatenate([[0], np.cumsum(self._cell_widths)])[:-1], world)
         elems = rows * widths
         n = int(elems.sum())
-        block = torch.arange(len(elems), device=device).repeat_interleave(torch.tensor(elems, device=device), output_size=n)
+        block = torch.arange(len(elems), device=device).repeat_interleave(
+            torch.tensor(elems, device=device), output_size=n
+        )
         offset = torch.arange(n, device=device) - torch.tensor(np.cumsum(elems) - elems, device=device)[block]
         width = torch.tensor(widths, device=device)[block]
         row = torch.tensor(first_row, device=device)[block] + torch.div(offset, width, rounding_mode="floor")
@@ -402,13 +434,22 @@ class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.T
     def _ledger(self, per_cell: np.ndarray, counts: np.ndarray) -> Ledger:
         """Vectors each way, per table and peer: what I send per cell and sender, what I receive per block."""
         assert self.comm_stats is not None
-        ledger = Ledger(self.comm_stats, self.comm_cluster, list(range(self._world)))
+        ledger = Ledger(self.comm_stats, self.comm_sharding_type, list(range(self._world)))
         world = self._world
         cells = len(self._cell_pos)
         rows = per_cell.reshape(-1)
-        ledger.add_many(self._tables, np.repeat(self._cell_table, world), np.tile(np.arange(world), cells), False, rows * np.repeat(self._cell_widths, world), rows)
+        ledger.add_many(
+            self._tables,
+            np.repeat(self._cell_table, world),
+            np.tile(np.arange(world), cells),
+            False,
+            rows * np.repeat(self._cell_widths, world),
+            rows,
+        )
         block_rows = counts[self._block_group_host]
-        ledger.add_many(self._tables, self._block_table, self._block_rank, True, block_rows * self._block_width_host, block_rows)
+        ledger.add_many(
+            self._tables, self._block_table, self._block_rank, True, block_rows * self._block_width_host, block_rows
+        )
         return ledger
 
 
@@ -432,16 +473,24 @@ class UniquePooledEmbeddingSharding(GridPooledEmbeddingSharding):
 
     def create_input_dist(self, device: Optional[torch.device] = None) -> BaseSparseFeaturesDist[KeyedJaggedTensor]:
         assert self._pg is not None
-        return UniqueSparseFeaturesDist(self._pg, self.unique_layout(), self._weighted, self._feature_mean, self.dist_device(device))
+        return UniqueSparseFeaturesDist(
+            self._pg, self.unique_layout(), self._weighted, self._feature_mean, self.dist_device(device)
+        )
 
     def create_output_dist(self, device: Optional[torch.device] = None) -> UniquePooledEmbeddingDist:  # type: ignore[override]
         assert self._pg is not None
         registry = self.qcomm_codecs_registry or {}
         return UniquePooledEmbeddingDist(
-            self._pg, self.unique_layout(), self._feature_tables, self.dist_device(device), registry.get(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name)
+            self._pg,
+            self.unique_layout(),
+            self._feature_tables,
+            self.dist_device(device),
+            registry.get(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name),
         )
 
-    def lookup_input(self, received: KeyedJaggedTensor, lookup: torch.nn.Module, mode: str) -> tuple[KeyedJaggedTensor, np.ndarray]:
+    def lookup_input(
+        self, received: KeyedJaggedTensor, lookup: torch.nn.Module, mode: str
+    ) -> tuple[KeyedJaggedTensor, np.ndarray]:
         """What this rank's lookup takes, from what its input dist received (unique_lookup_input);
         `mode` as the sharder's unique_lookup."""
         assert self._pg is not None
@@ -456,4 +505,6 @@ class UniquePooledEmbeddingSharding(GridPooledEmbeddingSharding):
                 )
             on_gpu = received.values().device.type == "cuda"
             variable_batch = self._variable_batch = mode == "variable_batch" or (mode == "auto" and capable and on_gpu)
-        return unique_lookup_input(received, self.unique_layout(), rank, self.feature_names_per_rank()[rank], variable_batch)
+        return unique_lookup_input(
+            received, self.unique_layout(), rank, self.feature_names_per_rank()[rank], variable_batch
+        )

@@ -34,7 +34,9 @@ class InputValidator:
     back at once. Per key order, the missing features and each key's table rows are worked out once.
     """
 
-    def __init__(self, feature_tables: Dict[str, str], table_rows: Dict[str, int], rank: int, invalid_ids: str = "raise") -> None:
+    def __init__(
+        self, feature_tables: Dict[str, str], table_rows: Dict[str, int], rank: int, invalid_ids: str = "raise"
+    ) -> None:
         if invalid_ids not in INVALID_ID_POLICIES:
             raise ValueError(f"invalid_ids must be one of {INVALID_ID_POLICIES}, got {invalid_ids!r}")
         self._feature_tables, self._table_rows = feature_tables, table_rows
@@ -48,8 +50,12 @@ class InputValidator:
             known = self._feature_tables
             missing = [f for f in known if f not in set(keys)]
             if missing:
-                raise InvalidInputError(f"rank {self._rank}: features {missing} are missing from the KeyedJaggedTensor (it has {keys})")
-            rows = self._rows[order] = torch.tensor([self._table_rows[known[k]] if k in known else -1 for k in keys], device=device)
+                raise InvalidInputError(
+                    f"rank {self._rank}: features {missing} are missing from the KeyedJaggedTensor (it has {keys})"
+                )
+            rows = self._rows[order] = torch.tensor(
+                [self._table_rows[known[k]] if k in known else -1 for k in keys], device=device
+            )
         return rows
 
     def __call__(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
@@ -72,7 +78,9 @@ class InputValidator:
         if not any_bad:
             return kjt
         if self._policy == "raise":
-            key_of = torch.repeat_interleave(torch.arange(len(keys), device=values.device), torch.tensor(per_key, device=values.device))
+            key_of = torch.repeat_interleave(
+                torch.arange(len(keys), device=values.device), torch.tensor(per_key, device=values.device)
+            )
             k = int(key_of[bad][0])
             feature = keys[k]
             sample = values[bad & (key_of == k)][:_SHOWN].tolist()

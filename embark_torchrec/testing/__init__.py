@@ -6,8 +6,6 @@
 * ``copy_global_weights`` / ``assert_matches_unsharded`` / ``assert_keyed_close``: sharded-vs-unsharded equality.
 * ``global_kjt_batch``: the same deterministic global batch on every rank, as per-rank slices.
 * ``HostWorkCounter``: counts a step's ops, host syncs and blocking collectives (host work a GPU step would wait on).
-* ``SyntheticData``: seeded DLRM batches (Zipf IDs, fixed multi-hot bags, a learnable label), a pure function of
-  (seed, step, rank); the DLRM example, the benchmarks and the tests train on it.
 """
 
 from embark_torchrec.testing.batches import global_kjt_batch
@@ -16,14 +14,12 @@ from embark_torchrec.testing.errors import RankError, RankFailure
 from embark_torchrec.testing.fake import fake_world
 from embark_torchrec.testing.host_work import HostWorkCounter
 from embark_torchrec.testing.processes import run_ranks
-from embark_torchrec.testing.synthetic import SyntheticData
 from embark_torchrec.testing.threads import threaded_ranks
 
 __all__ = [
     "HostWorkCounter",
     "RankError",
     "RankFailure",
-    "SyntheticData",
     "assert_keyed_close",
     "assert_matches_unsharded",
     "copy_global_weights",

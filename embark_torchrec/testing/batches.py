@@ -55,7 +55,9 @@ def global_kjt_batch(
         lengths[torch.rand(lengths.shape, generator=generator) < empty_fraction] = 0
         for index in range(len(features)):
             lengths[index, index % batch_size] = 0
-        values = [_draw(ids, rows, int(lengths[index].sum()), generator, name) for index, (name, rows) in enumerate(features)]
+        values = [
+            _draw(ids, rows, int(lengths[index].sum()), generator, name) for index, (name, rows) in enumerate(features)
+        ]
         flat = torch.cat(values) if values else torch.empty(0, dtype=torch.long)
         slices.append(
             KeyedJaggedTensor.from_lengths_sync(

@@ -59,7 +59,9 @@ def make_sharder(optimizer: str = "adagrad", lr: float = 0.1) -> EmbarkEmbedding
     )
 
 
-def embark_sharding_plan(tables: Sequence[EmbeddingBagConfig], layouts: Mapping[str, TableLayout], local_world_size: int) -> ShardingPlan:
+def embark_sharding_plan(
+    tables: Sequence[EmbeddingBagConfig], layouts: Mapping[str, TableLayout], local_world_size: int
+) -> ShardingPlan:
     """The ShardingPlan of an EMBark Plan made of `layouts` (CPU placements), for a SparseArch of `tables`."""
     ws = dist.get_world_size()
     meta = SparseArch(list(tables), False, torch.device("meta"))
@@ -128,7 +130,9 @@ def train_steps(
         batch = global_kjt_batch(list(tables), ws, batch_per_rank, seed=seed + 100 * step, ids=ids)[rank]
         gen = torch.Generator().manual_seed(seed + step)
         projection = {
-            f: torch.randn(ws, batch_per_rank, t.embedding_dim, generator=gen)[rank] for t in tables for f in t.feature_names
+            f: torch.randn(ws, batch_per_rank, t.embedding_dim, generator=gen)[rank]
+            for t in tables
+            for f in t.feature_names
         }
         dense.zero_grad()
         out = model(batch)
@@ -218,7 +222,9 @@ def gather_full(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         entries = [(r, per_rank[path]) for r, per_rank in enumerate(everyone) if path in per_rank]
         size, dtype, sharded, _ = entries[0][1]
         if any(e[:3] != (size, dtype, sharded) for _, e in entries):
-            raise AssertionError(f"{path}: ranks disagree on its global size, dtype or kind: {[e[:3] for _, e in entries]}")
+            raise AssertionError(
+                f"{path}: ranks disagree on its global size, dtype or kind: {[e[:3] for _, e in entries]}"
+            )
         if not sharded:
             first = entries[0][1][3][0][1]
             for r, (_, _, _, pieces) in entries:
@@ -233,7 +239,10 @@ def gather_full(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
                 _region(out, offsets, tensor.shape).copy_(tensor)
                 _region(count, offsets, tensor.shape).add_(1)
         if not bool((count == 1).all()):
-            raise AssertionError(f"{path}: shards cover {int((count == 0).sum())} elements never and {int((count > 1).sum())} more than once")
+            raise AssertionError(
+                f"{path}: shards cover {int((count == 0).sum())} elements never "
+                f"and {int((count > 1).sum())} more than once"
+            )
         full[path] = out
     return full
 
@@ -259,12 +268,17 @@ def compare_with_full(state: Mapping[str, Any], full: Mapping[str, torch.Tensor]
             differing += int((_bits(tensor) != _bits(saved)).sum())
             elements += tensor.numel()
             cells.append((list(offsets), list(tensor.shape)))
-        result[path] = {"differing": differing, "elements": elements, "cells": cells, "sharded": isinstance(value, ShardedTensor)}
+        result[path] = {
+            "differing": differing,
+            "elements": elements,
+            "cells": cells,
+            "sharded": isinstance(value, ShardedTensor),
+        }
     return result
 
 
 def _table_of(path: str) -> str:
-    """"model/ebc.embedding_bags.t.weight" (or "fused/.../t.momentum1", "dense/.../sum") -> "t"."""
+    """ "model/ebc.embedding_bags.t.weight" (or "fused/.../t.momentum1", "dense/.../sum") -> "t"."""
     return path.split("/")[1].split(".")[2]
 
 
@@ -289,7 +303,11 @@ def unsharded_steps(
             if path.startswith("model/"):
                 params[path[len("model/") :]].copy_(value)
     opt = torch.optim.Adagrad(list(params.values()), lr=lr, eps=ADAGRAD_EPS)
-    sums = {_table_of(p): v for p, v in full.items() if p.startswith("fused/") or (p.startswith("dense/") and p.endswith("/sum"))}
+    sums = {
+        _table_of(p): v
+        for p, v in full.items()
+        if p.startswith("fused/") or (p.startswith("dense/") and p.endswith("/sum"))
+    }
     step_of = {_table_of(p): v for p, v in full.items() if p.startswith("dense/") and p.endswith("/step")}
     for name, param in params.items():
         table = name.split(".")[2]
@@ -299,7 +317,11 @@ def unsharded_steps(
     for step in range(steps):
         batch = global_kjt_batch(list(tables), world_size, batch_per_rank, seed=seed + 100 * step, ids=ids)
         gen = torch.Generator().manual_seed(seed + step)
-        projection = {f: torch.randn(world_size, batch_per_rank, t.embedding_dim, generator=gen) for t in tables for f in t.feature_names}
+        projection = {
+            f: torch.randn(world_size, batch_per_rank, t.embedding_dim, generator=gen)
+            for t in tables
+            for f in t.feature_names
+        }
         opt.zero_grad()
         loss = torch.zeros(())
         for r in range(world_size):

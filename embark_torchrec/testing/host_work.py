@@ -107,7 +107,9 @@ def _is_sync(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[st
     if func is _aten._to_copy.default:  # t.to("cpu") / t.cpu() of a device tensor
         target = kwargs.get("device")
         return (
-            args[0].device.type != "cpu" and target is not None and torch.device(target) == _HOST
+            args[0].device.type != "cpu"
+            and target is not None
+            and torch.device(target) == _HOST
             and not kwargs.get("non_blocking", False)
         )
     if packet is _aten.copy_:  # host_tensor.copy_(device_tensor)
@@ -243,4 +245,3 @@ class HostWorkCounter(TorchDispatchMode):
             return fn(tensor)
 
         return tolist
-

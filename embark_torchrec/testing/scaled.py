@@ -52,9 +52,7 @@ def scaled_spec(
     """``spec`` at CPU size: a spread subset of at most ``max_tables`` tables, scaled rows and widths, the same
     pooling factors (hotness) and ID distributions, and a global batch of ``batch_size``."""
     tables = spread_subset(spec.tables, max_tables) if max_tables else spec.tables
-    small = tuple(
-        replace(t, rows=scaled_rows(t.rows, row_cap), dim=scaled_dim(t.dim, dim_divisor)) for t in tables
-    )
+    small = tuple(replace(t, rows=scaled_rows(t.rows, row_cap), dim=scaled_dim(t.dim, dim_divisor)) for t in tables)
     return replace(spec, name=f"{spec.name}-cpu", batch_size=batch_size, tables=small)
 
 

@@ -71,7 +71,9 @@ def sharded_model(
     plan = Plan(ws, local_world_size, dict(layouts))
     spec = ModelSpec.from_module(meta.ebc, batch_size=ws)
     sharder = EmbarkEmbeddingBagCollectionSharder(
-        fused_params={"optimizer": OPTIMIZERS[optimizer], "learning_rate": lr, "eps": ADAGRAD_EPS}, invalid_ids=invalid_ids, unique_lookup=unique_lookup
+        fused_params={"optimizer": OPTIMIZERS[optimizer], "learning_rate": lr, "eps": ADAGRAD_EPS},
+        invalid_ids=invalid_ids,
+        unique_lookup=unique_lookup,
     )
     return DistributedModelParallel(
         meta,
@@ -142,7 +144,9 @@ def compare_sharded_training(
         if dense_opt is not None:
             dense_opt.step()
         for k, v in out.items():
-            diffs[f"step{step}/{k}"] = max(diffs.get(f"step{step}/{k}", 0.0), float((v.detach() - ref_out_here[k]).abs().max()))
+            diffs[f"step{step}/{k}"] = max(
+                diffs.get(f"step{step}/{k}", 0.0), float((v.detach() - ref_out_here[k]).abs().max())
+            )
     state = reference.state_dict()
     for key, value in model.state_dict().items():
         if isinstance(value, ShardedTensor):

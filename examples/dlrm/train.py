@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,7 +39,6 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from tqdm import tqdm
 
 from embark_torchrec import EmbarkEmbeddingBagCollectionSharder, EmbarkPlanner, load_plan
@@ -54,7 +53,8 @@ from embark_torchrec.plan.topology import Topology, hardware_preset
 from embark_torchrec.sharding.comm_stats import enable_comm_stats
 from embark_torchrec.sharding.parameter_sharding import module_sharding_plan
 from embark_torchrec.sharding.torchrec_plans import from_sharding_plan, torchrec_constraints, torchrec_topology
-from embark_torchrec.testing import SyntheticData
+
+from dlrm_data import CriteoData, DataSource, SyntheticData  # the example's own data module, next to this file
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,6 @@ class Config:
     eval_batches: int = 20  # held-out batches per rank for AUROC
     profile_batches: int = 8  # rank 0's first training batches, measured for pooling and unique ratios
     pg_timeout_s: float = 120.0
-    # Criteo binary layout (torchrec's npy_preproc_criteo): one-hot, so one ID per sample per feature
-    criteo_heldout_fraction_of_last_day: float = 0.5  # torchrec's "test" half of the last day
 
 
 DEFAULTS = Config()
@@ -95,21 +93,31 @@ EBC_PATH = "model.sparse_arch.embedding_bag_collection"  # where DLRMTrain keeps
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     d = DEFAULTS
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--planner", choices=PLANNERS, default="embark")
     p.add_argument(
-        "--model", help="model spec file (JSON/YAML) or built-in name (dcnv2, t180, t200, t510); default: a CPU-sized DCNv2-shaped model"
+        "--model",
+        help="model spec file (JSON/YAML) or built-in name (dcnv2, t180, t200, t510); "
+        "default: a CPU-sized DCNv2-shaped model",
     )
     p.add_argument(
-        "--data", type=Path, help="directory of TorchRec's binary Criteo files day_<i>_{dense,sparse,labels}.npy; default: synthetic data"
+        "--data",
+        type=Path,
+        help="directory of TorchRec's binary Criteo files day_<i>_{dense,sparse,labels}.npy; default: synthetic data",
     )
     p.add_argument("--steps", type=int, default=d.steps, help="train until this global step")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="samples per rank per step")
     p.add_argument("--embedding-lr", type=float, default=d.embedding_lr)
     p.add_argument("--dense-lr", type=float, default=d.dense_lr)
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--local-world-size", type=int, help="ranks per simulated node (default: torchrun's LOCAL_WORLD_SIZE)")
-    p.add_argument("--hardware", help=f"planner hardware preset (default: {GPU_HARDWARE} on CUDA, {CPU_HARDWARE} on CPU)")
+    p.add_argument(
+        "--local-world-size", type=int, help="ranks per simulated node (default: torchrun's LOCAL_WORLD_SIZE)"
+    )
+    p.add_argument(
+        "--hardware", help=f"planner hardware preset (default: {GPU_HARDWARE} on CUDA, {CPU_HARDWARE} on CPU)"
+    )
     p.add_argument(
         "--wire-precision",
         choices=PRECISIONS,
@@ -122,10 +130,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=d.log_every, help="steps between samples/s and loss lines")
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="first steps left out of samples/s")
     p.add_argument("--eval-batches", type=int, default=d.eval_batches, help="held-out batches per rank for AUROC")
-    p.add_argument("--checkpoint-dir", type=Path, help="torch.distributed.checkpoint directory (a step_<n> folder per save)")
+    p.add_argument(
+        "--checkpoint-dir", type=Path, help="torch.distributed.checkpoint directory (a step_<n> folder per save)"
+    )
     p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in --checkpoint-dir")
-    p.add_argument("--pg-timeout-s", type=float, default=d.pg_timeout_s, help="process-group timeout (a dead rank fails the rest)")
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the latest complete checkpoint in --checkpoint-dir"
+    )
+    p.add_argument(
+        "--pg-timeout-s", type=float, default=d.pg_timeout_s, help="process-group timeout (a dead rank fails the rest)"
+    )
     args = p.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir")
@@ -154,11 +168,15 @@ def init_distributed(local_world_size: int | None, timeout_s: float) -> World:
         if world_size % local_world_size:
             raise SystemExit(f"--local-world-size {local_world_size} does not divide world size {world_size}")
         os.environ.update(
-            LOCAL_WORLD_SIZE=str(local_world_size), LOCAL_RANK=str(rank % local_world_size), GROUP_RANK=str(rank // local_world_size)
+            LOCAL_WORLD_SIZE=str(local_world_size),
+            LOCAL_RANK=str(rank % local_world_size),
+            GROUP_RANK=str(rank // local_world_size),
         )
     if torch.cuda.is_available():
         if device_index >= torch.cuda.device_count():
-            raise SystemExit(f"local rank {device_index} needs cuda:{device_index}, this node has {torch.cuda.device_count()} GPUs")
+            raise SystemExit(
+                f"local rank {device_index} needs cuda:{device_index}, this node has {torch.cuda.device_count()} GPUs"
+            )
         device = torch.device("cuda", device_index)
         torch.cuda.set_device(device)
         backend = "nccl"
@@ -177,8 +195,10 @@ def default_spec(num_tables: int = len(DEFAULTS.table_rows)) -> ModelSpec:
     """The CPU-sized DCNv2-shaped model; another table count spreads rows log-uniformly over the same range
     and cycles the pooling factors (e.g. 26 tables for Criteo's 26 categorical columns)."""
     d = DEFAULTS
-    rows = d.table_rows if num_tables == len(d.table_rows) else tuple(
-        int(r) for r in np.geomspace(min(d.table_rows), max(d.table_rows), num_tables).round(-2)
+    rows = (
+        d.table_rows
+        if num_tables == len(d.table_rows)
+        else tuple(int(r) for r in np.geomspace(min(d.table_rows), max(d.table_rows), num_tables).round(-2))
     )
     pools = [d.table_pooling[i % len(d.table_pooling)] for i in range(num_tables)]
     tables = tuple(TableSpec(f"t{i}", r, d.embedding_dim, float(p)) for i, (r, p) in enumerate(zip(rows, pools)))
@@ -193,74 +213,18 @@ def load_spec(model: str | None, one_hot_features: int | None) -> ModelSpec:
         spec = load_model_spec(model) if Path(model).exists() else builtin_model(model)
     dims = sorted({t.dim for t in spec.tables})
     if len(dims) != 1:
-        raise SystemExit(f"model {spec.name!r}: DLRM-DCNv2 needs one embedding dim for every table, the spec has {dims}")
+        raise SystemExit(
+            f"model {spec.name!r}: DLRM-DCNv2 needs one embedding dim for every table, the spec has {dims}"
+        )
     if one_hot_features is not None:
         features = sum(len(t.feature_names) for t in spec.tables)
         if features != one_hot_features:
-            raise SystemExit(f"model {spec.name!r} has {features} features, the Criteo files have {one_hot_features} categorical columns")
+            raise SystemExit(
+                f"model {spec.name!r} has {features} features, "
+                f"the Criteo files have {one_hot_features} categorical columns"
+            )
         spec = replace(spec, tables=tuple(replace(t, pooling=1.0) for t in spec.tables))
     return spec
-
-
-class DataSource(Protocol):
-    dense_features: int
-
-    def batch(self, step: int, rank: int, split: str = "train") -> Batch: ...
-
-
-class CriteoData:
-    """TorchRec's binary Criteo layout, memory-mapped. Held out: the second half of the last day (torchrec's
-    "test" stage); train: everything before, cycled. Like the synthetic data, batch(step, rank) is a pure
-    function of its arguments, so a resumed run continues the stream. IDs are hashed into the tables by
-    modulo, as torchrec's `hashes` do."""
-
-    def __init__(self, directory: Path, spec: ModelSpec, batch_size: int, world_size: int) -> None:
-        days = sorted(directory.glob("day_*_dense.npy"), key=lambda p: int(p.name.split("_")[1]))
-        if not days:
-            raise SystemExit(f"{directory}: no day_<i>_dense.npy files (TorchRec's binary Criteo layout)")
-        self.dense, self.sparse, self.labels = (
-            [np.load(str(p).replace("_dense.npy", f"_{kind}.npy"), mmap_mode="r") for p in days] for kind in ("dense", "sparse", "labels")
-        )
-        self.starts = np.cumsum([0] + [len(a) for a in self.dense])
-        last = len(self.dense[-1])
-        self.train_rows = int(self.starts[-1] - round(last * DEFAULTS.criteo_heldout_fraction_of_last_day))
-        self.heldout_rows = int(self.starts[-1]) - self.train_rows
-        self.batch_size, self.world_size = batch_size, world_size
-        self.dense_features = self.dense[0].shape[1]
-        self.keys = [f for t in spec.tables for f in t.feature_names]
-        self.rows = np.array([t.rows for t in spec.tables for _ in t.feature_names], dtype=np.int64)
-
-    @staticmethod
-    def columns(directory: Path) -> int:
-        """Categorical columns in the files (26 for Criteo)."""
-        first = next(iter(sorted(directory.glob("day_*_sparse.npy"))), None)
-        if first is None:
-            raise SystemExit(f"{directory}: no day_<i>_sparse.npy files (TorchRec's binary Criteo layout)")
-        return int(np.load(first, mmap_mode="r").shape[1])
-
-    def _gather(self, arrays: list[np.ndarray], rows: np.ndarray) -> np.ndarray:
-        day = np.searchsorted(self.starts, rows, side="right") - 1
-        out = np.empty((len(rows),) + arrays[0].shape[1:], dtype=arrays[0].dtype)
-        for d in np.unique(day):
-            here = day == d
-            out[here] = arrays[d][rows[here] - self.starts[d]]
-        return out
-
-    def batch(self, step: int, rank: int, split: str = "train") -> Batch:
-        first, size = (0, self.train_rows) if split == "train" else (self.train_rows, self.heldout_rows)
-        offset = (step * self.world_size + rank) * self.batch_size
-        rows = first + (offset + np.arange(self.batch_size)) % size
-        sparse = self._gather(self.sparse, rows).astype(np.int64) % self.rows
-        b = self.batch_size
-        return Batch(
-            dense_features=torch.from_numpy(self._gather(self.dense, rows).astype(np.float32)),
-            sparse_features=KeyedJaggedTensor.from_lengths_sync(
-                keys=self.keys,
-                values=torch.from_numpy(np.ascontiguousarray(sparse.T).reshape(-1)),
-                lengths=torch.ones(b * len(self.keys), dtype=torch.int32),
-            ),
-            labels=torch.from_numpy(self._gather(self.labels, rows).reshape(-1).astype(np.float32)),
-        )
 
 
 def build_model(spec: ModelSpec, dense_features: int, device: torch.device) -> DLRMTrain:
@@ -305,7 +269,9 @@ def make_plan(
             constraints=torchrec_constraints(spec),
             compute_device=device_type,
             measured=spec,
-            config=SearchConfig(precision={c: WirePrecision(args.wire_precision, args.wire_precision) for c in ("rb", "ub")}),
+            config=SearchConfig(
+                precision={c: WirePrecision(args.wire_precision, args.wire_precision) for c in ("rb", "ub")}
+            ),
         )
         sharding_plan = planner.collective_plan(model, [sharder])
         ours = planner.plans[EBC_PATH].plan if world.rank == 0 else None
@@ -369,17 +335,31 @@ def _mean_over_ranks(value: float, device: torch.device) -> float:
 
 
 def train(
-    args: argparse.Namespace, model: torch.nn.Module, optimizer: CombinedOptimizer, data: DataSource, world: World, start_step: int
+    args: argparse.Namespace,
+    model: torch.nn.Module,
+    optimizer: CombinedOptimizer,
+    data: DataSource,
+    world: World,
+    start_step: int,
 ) -> tuple[torch.nn.Module, Progress]:
     """Steps start_step..args.steps-1; the data iterator yields exactly those batches, so the pipeline
     (which reads up to two batches ahead) trains on each once and never past the end."""
     batches: Iterator[Batch] = (data.batch(step, world.rank) for step in range(start_step, args.steps))
-    pipeline = None if args.no_pipeline else TrainPipelineSparseDist(model, optimizer, world.device, execute_all_batches=True)
+    pipeline = (
+        None if args.no_pipeline else TrainPipelineSparseDist(model, optimizer, world.device, execute_all_batches=True)
+    )
     progress = Progress()
     samples_per_step = args.batch_size * world.world_size
     warmup = min(args.warmup_steps, args.steps - start_step - 1)
     # the bar on rank 0's terminal only (None: off when stdout is not a TTY, so logs get just the log lines)
-    bar = tqdm(total=args.steps, initial=start_step, disable=True if world.rank else None, unit="step", dynamic_ncols=True, file=sys.stdout)
+    bar = tqdm(
+        total=args.steps,
+        initial=start_step,
+        disable=True if world.rank else None,
+        unit="step",
+        dynamic_ncols=True,
+        file=sys.stdout,
+    )
     window_loss, window_steps = torch.zeros((), device=world.device), 0
     dist.barrier()
     window_start = measured_start = time.perf_counter()
@@ -434,100 +414,137 @@ def heldout_auroc(model: torch.nn.Module, data: DataSource, batches: int, world:
 def comm_totals(stats: Any, device: torch.device) -> dict[str, Any]:
     """Every rank's counted bytes (all traffic, and inter-node traffic) and their maximum over ranks."""
     t = stats.totals()
-    mine = torch.tensor([t["sent"] + t["received"], t["sent_inter"] + t["received_inter"]], dtype=torch.int64, device=device)
+    mine = torch.tensor(
+        [t["sent"] + t["received"], t["sent_inter"] + t["received_inter"]], dtype=torch.int64, device=device
+    )
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     total, inter = [int(x[0]) for x in every], [int(x[1]) for x in every]
-    return {"comm_bytes": max(total), "inter_node_bytes": max(inter), "comm_bytes_by_rank": total, "inter_node_bytes_by_rank": inter}
+    return {
+        "comm_bytes": max(total),
+        "inter_node_bytes": max(inter),
+        "comm_bytes_by_rank": total,
+        "inter_node_bytes_by_rank": inter,
+    }
 
 
-# ---------------------------------------------------------------- main
+# ---------------------------------------------------------------- the trainer
+
+
+class Trainer:
+    """One run of the example, in torchtitan's shape: __init__ builds everything from the flags (the
+    job, the data, the plan, the sharded model and optimizers, a resumed checkpoint), train() trains,
+    finish() saves, evaluates and prints the RESULT line."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.world = world = init_distributed(args.local_world_size, args.pg_timeout_s)
+        torch.manual_seed(args.seed)  # the same dense initial weights on every rank and for every planner
+        spec = load_spec(args.model, CriteoData.columns(args.data) if args.data else None).with_batch_size(
+            args.batch_size * world.world_size
+        )
+        self.data: DataSource = (
+            CriteoData(args.data, spec, args.batch_size, world.world_size)
+            if args.data
+            else SyntheticData(spec, args.batch_size, seed=args.seed)
+        )
+        # plan on what the data really holds: each table's pooling and unique ratio in rank 0's first batches
+        profiled = (self.data.batch(step, 0).sparse_features for step in range(DEFAULTS.profile_batches))
+        spec = profile_features(profiled, spec, world_size=world.world_size).spec
+        hardware = hardware_preset(args.hardware or (GPU_HARDWARE if world.device.type == "cuda" else CPU_HARDWARE))
+        topology = Topology(world.world_size, world.local_world_size, hardware)
+        sharder = EmbarkEmbeddingBagCollectionSharder(
+            fused_params={
+                "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+                "learning_rate": args.embedding_lr,
+                "eps": DEFAULTS.adagrad_eps,
+            }
+        )
+        model = build_model(spec, self.data.dense_features, world.device)
+        self.planner_name = "file" if args.plan_in else args.planner
+        sharding_plan, plan, plan_s = make_plan(args, model, spec, topology, world, sharder)
+        self.estimated_step_ms = self._report(plan, plan_s, spec, topology)
+        self.model = DistributedModelParallel(
+            model,
+            env=ShardingEnv.from_process_group(dist.group.WORLD),
+            plan=sharding_plan,
+            sharders=[sharder],
+            device=world.device,
+        )
+        dense = KeyedOptimizerWrapper(
+            dict(in_backward_optimizer_filter(self.model.named_parameters())),
+            lambda params: torch.optim.Adagrad(params, lr=args.dense_lr, eps=DEFAULTS.adagrad_eps),
+        )
+        self.optimizer = CombinedOptimizer([self.model.fused_optimizer, dense])
+        self.start_step = self._resume()
+        self.stats = enable_comm_stats(self.model)
+        self.stats.reset()
+        self.progress = Progress()
+
+    def _report(self, plan: Plan | None, plan_s: float, spec: ModelSpec, topology: Topology) -> float | None:
+        """Rank 0 prints the plan report (and writes --plan-out); returns the plan's estimated step ms."""
+        if self.world.rank != 0:
+            return None
+        assert plan is not None
+        cost = CostModel(spec, topology).evaluate(plan)
+        print(render([ScoredPlan(self.planner_name, plan, cost, plan_s)], topology, spec.name), flush=True)
+        if self.args.plan_out:
+            plan.save(self.args.plan_out)
+            print(f"plan file written to {self.args.plan_out}", flush=True)
+        return cost.step_ms
+
+    def _resume(self) -> int:
+        """The step to start from: that of the newest complete checkpoint with --resume, else 0."""
+        found = latest_checkpoint(self.args.checkpoint_dir) if self.args.resume else None
+        if found is None:
+            return 0
+        step = load_checkpoint(found, self.model, self.optimizer)
+        if self.world.rank == 0:
+            print(f"resumed from {found} at step {step}", flush=True)
+        return step
+
+    def train(self) -> None:
+        self.model, self.progress = train(self.args, self.model, self.optimizer, self.data, self.world, self.start_step)
+
+    def finish(self) -> None:
+        args, world, progress = self.args, self.world, self.progress
+        comm = comm_totals(self.stats, world.device)
+        steps_run = args.steps - self.start_step
+        if args.checkpoint_dir and steps_run > 0:
+            save_checkpoint(args.checkpoint_dir, self.model, self.optimizer, args.steps)
+        auc = heldout_auroc(self.model, self.data, args.eval_batches, world)
+        if world.rank == 0:
+            assert self.estimated_step_ms is not None
+            samples = progress.measured_steps * args.batch_size * world.world_size
+            per_step = max(steps_run, 1)
+            result = {
+                "planner": self.planner_name,
+                "world_size": world.world_size,
+                "local_world_size": world.local_world_size,
+                "device": world.device.type,
+                "batch_size": args.batch_size,
+                "steps": args.steps,
+                "steps_run": steps_run,
+                "samples_per_s": round(samples / progress.measured_seconds, 1) if samples else None,
+                "first_loss": progress.first_loss,
+                "final_loss": progress.last_loss,
+                "auc": round(auc, 5),
+                "comm_bytes": comm["comm_bytes"],
+                "inter_node_bytes": comm["inter_node_bytes"],
+                "comm_bytes_per_step": comm["comm_bytes"] // per_step,
+                "inter_node_bytes_per_step": comm["inter_node_bytes"] // per_step,
+                "comm_bytes_by_rank": comm["comm_bytes_by_rank"],
+                "inter_node_bytes_by_rank": comm["inter_node_bytes_by_rank"],
+                "estimated_step_ms": round(self.estimated_step_ms, 4),
+            }
+            print("RESULT " + json.dumps(result), flush=True)
+        dist.destroy_process_group()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
-    world = init_distributed(args.local_world_size, args.pg_timeout_s)
-    rank0 = world.rank == 0
-    torch.manual_seed(args.seed)  # the same dense initial weights on every rank and for every planner
-    spec = load_spec(args.model, CriteoData.columns(args.data) if args.data else None)
-    spec = spec.with_batch_size(args.batch_size * world.world_size)
-    data: DataSource = (
-        CriteoData(args.data, spec, args.batch_size, world.world_size)
-        if args.data
-        else SyntheticData(spec, args.batch_size, seed=args.seed)
-    )
-    # plan on what the data really holds: each table's pooling and unique ratio in rank 0's first batches
-    profiled = (data.batch(step, 0).sparse_features for step in range(DEFAULTS.profile_batches))
-    spec = profile_features(profiled, spec, world_size=world.world_size).spec
-    hardware = hardware_preset(args.hardware or (GPU_HARDWARE if world.device.type == "cuda" else CPU_HARDWARE))
-    topology = Topology(world.world_size, world.local_world_size, hardware)
-    sharder = EmbarkEmbeddingBagCollectionSharder(
-        fused_params={
-            "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-            "learning_rate": args.embedding_lr,
-            "eps": DEFAULTS.adagrad_eps,
-        }
-    )
-    model = build_model(spec, data.dense_features, world.device)
-    planner_name = "file" if args.plan_in else args.planner
-    sharding_plan, plan, plan_s = make_plan(args, model, spec, topology, world, sharder)
-    estimated_step_ms = None
-    if rank0:
-        assert plan is not None
-        cost = CostModel(spec, topology).evaluate(plan)
-        estimated_step_ms = cost.step_ms
-        print(render([ScoredPlan(planner_name, plan, cost, plan_s)], topology, spec.name), flush=True)
-        if args.plan_out:
-            plan.save(args.plan_out)
-            print(f"plan file written to {args.plan_out}", flush=True)
-    model = DistributedModelParallel(
-        model, env=ShardingEnv.from_process_group(dist.group.WORLD), plan=sharding_plan, sharders=[sharder], device=world.device
-    )
-    dense = KeyedOptimizerWrapper(
-        dict(in_backward_optimizer_filter(model.named_parameters())),
-        lambda params: torch.optim.Adagrad(params, lr=args.dense_lr, eps=DEFAULTS.adagrad_eps),
-    )
-    optimizer = CombinedOptimizer([model.fused_optimizer, dense])
-    start_step = 0
-    if args.resume:
-        found = latest_checkpoint(args.checkpoint_dir)
-        if found is not None:
-            start_step = load_checkpoint(found, model, optimizer)
-            if rank0:
-                print(f"resumed from {found} at step {start_step}", flush=True)
-    stats = enable_comm_stats(model)
-    stats.reset()
-    model, progress = train(args, model, optimizer, data, world, start_step)
-    comm = comm_totals(stats, world.device)
-    steps_run = args.steps - start_step
-    if args.checkpoint_dir and steps_run > 0:
-        save_checkpoint(args.checkpoint_dir, model, optimizer, args.steps)
-    auc = heldout_auroc(model, data, args.eval_batches, world)
-    if rank0:
-        samples = progress.measured_steps * args.batch_size * world.world_size
-        per_step = max(steps_run, 1)
-        result = {
-            "planner": planner_name,
-            "world_size": world.world_size,
-            "local_world_size": world.local_world_size,
-            "device": world.device.type,
-            "batch_size": args.batch_size,
-            "steps": args.steps,
-            "steps_run": steps_run,
-            "samples_per_s": round(samples / progress.measured_seconds, 1) if samples else None,
-            "first_loss": progress.first_loss,
-            "final_loss": progress.last_loss,
-            "auc": round(auc, 5),
-            "comm_bytes": comm["comm_bytes"],
-            "inter_node_bytes": comm["inter_node_bytes"],
-            "comm_bytes_per_step": comm["comm_bytes"] // per_step,
-            "inter_node_bytes_per_step": comm["inter_node_bytes"] // per_step,
-            "comm_bytes_by_rank": comm["comm_bytes_by_rank"],
-            "inter_node_bytes_by_rank": comm["inter_node_bytes_by_rank"],
-            "estimated_step_ms": round(estimated_step_ms, 4),
-        }
-        print("RESULT " + json.dumps(result), flush=True)
-    dist.destroy_process_group()
+    trainer = Trainer(parse_args(argv))
+    trainer.train()
+    trainer.finish()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,7 @@
-"""Seeded synthetic DLRM data: Zipf IDs, fixed multi-hot bags and a learnable click label.
+"""The DLRM example's data: seeded synthetic batches (SyntheticData) or TorchRec's binary Criteo files
+(CriteoData), both as torchrec Batches that are a pure function of (step, rank).
+
+Synthetic: Zipf IDs, fixed multi-hot bags and a learnable click label.
 
 Why a pure function of (seed, split, step, rank): every planner trains on identical samples, and a run
 resumed from a checkpoint at step k continues the very stream an uninterrupted run would have seen.
@@ -17,6 +20,8 @@ has to learn both embeddings (of the label features' rows) and dense weights to 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -25,7 +30,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embark_torchrec.plan.spec import ModelSpec
 
-__all__ = ["SyntheticData", "SyntheticFeature"]
+__all__ = ["CriteoData", "DataSource", "SyntheticData", "SyntheticFeature"]
 
 SPLITS = {"train": 0, "heldout": 1}
 DENSE_FEATURES = 13  # as in Criteo
@@ -34,6 +39,7 @@ SPARSE_SIGNAL = 1.5  # logit scale of the summed per-row scores (each of unit va
 DENSE_SIGNAL = 1.0  # logit scale of the dense part (unit variance)
 _ROW_HASH = 2654435761  # a prime: k -> (k * prime + salt) mod rows is a bijection for rows < prime
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+CRITEO_HELDOUT_FRACTION_OF_LAST_DAY = 0.5  # torchrec's "test" half of the last day
 
 
 @dataclass(frozen=True)
@@ -169,4 +175,66 @@ class SyntheticData:
                 lengths=torch.from_numpy(lengths),
             ),
             labels=torch.from_numpy(labels),
+        )
+
+
+class DataSource(Protocol):
+    dense_features: int
+
+    def batch(self, step: int, rank: int, split: str = "train") -> Batch: ...
+
+
+class CriteoData:
+    """TorchRec's binary Criteo layout, memory-mapped. Held out: the second half of the last day (torchrec's
+    "test" stage); train: everything before, cycled. Like the synthetic data, batch(step, rank) is a pure
+    function of its arguments, so a resumed run continues the stream. IDs are hashed into the tables by
+    modulo, as torchrec's `hashes` do."""
+
+    def __init__(self, directory: Path, spec: ModelSpec, batch_size: int, world_size: int) -> None:
+        days = sorted(directory.glob("day_*_dense.npy"), key=lambda p: int(p.name.split("_")[1]))
+        if not days:
+            raise SystemExit(f"{directory}: no day_<i>_dense.npy files (TorchRec's binary Criteo layout)")
+        self.dense, self.sparse, self.labels = (
+            [np.load(str(p).replace("_dense.npy", f"_{kind}.npy"), mmap_mode="r") for p in days]
+            for kind in ("dense", "sparse", "labels")
+        )
+        self.starts = np.cumsum([0] + [len(a) for a in self.dense])
+        last = len(self.dense[-1])
+        self.train_rows = int(self.starts[-1] - round(last * CRITEO_HELDOUT_FRACTION_OF_LAST_DAY))
+        self.heldout_rows = int(self.starts[-1]) - self.train_rows
+        self.batch_size, self.world_size = batch_size, world_size
+        self.dense_features = self.dense[0].shape[1]
+        self.keys = [f for t in spec.tables for f in t.feature_names]
+        self.rows = np.array([t.rows for t in spec.tables for _ in t.feature_names], dtype=np.int64)
+
+    @staticmethod
+    def columns(directory: Path) -> int:
+        """Categorical columns in the files (26 for Criteo)."""
+        first = next(iter(sorted(directory.glob("day_*_sparse.npy"))), None)
+        if first is None:
+            raise SystemExit(f"{directory}: no day_<i>_sparse.npy files (TorchRec's binary Criteo layout)")
+        return int(np.load(first, mmap_mode="r").shape[1])
+
+    def _gather(self, arrays: list[np.ndarray], rows: np.ndarray) -> np.ndarray:
+        day = np.searchsorted(self.starts, rows, side="right") - 1
+        out = np.empty((len(rows),) + arrays[0].shape[1:], dtype=arrays[0].dtype)
+        for d in np.unique(day):
+            here = day == d
+            out[here] = arrays[d][rows[here] - self.starts[d]]
+        return out
+
+    def batch(self, step: int, rank: int, split: str = "train") -> Batch:
+        first, size = (0, self.train_rows) if split == "train" else (self.train_rows, self.heldout_rows)
+        offset = (step * self.world_size + rank) * self.batch_size
+        rows = first + (offset + np.arange(self.batch_size)) % size
+        sparse = self._gather(self.sparse, rows).astype(np.int64) % self.rows
+        b = self.batch_size
+        return Batch(
+            dense_features=torch.from_numpy(self._gather(self.dense, rows).astype(np.float32)),
+            sparse_features=KeyedJaggedTensor.from_lengths_sync(
+                keys=self.keys,
+                values=torch.from_numpy(np.ascontiguousarray(sparse.T).reshape(-1)),
+                lengths=torch.ones(b * len(self.keys), dtype=torch.int32),
+            ),
+            labels=torch.from_numpy(self._gather(self.labels, rows).reshape(-1).astype(np.float32)),
         )
