@@ -145,3 +145,32 @@ def test_short_training_loss_within_one_percent_of_fp32(results: Any, precision:
     tail = lambda xs: sum(xs[-10:]) / 10  # noqa: E731
     assert tail(reference) < 0.75 * sum(reference[:5]) / 5, reference
     assert abs(tail(losses) - tail(reference)) <= 0.01 * tail(reference), (tail(losses), tail(reference))
+
+
+def test_fp8_scales_each_block_of_a_row() -> None:
+    """A row of several cells' partial sums side by side (width given as a tuple of block widths) gets one fp8
+    scale per block, as the cost model prices one vector per cell: wire size = values + 4 bytes per block, and a
+    block of small values keeps its own precision next to a block of large ones."""
+    codec = _codec("fp8")
+    rows, blocks = 5, (4, 8)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.cat(
+        [torch.randn(rows, 4, generator=gen) * 1e-3, torch.randn(rows, 8, generator=gen) * 1e3], dim=1
+    ).reshape(-1)
+    peers = [[(x.numel(), blocks)]]
+    assert encoded_size(codec, peers[0]) == rows * (4 + 8) + rows * 2 * 4
+    assert encoded_size(codec, peers[0]) * 1 == rows * (vector_bytes(4, "fp8") + vector_bytes(8, "fp8"))
+    y = decode(codec, encode(codec, x, peers), peers).view(rows, 12)
+    small, large = x.view(rows, 12)[:, :4], x.view(rows, 12)[:, 4:]
+    assert bool(
+        (
+            (y[:, :4] - small).abs()
+            <= UNIT["fp8"] * small.abs() + 2.0**-10 * small.abs().amax(dim=1, keepdim=True) / 448
+        ).all()
+    )
+    assert bool(
+        (
+            (y[:, 4:] - large).abs()
+            <= UNIT["fp8"] * large.abs() + 2.0**-10 * large.abs().amax(dim=1, keepdim=True) / 448
+        ).all()
+    )

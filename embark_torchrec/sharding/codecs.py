@@ -10,7 +10,7 @@ fp16 |e| <= 2^-11 |x| (|x| >= 2^-14), bf16 |e| <= 2^-8 |x|, fp8 |e| <= 2^-4 |x| 
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -20,8 +20,22 @@ from torchrec.distributed.types import QuantizedCommCodecs
 from ..plan.layout import WirePrecision
 from ..plan.wire import FP8_SCALE_BYTES, rows_bytes
 
-# A message part: `elems` values laid out as rows of `width` (row-wise codecs scale each row).
-Segment = Tuple[int, int]
+# A message part: `elems` values laid out as rows of `width`; a width given as a tuple is a row of
+# blocks of those widths (several cells' partial sums side by side), each its own row for row-wise
+# codecs, which scale each row.
+Segment = Tuple[int, Union[int, Tuple[int, ...]]]
+
+
+def _blocks(width: Union[int, Tuple[int, ...]]) -> Tuple[int, ...]:
+    return width if isinstance(width, tuple) else (width,)
+
+
+def scaled_rows(segment: Segment) -> int:
+    """How many rows (blocks of rows) a row-wise codec scales in a segment."""
+    elems, width = segment
+    blocks = _blocks(width)
+    return elems // sum(blocks) * len(blocks) if elems else 0
+
 
 _TORCHREC_TYPES = {"fp32": CommType.FP32, "fp16": CommType.FP16, "bf16": CommType.BF16}
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
@@ -41,16 +55,16 @@ class Fp8RowwiseCodec:
 
     @staticmethod
     def _one_width(segments: Sequence[Segment]) -> int:
-        """The row width common to every non-empty segment, or 0."""
-        widths = {w for e, w in segments if e}
+        """The row width common to every block of every non-empty segment, or 0."""
+        widths = {b for e, w in segments if e for b in _blocks(w)}
         return widths.pop() if len(widths) == 1 else 0
 
     @staticmethod
     def _row_widths(segments: Sequence[Segment], device: torch.device) -> Tuple[torch.Tensor, int]:
         """Each row's width, as a tensor on `device`, and the number of rows."""
-        widths = [w for e, w in segments if e]
-        rows = [e // w for e, w in segments if e]
-        return torch.tensor(np.repeat(widths, rows), dtype=torch.int64, device=device), sum(rows)
+        parts = [np.tile(_blocks(w), e // sum(_blocks(w))) for e, w in segments if e]
+        widths = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return torch.tensor(widths, dtype=torch.int64, device=device), len(widths)
 
     def encode(self, x: torch.Tensor, peers: Sequence[Sequence[Segment]]) -> torch.Tensor:
         segments = [s for segs in peers for s in segs]
@@ -71,7 +85,7 @@ class Fp8RowwiseCodec:
             q = (x / scale.repeat_interleave(widths, output_size=x.numel())).to(torch.float8_e4m3fn).view(torch.uint8)
         scale_bytes = scale.view(torch.uint8)
         elems = [sum(e for e, _ in segs) for segs in peers]
-        rows_per_peer = [sum(e // w for e, w in segs if e) for segs in peers]
+        rows_per_peer = [sum(scaled_rows(seg) for seg in segs) for segs in peers]
         q_parts = torch.split(q, elems)
         s_parts = torch.split(scale_bytes, [r * FP8_SCALE_BYTES for r in rows_per_peer])
         return torch.cat([part for pair in zip(q_parts, s_parts) for part in pair])
@@ -82,7 +96,7 @@ class Fp8RowwiseCodec:
         if total == 0:
             return y.new_empty(0, dtype=torch.float32)
         elems = [sum(e for e, _ in segs) for segs in peers]
-        scales = [sum(e // w for e, w in segs if e) * FP8_SCALE_BYTES for segs in peers]
+        scales = [sum(scaled_rows(seg) for seg in segs) * FP8_SCALE_BYTES for segs in peers]
         parts = torch.split(y, [size for pair in zip(elems, scales) for size in pair])
         q = torch.cat(parts[0::2]).view(torch.float8_e4m3fn).float()
         scale = torch.cat(parts[1::2]).view(torch.float32)
@@ -94,8 +108,7 @@ class Fp8RowwiseCodec:
 
     @staticmethod
     def size(segment: Segment) -> int:
-        elems, width = segment
-        return int(rows_bytes(elems, elems // width, "fp8")) if elems else 0
+        return int(rows_bytes(segment[0], scaled_rows(segment), "fp8"))
 
 
 class TorchRecCodec:

@@ -20,8 +20,9 @@ keep their weights (multiplied by that factor for MEAN tables).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensorMetadata
@@ -44,7 +45,7 @@ from ..plan.layout import Shard, grid_from_shards
 from ..plan.topology import Topology
 from ..plan.wire import MAX_SLICE_ROWS
 from .collectives import all_to_all
-from .comm_stats import CountsComm, Ledger, group_ranks, table_widths
+from .comm_stats import CountsComm, Ledger, group_ranks
 
 
 @dataclass(frozen=True)
@@ -71,20 +72,58 @@ def bag_weights(kjt: KeyedJaggedTensor, mean: torch.Tensor) -> torch.Tensor:
     return weights * scale.repeat_interleave(lengths, output_size=n_ids)
 
 
+class ColumnRun(NamedTuple):
+    """One cell's partial sums in the output: its first output column, width and table."""
+
+    start: int
+    width: int
+    table: str
+
+
+class RunTable:
+    """A rank's (or a node's) partial sums as column runs, in column order: their output columns
+    (host-side layout, numpy; the dists keep on the device what they need), their widths as the row pattern our
+    fp8 codec scales (one scale per cell per row, as the cost model prices it), and, for counting,
+    their tables."""
+
+    def __init__(self, runs: List[ColumnRun]) -> None:
+        self.pattern = tuple(r.width for r in runs)
+        self.dim = sum(self.pattern)
+        self.targets = np.asarray([c for r in runs for c in range(r.start, r.start + r.width)], dtype=np.int64)
+        self._tables = [r.table for r in runs]
+        self._run_index = np.arange(len(runs))
+        self._widths = np.asarray(self.pattern, dtype=np.float64)
+
+    def add(self, ledger: Ledger, members: np.ndarray, received: bool, rows: np.ndarray) -> None:
+        """Counts `rows[i]` rows of every run to or from ledger member `members[i]`."""
+        n = len(self._tables)
+        if not n:
+            return
+        per_run = np.repeat(rows.astype(np.float64), n)
+        elems = per_run * np.tile(self._widths, len(members))
+        ledger.add_many(
+            self._tables, np.tile(self._run_index, len(members)), np.repeat(members, n), received, elems, per_run
+        )
+
+
 class ColumnFold:
     """Sums blocks of partial sums into an output of `width` columns: block i's column j adds into
     output column targets[i][j].
 
     Blocks with identical targets are first added elementwise; then, when no output column is hit
-    twice, the output is assembled by splitting and concatenating (column-wise index_add is several
-    times slower, forward and backward); otherwise by index_add.
+    twice, the output is assembled by splitting and concatenating when the source falls into a few
+    runs of consecutive output columns (column-wise index ops are several times slower, forward and
+    backward), or by one column gather when there are many runs (split and cat would cost an op per
+    run, i.e. per table); otherwise by index_add.
     """
 
-    def __init__(self, targets: List[torch.Tensor], width: int, device: torch.device) -> None:
+    MAX_RUNS = 8  # above this, one gather instead of an op per run
+
+    def __init__(self, targets: List[np.ndarray], width: int, device: torch.device) -> None:
         self._width = width
         groups: Dict[tuple, List[int]] = {}
         for i, t in enumerate(targets):
-            groups.setdefault(tuple(t.tolist()), []).append(i)
+            groups.setdefault(tuple(int(c) for c in t), []).append(i)
         self._groups = list(groups.values())
         combined = [c for key in groups for c in key]
         self._target = torch.tensor(combined, dtype=torch.int64, device=device)
@@ -93,6 +132,7 @@ class ColumnFold:
         # output order, with zero blocks for columns no block reaches.
         self._runs: Optional[List[int]] = None  # run widths, in source order
         self._layout: List[tuple[int, int]] = []  # (run index or -1 for zeros, width), in output order
+        self._gather: Optional[torch.Tensor] = None  # per output column: its source column (len(combined): zero)
         if len(set(combined)) == len(combined):
             runs: List[List[int]] = []  # [first output column, width]
             for col in combined:
@@ -100,6 +140,12 @@ class ColumnFold:
                     runs[-1][1] += 1
                 else:
                     runs.append([col, 1])
+            if len(runs) > self.MAX_RUNS:
+                source = {col: i for i, col in enumerate(combined)}
+                gather = [source.get(col, len(combined)) for col in range(width)]
+                self._gather = torch.tensor(gather, dtype=torch.int64, device=device)
+                self._gaps = len(combined) < width
+                return
             self._runs = [w for _, w in runs]
             position = 0
             for index, (start, w) in sorted(enumerate(runs), key=lambda r: r[1][0]):
@@ -113,6 +159,10 @@ class ColumnFold:
     def __call__(self, blocks: List[torch.Tensor]) -> torch.Tensor:
         summed = [blocks[g[0]] if len(g) == 1 else torch.stack([blocks[i] for i in g]).sum(dim=0) for g in self._groups]
         src = summed[0] if len(summed) == 1 else torch.cat(summed, dim=1)
+        if self._gather is not None:
+            if self._gaps:
+                src = torch.cat([src, src.new_zeros(src.size(0), 1)], dim=1)
+            return src.index_select(1, self._gather)
         if self._runs is None:
             return src.new_zeros(src.size(0), self._width).index_add(1, self._target, src)
         pieces = torch.split(src, self._runs, dim=1)
@@ -215,36 +265,37 @@ class GridPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.
     def __init__(
         self,
         pg: dist.ProcessGroup,
-        dims_per_rank: List[int],
-        targets_per_rank: List[torch.Tensor],
-        column_tables: List[str],
+        runs_per_rank: List[List[ColumnRun]],
+        out_dim: int,
         device: torch.device,
         codecs: Optional[QuantizedCommCodecs] = None,
     ) -> None:
         super().__init__()
-        self._pg, self._codecs, self._dims = pg, codecs, dims_per_rank
+        self._pg, self._codecs = pg, codecs
         self._world_size, self._rank = dist.get_world_size(pg), dist.get_rank(pg)
-        self._out_dim = len(column_tables)
-        self._fold = ColumnFold([torch.cat(targets_per_rank)], self._out_dim, device)
-        self._widths = [table_widths(t.tolist(), column_tables) for t in targets_per_rank]
+        self._out_dim = out_dim
+        self._runs = [RunTable(runs) for runs in runs_per_rank]
+        self._dims = [r.dim for r in self._runs]
+        self._fold = ColumnFold([np.concatenate([r.targets for r in self._runs])], out_dim, device)
 
     def _ledger(self, batch: List[int]) -> Optional[Ledger]:
         if self.comm_stats is None:
             return None
-        here = batch[self._rank]
+        members = np.arange(self._world_size)
         ledger = Ledger(self.comm_stats, self.comm_sharding_type, list(range(self._world_size)))
+        self._runs[self._rank].add(ledger, members, False, np.asarray(batch))
         for k in range(self._world_size):
-            ledger.add_columns(self._widths[self._rank], k, False, batch[k])
-            ledger.add_columns(self._widths[k], k, True, here)
+            self._runs[k].add(ledger, np.array([k]), True, np.array([batch[self._rank]]))
         return ledger
 
     def forward(
         self, local_embs: torch.Tensor, sharding_ctx: Optional[EmbeddingShardingContext] = None
     ) -> Awaitable[torch.Tensor]:
         batch = batch_per_rank(local_embs, sharding_ctx, self._world_size)
-        here, dim = batch[self._rank], self._dims[self._rank]
-        send = [[(b * dim, dim)] for b in batch]
-        recv = [[(here * d, d)] for d in self._dims]
+        here, mine = batch[self._rank], self._runs[self._rank]
+        dim = mine.dim
+        send = [[(b * dim, mine.pattern)] for b in batch]
+        recv = [[(here * r.dim, r.pattern)] for r in self._runs]
         awaitable = all_to_all(
             local_embs.reshape(-1),
             send,
@@ -281,36 +332,39 @@ class HierarchicalPooledEmbeddingDist(
         self,
         pg: dist.ProcessGroup,
         local_world_size: int,
-        dims_per_rank: List[int],
-        targets_per_rank: List[torch.Tensor],
-        column_tables: List[str],
+        runs_per_rank: List[List[ColumnRun]],
+        out_dim: int,
         device: torch.device,
         codecs: Optional[QuantizedCommCodecs] = None,
     ) -> None:
         super().__init__()
-        out_dim = len(column_tables)
         self._codecs, self._device = codecs, device
         self._world_size = dist.get_world_size(pg)
         self._rank = dist.get_rank(pg)
         self._lws = local_world_size
         self._nodes = self._world_size // local_world_size
         self._intra, self._cross = intra_and_cross_node_pg(backend=dist.get_backend(pg))
-        self._dims = dims_per_rank
-        # Each node sends across only the output columns its ranks hold: node_columns[n], and each
-        # member's partial-sum columns as positions in its node's list.
-        self._node_widths: List[int] = []
+        self._runs = [RunTable(runs) for runs in runs_per_rank]
+        self._dims = [r.dim for r in self._runs]
+        # Each node sends across only the column slices its ranks hold (each once); each member's
+        # partial-sum columns fold into them as positions in the node's columns.
+        self._node_runs: List[RunTable] = []
         self._node_folds: List[ColumnFold] = []  # the members' partial sums into their node's columns
-        node_columns: List[torch.Tensor] = []
         for n in range(self._nodes):
-            members = [t for t in targets_per_rank[n * local_world_size : (n + 1) * local_world_size] if len(t)]
-            columns = torch.unique(torch.cat(members)) if members else torch.empty(0, dtype=torch.int64)
-            self._node_widths.append(len(columns))
-            node_columns.append(columns)
-            self._node_folds.append(ColumnFold([torch.searchsorted(columns, t) for t in members], len(columns), device))
-        self._cross_fold = ColumnFold([c for c in node_columns if len(c)], out_dim, device)  # the nodes' sums at home
-        # for counting: the columns per table of each rank's partial sums and of each node's sums
-        self._rank_widths = [table_widths(t.tolist(), column_tables) for t in targets_per_rank]
-        self._node_table_widths = [table_widths(c.tolist(), column_tables) for c in node_columns]
+            members = [r for r in self._runs[n * local_world_size : (n + 1) * local_world_size] if r.dim]
+            node = RunTable(
+                sorted(
+                    {run for runs in runs_per_rank[n * local_world_size : (n + 1) * local_world_size] for run in runs}
+                )
+            )
+            self._node_runs.append(node)
+            self._node_folds.append(
+                ColumnFold([np.searchsorted(node.targets, r.targets) for r in members], node.dim, device)
+            )
+        self._node_widths = [r.dim for r in self._node_runs]
+        self._cross_fold = ColumnFold(  # the nodes' sums at home
+            [r.targets for r in self._node_runs if r.dim], out_dim, device
+        )
         self._intra_peers, self._cross_peers = group_ranks(self._intra), group_ranks(self._cross)
         self._orders: Dict[Tuple[int, ...], torch.Tensor] = {}  # per batch sizes: stage 1's row order
         # the routing (Topology.aggregator): the destinations each member of my node sums for, node-major
@@ -328,13 +382,15 @@ class HierarchicalPooledEmbeddingDist(
         node, local = divmod(self._rank, lws)
         mine = sum(batch_per_rank[d] for d in self._routed[local])
         intra = Ledger(self.comm_stats, self.comm_sharding_type, self._intra_peers)
-        for m, routed in enumerate(self._routed):
-            intra.add_columns(self._rank_widths[self._rank], m, False, sum(batch_per_rank[d] for d in routed))
-            intra.add_columns(self._rank_widths[node * lws + m], m, True, mine)
+        sent = np.array([sum(batch_per_rank[d] for d in routed) for routed in self._routed])
+        self._runs[self._rank].add(intra, np.arange(lws), False, sent)
+        for m in range(lws):
+            self._runs[node * lws + m].add(intra, np.array([m]), True, np.array([mine]))
         cross = Ledger(self.comm_stats, self.comm_sharding_type, self._cross_peers)
-        for n, d in enumerate(self._routed[local]):
-            cross.add_columns(self._node_table_widths[node], n, False, batch_per_rank[d])
-            cross.add_columns(self._node_table_widths[n], n, True, batch_per_rank[self._rank])
+        sent = np.array([batch_per_rank[d] for d in self._routed[local]])
+        self._node_runs[node].add(cross, np.arange(self._nodes), False, sent)
+        for n in range(self._nodes):
+            self._node_runs[n].add(cross, np.array([n]), True, np.array([batch_per_rank[self._rank]]))
         return intra, cross
 
     def _order(self, batch_per_rank: List[int]) -> torch.Tensor:
@@ -356,23 +412,24 @@ class HierarchicalPooledEmbeddingDist(
         batch = batch_per_rank(local_embs, sharding_ctx, self._world_size)
         lws = self._lws
         node, local = divmod(self._rank, lws)
-        dim = self._dims[self._rank]
+        dim, pattern = self._dims[self._rank], self._runs[self._rank].pattern
         send_sizes = [sum(batch[d] for d in routed) * dim for routed in self._routed]
         mine = [batch[d] for d in self._routed[local]]  # the destinations I sum for, one per node
-        member_dims = self._dims[node * lws : (node + 1) * lws]
+        members = self._runs[node * lws : (node + 1) * lws]
+        member_dims = [r.dim for r in members]
         recv_sizes = [sum(mine) * d for d in member_dims]
         intra_ledger, cross_ledger = self._ledgers(batch)
         # stage 1; gradients are divided by the world size here, once for both stages
         received = all_to_all(
             local_embs.index_select(0, self._order(batch)).reshape(-1),
-            [[(size, dim)] for size in send_sizes],
-            [[(size, d)] for size, d in zip(recv_sizes, member_dims)],
+            [[(size, pattern)] for size in send_sizes],
+            [[(size, r.pattern)] for size, r in zip(recv_sizes, members)],
             self._intra,
             self._codecs,
             self._world_size,
             _ledger_hook(intra_ledger, self._codecs),
         ).wait()
-        width = self._node_widths[node]
+        width, node_pattern = self._node_widths[node], self._node_runs[node].pattern
         blocks = [block.view(sum(mine), d) for block, d in zip(torch.split(received, recv_sizes), member_dims) if d]
         node_sum = self._node_folds[node](blocks) if blocks else local_embs.new_zeros(sum(mine), 0)
         # stage 2: to node n's rank with my local rank, my node's sums (its columns only) for its samples
@@ -380,8 +437,8 @@ class HierarchicalPooledEmbeddingDist(
         widths = self._node_widths
         awaitable = all_to_all(
             node_sum.reshape(-1),
-            [[(b * width, width)] for b in mine],
-            [[(here * w, w)] for w in widths],
+            [[(b * width, node_pattern)] for b in mine],
+            [[(here * r.dim, r.pattern)] for r in self._node_runs],
             self._cross,
             self._codecs,
             1,
@@ -528,33 +585,18 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
         for d in self._feature_dims:
             offsets.append(offsets[-1] + d)
         device = self.dist_device(device)
-        column_tables = [self._feature_tables[f] for f, d in enumerate(self._feature_dims) for _ in range(d)]
-        targets_per_rank: List[torch.Tensor] = []
-        for rank_names, rank_dims in zip(self.embedding_names_per_rank(), self._emb_dim_per_rank_per_feature()):
-            target: List[int] = []
-            for v, width in zip(rank_names, rank_dims):
-                cell = self._cells[v]
-                start = offsets[cell.feature] + cell.col_start
-                target.extend(range(start, start + width))
-            targets_per_rank.append(
-                torch.tensor(target, dtype=torch.int64)
-            )  # host-side layout; the dists keep what they need on `device`
-        registry = self.qcomm_codecs_registry or {}
+        runs_per_rank = [  # each rank's cells, in its partial sums' column order
+            [self._column_run(self._cells[v], int(width), offsets) for v, width in zip(names, dims)]
+            for names, dims in zip(self.embedding_names_per_rank(), self._emb_dim_per_rank_per_feature())
+        ]
+        codecs = (self.qcomm_codecs_registry or {}).get(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name)
         if self._hierarchical:
+            local_world_size = get_local_size(self._world_size)
             return HierarchicalPooledEmbeddingDist(
-                self._pg,
-                get_local_size(self._world_size),
-                self._dim_sum_per_rank(),
-                targets_per_rank,
-                column_tables,
-                device,
-                registry.get(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name),
+                self._pg, local_world_size, runs_per_rank, offsets[-1], device, codecs
             )
-        return GridPooledEmbeddingDist(
-            self._pg,
-            self._dim_sum_per_rank(),
-            targets_per_rank,
-            column_tables,
-            device,
-            registry.get(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name),
-        )
+        return GridPooledEmbeddingDist(self._pg, runs_per_rank, offsets[-1], device, codecs)
+
+    def _column_run(self, cell: CellRoute, width: int, offsets: List[int]) -> ColumnRun:
+        """Where a cell's partial sums land in the module's output (`offsets`: each feature's first column)."""
+        return ColumnRun(offsets[cell.feature] + cell.col_start, width, self._feature_tables[cell.feature])
