@@ -2,7 +2,8 @@
 
 One 4-rank spawn (2 nodes x 2) trains one step of a model holding an RB grid (flat), an RB grid with hierarchical
 reduction and two cells of a row slice on one rank, another at fp8 on the wire, table-wise and column-wise tables
-on TorchRec's own shardings, three UB tables (a grid at fp16/bf16 on the wire, a row split, a row split at
+on TorchRec's own shardings, row-wise and table-row-wise ones (TorchRec's reduce-scatters, counted per sharding
+group, each holding one table here), three UB tables (a grid at fp16/bf16 on the wire, a row split, a row split at
 fp8/fp16) and a DP table, on Zipf IDs. The counters measure the payloads handed to each collective (the KJT
 tensors; our all-to-alls' encoded payload per member, which the per-table split must add up to, or counting
 raises). Every rank's counted bytes, per table, kind (ids, lengths, embeddings, gradients) and peer, must equal
@@ -26,6 +27,7 @@ from embark_torchrec.plan.spec import ModelSpec, TableSpec
 from embark_torchrec.plan.topology import Topology
 from embark_torchrec.plan.traffic import table_messages
 from embark_torchrec.sharding.comm_stats import enable_comm_stats
+from embark_torchrec.sharding.torchrec_counting import ALL_TABLES
 from embark_torchrec.testing import global_kjt_batch, run_ranks
 from embark_torchrec.testing.training import sharded_model
 
@@ -41,6 +43,10 @@ TABLES = [
     EmbeddingBagConfig(name="cw", num_embeddings=20, embedding_dim=8, feature_names=["c"]),
     EmbeddingBagConfig(name="rb_fp8", num_embeddings=30, embedding_dim=8, feature_names=["e"]),
     EmbeddingBagConfig(name="ub_fp8", num_embeddings=40, embedding_dim=8, feature_names=["q0", "q1"]),
+    EmbeddingBagConfig(name="rw", num_embeddings=22, embedding_dim=8, feature_names=["w"]),
+    EmbeddingBagConfig(name="rb_fp16", num_embeddings=26, embedding_dim=8, feature_names=["g"]),
+    EmbeddingBagConfig(name="rb_flat_fp8", num_embeddings=28, embedding_dim=12, feature_names=["z0", "z1"]),
+    EmbeddingBagConfig(name="twrw", num_embeddings=18, embedding_dim=4, feature_names=["x"]),
 ]
 LAYOUTS = {
     "rb_flat": TableLayout("rb", (0, 13, 40), (0, 8, 16), ((0, 1), (3, 2))),
@@ -54,7 +60,13 @@ LAYOUTS = {
         "rb", (0, 12, 30), (0, 4, 8), ((2, 1), (0, 3)), WirePrecision("fp8", "fp8"), hierarchical=True
     ),
     "ub_fp8": TableLayout("ub", (0, 15, 40), (0, 8), ((1,), (2,)), WirePrecision("fp8", "fp16")),
+    "rw": TableLayout("rb", (0, 6, 12, 18, 22), (0, 8), ((0,), (1,), (2,), (3,))),  # TorchRec's row-wise
+    "rb_fp16": TableLayout("rb", (0, 10, 26), (0, 8), ((1,), (3,)), WirePrecision("fp16", "bf16")),
+    "rb_flat_fp8": TableLayout("rb", (0, 14, 28), (0, 4, 12), ((0, 2), (2, 1)), WirePrecision("fp8", "fp8")),
+    "twrw": TableLayout("rb", (0, 9, 18), (0, 4), ((2,), (3,)), hierarchical=True),  # TorchRec's table-row-wise
 }
+# TorchRec's reduce-scatters count a whole sharding group at once ("*"); each of these groups holds one table
+GROUP_OF_ONE = {"row_wise": "rw", "table_row_wise": "twrw"}
 
 
 def _batches() -> list[KeyedJaggedTensor]:
@@ -77,10 +89,10 @@ def _one_step() -> dict[str, Any]:
     gen = torch.Generator().manual_seed(rank)
     loss = sum((v * torch.randn(v.shape, generator=gen)).sum() for v in out.values())
     loss.backward()
-    counted = {(k.table, k.kind): stats.per_peer(k) for k in stats.keys()}
     by_table: dict[tuple[str, str], np.ndarray] = {}
-    for (table, kind), arr in counted.items():
-        by_table[(table, kind)] = by_table.get((table, kind), 0) + arr
+    for k in stats.keys():
+        table = GROUP_OF_ONE.get(k.sharding_type, k.table) if k.table == ALL_TABLES else k.table
+        by_table[(table, k.kind)] = by_table.get((table, k.kind), 0) + stats.per_peer(k)
     return {
         "counted": by_table,
         "sharding_types": sorted({k.sharding_type for k in stats.keys()}),
@@ -145,5 +157,16 @@ def test_every_cluster_is_counted_and_printable(results: list[dict[str, Any]]) -
         }
         t = r["totals"]
         assert t["sent"] == t["sent_intra"] + t["sent_inter"] and t["sent_inter"] > 0
-        for name in ("rb_flat", "rb_hier", "tw", "ub_grid", "ub_rows", "cw", "rb_fp8", "ub_fp8"):
+        for name in (
+            "rb_flat",
+            "rb_hier",
+            "tw",
+            "ub_grid",
+            "ub_rows",
+            "cw",
+            "rb_fp8",
+            "ub_fp8",
+            "rb_fp16",
+            "rb_flat_fp8",
+        ):
             assert name in r["render"]

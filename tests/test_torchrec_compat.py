@@ -50,3 +50,21 @@ def test_grouped_lookup_keeps_its_tbes_in_emb_modules() -> None:
     assert lookup_tbes(Lookup(sgd)) == [sgd]
     assert supports_variable_batch(Lookup(sgd, _tbe(EmbOptimType.EXACT_ROWWISE_ADAGRAD)))
     assert not supports_variable_batch(Lookup(sgd, adagrad))
+
+
+def test_received_peer_order_follows_torchrec_recat() -> None:
+    """KJTAllToAll keeps its stagger in `_stagger`, and the order in which its output holds each peer's
+    segment is the feature order of TorchRec's own recat (dist_data._get_recat), staggered or not."""
+    from torchrec.distributed.dist_data import KJTAllToAll, _get_recat
+
+    from embark_torchrec.sharding.torchrec_compat import received_peer_order
+
+    assert "self._stagger = stagger" in inspect.getsource(KJTAllToAll.__init__)
+
+    class Staggered:
+        _stagger = 2
+
+    for a2a, stagger in ((Staggered(), 2), (object(), 1)):
+        recat = _get_recat(local_split=1, num_splits=4, stagger=stagger)
+        assert recat is not None
+        assert received_peer_order(a2a, 4) == recat.tolist()

@@ -33,3 +33,11 @@ def supports_variable_batch(lookup: Any) -> bool:
     """Whether every TBE of the lookup takes variable batch sizes per feature (fbgemm's `optimizer`
     attribute of a TBE; a TBE without one, e.g. a dense one, does not)."""
     return all(getattr(tbe, "optimizer", None) in VARIABLE_BATCH_OPTIMIZERS for tbe in lookup_tbes(lookup))
+
+
+def received_peer_order(a2a: Any, peers: int) -> List[int]:
+    """The peer each segment of a KJTAllToAll's output comes from, in output order: TorchRec
+    reorders what it receives by the all-to-all's `_stagger` (table-row-wise staggers by node;
+    dist_data._get_recat's feature order)."""
+    stagger = int(getattr(a2a, "_stagger", 1))
+    return [x + peers // stagger * y for x in range(peers // stagger) for y in range(stagger)]

@@ -18,6 +18,7 @@ from torchrec.distributed.dist_data import KJTAllToAll, PooledEmbeddingsAllToAll
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from .comm_stats import CommStats, Ledger, group_ranks
+from .torchrec_compat import received_peer_order
 
 ALL_TABLES = "*"
 
@@ -41,6 +42,7 @@ class KJTCounter:
         self._peers = group_ranks(a2a._pg)
         self._splits: List[int] = list(a2a._splits)
         self._peer_of_key = np.repeat(np.arange(len(self._peers)), self._splits)
+        self._received_from = received_peer_order(a2a, len(self._peers))  # output segment -> peer
         self._sent: Optional[torch.Tensor] = None  # IDs sent per key (device)
         self._received: Optional[torch.Tensor] = None  # IDs received per (key, peer) (device)
         self._sent_keys: List[str] = []
@@ -71,7 +73,8 @@ class KJTCounter:
         keys = received.keys()
         if not keys:
             return
-        strides = list(stride_per_rank) if stride_per_rank else [received.stride() // n] * n
+        # bags per output segment (TorchRec's batch sizes are per rank; segments come in _received_from order)
+        strides = [stride_per_rank[p] for p in self._received_from] if stride_per_rank else [received.stride() // n] * n
         ends = np.cumsum(np.tile(strides, len(keys)))
         cumulative = torch.cat(
             [received.lengths().new_zeros(1, dtype=torch.int64), torch.cumsum(received.lengths().long(), 0)]
@@ -83,8 +86,15 @@ class KJTCounter:
         self._note_sizes(received)
         per_table: Dict[tuple, np.ndarray] = {}
         for key in keys:
-            for peer, stride in enumerate(strides):
-                self._add(per_table, key, "lengths", 1, peer, stride * received.lengths().element_size())
+            for segment, stride in enumerate(strides):
+                self._add(
+                    per_table,
+                    key,
+                    "lengths",
+                    1,
+                    self._received_from[segment],
+                    stride * received.lengths().element_size(),
+                )
         self._flush_bytes(per_table)
 
     def _note_sizes(self, kjt: KeyedJaggedTensor) -> None:
@@ -101,7 +111,7 @@ class KJTCounter:
         if self._received is not None:
             n_peers = len(self._peers)
             for i, n in enumerate(self._received.tolist()):
-                self._add_ids(per_table, self._received_keys[i // n_peers], 1, i % n_peers, n)
+                self._add_ids(per_table, self._received_keys[i // n_peers], 1, self._received_from[i % n_peers], n)
         self._sent = self._received = None
         self._flush_bytes(per_table)
 
