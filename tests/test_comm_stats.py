@@ -45,6 +45,7 @@ TABLES = [
     EmbeddingBagConfig(name="ub_fp8", num_embeddings=40, embedding_dim=8, feature_names=["q0", "q1"]),
     EmbeddingBagConfig(name="rw", num_embeddings=22, embedding_dim=8, feature_names=["w"]),
     EmbeddingBagConfig(name="rb_fp16", num_embeddings=26, embedding_dim=8, feature_names=["g"]),
+    EmbeddingBagConfig(name="rb_hier_bf16", num_embeddings=32, embedding_dim=8, feature_names=["b"]),
     EmbeddingBagConfig(name="rb_flat_fp8", num_embeddings=28, embedding_dim=12, feature_names=["z0", "z1"]),
     EmbeddingBagConfig(name="twrw", num_embeddings=18, embedding_dim=4, feature_names=["x"]),
 ]
@@ -62,6 +63,9 @@ LAYOUTS = {
     "ub_fp8": TableLayout("ub", (0, 15, 40), (0, 8), ((1,), (2,)), WirePrecision("fp8", "fp16")),
     "rw": TableLayout("rb", (0, 6, 12, 18, 22), (0, 8), ((0,), (1,), (2,), (3,))),  # TorchRec's row-wise
     "rb_fp16": TableLayout("rb", (0, 10, 26), (0, 8), ((1,), (3,)), WirePrecision("fp16", "bf16")),
+    "rb_hier_bf16": TableLayout(
+        "rb", (0, 16, 32), (0, 4, 8), ((0, 1), (3, 2)), WirePrecision("bf16", "fp16"), hierarchical=True
+    ),
     "rb_flat_fp8": TableLayout("rb", (0, 14, 28), (0, 4, 12), ((0, 2), (2, 1)), WirePrecision("fp8", "fp8")),
     "twrw": TableLayout("rb", (0, 9, 18), (0, 4), ((2,), (3,)), hierarchical=True),  # TorchRec's table-row-wise
 }
@@ -168,5 +172,6 @@ def test_every_cluster_is_counted_and_printable(results: list[dict[str, Any]]) -
             "ub_fp8",
             "rb_fp16",
             "rb_flat_fp8",
+            "rb_hier_bf16",
         ):
             assert name in r["render"]
