@@ -493,3 +493,41 @@ def test_table_row_wise_plan_layout() -> None:
         if t.rows > 1:
             theirs = _torchrec_param_sharding("table_row_wise", t.rows, 16, 12, 4, host_index=node)
             assert from_sharding_plan(ShardingPlan(plan={"": {t.name: theirs}}), topo)[t.name] == layout, t.name
+
+
+def test_torchrec_sharding_types_restrict_the_layouts() -> None:
+    """ParameterConstraints(sharding_types=...) is honoured as TorchRec means it: table_wise keeps a table in one
+    cell even where the unconstrained plan cuts it, column_wise allows column cuts only, row_wise row cuts only,
+    and a list without data_parallel keeps a table reduction-based (TorchRec has no unique-based type) and off
+    DP; an unknown type or a constraint on a missing table is refused by name."""
+    tables = [
+        ("a", 2_000_000, 128, ["fa"]),
+        ("b", 2_000_000, 128, ["fb"]),
+        ("c", 2_000_000, 128, ["fc"]),
+        ("d", 50, 8, ["fd"]),
+    ]
+
+    def plan(constraints: dict[str, Any]) -> dict[str, TableLayout]:
+        planner = EmbarkPlanner(world_size=8, local_world_size=4, batch_size=4096, constraints=constraints)
+        planner.plan(_ebc(tables), [EmbeddingBagCollectionSharder()])
+        return dict(planner.plans[""].plan.tables)
+
+    free = plan({})
+    assert any(free[t].num_row_slices * free[t].num_col_slices > 1 for t in "abc"), free  # otherwise vacuous
+    forced = plan(
+        {
+            "a": ParameterConstraints(sharding_types=["table_wise"]),
+            "b": ParameterConstraints(sharding_types=["column_wise"]),
+            "c": ParameterConstraints(sharding_types=["row_wise"]),
+            "d": ParameterConstraints(sharding_types=["table_wise", "row_wise"]),
+        }
+    )
+    assert (forced["a"].num_row_slices, forced["a"].num_col_slices) == (1, 1)
+    assert forced["b"].num_row_slices == 1
+    assert forced["c"].num_col_slices == 1
+    assert free["d"].cluster == "dp" and forced["d"].cluster == "rb"
+    assert all(forced[t].cluster == "rb" for t in "abcd")
+    with pytest.raises(ValueError, match="table 'a': unknown sharding types \\['tablewise'\\]"):
+        plan({"a": ParameterConstraints(sharding_types=["tablewise"])})
+    with pytest.raises(ValueError, match="constraints name tables \\['zz'\\]"):
+        plan({"zz": ParameterConstraints(sharding_types=["table_wise"])})

@@ -43,6 +43,9 @@ def assign_clusters(
         else:
             free.append(t)
     clusters.update(_model_parallel_clusters(cost, free, set(clusters.values())))
+    for t in free:  # a table constrained to TorchRec's (reduction-based) sharding types stays RB
+        if not constraints.get(t.name, TableConstraints()).unique_based:
+            clusters[t.name] = "rb"
     dp_candidates: list[tuple[float, str]] = []
     for t in free:
         if constraints.get(t.name, TableConstraints()).ranks is None:

@@ -94,6 +94,11 @@ class EmbarkPlanner(ShardingPlanner):
             result.plan[path] = module_sharding_plan(planned.plan, spec, self.compute_device)
         if not result.plan:
             raise ValueError("no module in the model is an EmbeddingBagCollection that the given sharders shard")
+        misnamed = sorted(set(constraints) - planned_tables)
+        if misnamed:
+            raise ValueError(
+                f"constraints name tables {misnamed} that no planned module has; its tables: {sorted(planned_tables)}"
+            )
         unknown = sorted({t.name for t in self.measured.tables} - planned_tables) if self.measured is not None else []
         if unknown:
             raise ValueError(
