@@ -31,6 +31,7 @@ from embark_torchrec.plan.groups import builtin_sharding_type
 from embark_torchrec.plan.layout import Plan, TableLayout, WirePrecision, sharding_type_name
 from embark_torchrec.plan.planner import EmbarkPlanner
 from embark_torchrec.sharding.parameter_sharding import module_sharding_plan
+from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 from embark_torchrec.plan.spec import ModelSpec, TableSpec
 from embark_torchrec.plan.topology import Topology
 from embark_torchrec.testing import fake_world, threaded_ranks
@@ -114,7 +115,7 @@ def planned() -> tuple[EmbarkPlanner, Any]:
     planner = EmbarkPlanner(
         world_size=8, local_world_size=4, batch_size=512, constraints=_constraints(), compute_device="cuda"
     )
-    return planner, planner.plan(_Model(), [EmbeddingBagCollectionSharder()])
+    return planner, planner.plan(_Model(), [EmbarkEmbeddingBagCollectionSharder()])
 
 
 def test_plan_is_consistent_with_the_layouts(planned: tuple[EmbarkPlanner, Any]) -> None:
@@ -161,7 +162,7 @@ def test_plan_honours_torchrec_and_our_constraints(planned: tuple[EmbarkPlanner,
     assert module_plan["rw"].sharding_type == "row_wise"
     assert module_plan["uq"].sharding_type.startswith("embark_ub")
     free = EmbarkPlanner(world_size=8, local_world_size=4, batch_size=512)
-    free.plan(_Model(), [EmbeddingBagCollectionSharder()])
+    free.plan(_Model(), [EmbarkEmbeddingBagCollectionSharder()])
     assert free.plans["sparse"].plan["small_rw"].cluster == "dp"
 
 
@@ -177,7 +178,7 @@ def test_cpu_placements_and_nested_modules() -> None:
             self.inner.b = _ebc([("other", 1000, 8, ["fo"])])
 
     planner = EmbarkPlanner(world_size=4, local_world_size=2, compute_device="cpu")
-    sharding_plan = planner.plan(Two(), [EmbeddingBagCollectionSharder()])
+    sharding_plan = planner.plan(Two(), [EmbarkEmbeddingBagCollectionSharder()])
     assert sorted(sharding_plan.plan) == ["a", "inner.b"]
     assert sorted(sharding_plan.plan["a"]) == ["big", "mid"]
     assert sorted(sharding_plan.plan["inner.b"]) == ["other"]
@@ -193,12 +194,12 @@ def test_measured_spec_reaches_the_cost_model() -> None:
     what the planner costs; one with a table the model lacks, or other rows, is refused by name."""
     module = _ebc(TABLES[:2])
     guessed = EmbarkPlanner(world_size=4, local_world_size=2, compute_device="cpu")
-    guessed.plan(module, [EmbeddingBagCollectionSharder()])
+    guessed.plan(module, [EmbarkEmbeddingBagCollectionSharder()])
     base = guessed.plans[""].spec
     big = base.table("big")
     measured = ModelSpec("m", 8, (TableSpec("big", big.rows, big.dim, 7.5, big.feature_names, unique_ratio=0.02),))
     planner = EmbarkPlanner(world_size=4, local_world_size=2, compute_device="cpu", measured=measured)
-    planner.plan(module, [EmbeddingBagCollectionSharder()])
+    planner.plan(module, [EmbarkEmbeddingBagCollectionSharder()])
     used = planner.plans[""].spec
     assert (used.table("big").pooling, used.table("big").unique_ratio) == (7.5, 0.02)
     assert used.table("mid") == base.table("mid")
@@ -427,7 +428,7 @@ def test_collective_plan_under_fake_world_16() -> None:
     explicit sizes; ranks 5 and 15 planning for themselves get the same plan (plan() does not
     depend on the rank)."""
     expected = _summary(
-        EmbarkPlanner(world_size=16, local_world_size=8).plan(_Model(), [EmbeddingBagCollectionSharder()])
+        EmbarkPlanner(world_size=16, local_world_size=8).plan(_Model(), [EmbarkEmbeddingBagCollectionSharder()])
     )
     with fake_world(16, rank=0, local_world_size=8):
         planner = EmbarkPlanner()
@@ -436,7 +437,7 @@ def test_collective_plan_under_fake_world_16() -> None:
     assert got == expected
     for rank in (5, 15):
         with fake_world(16, rank=rank, local_world_size=8):
-            assert _summary(EmbarkPlanner().plan(_Model(), [EmbeddingBagCollectionSharder()])) == expected
+            assert _summary(EmbarkPlanner().plan(_Model(), [EmbarkEmbeddingBagCollectionSharder()])) == expected
     # the plan does spread over both nodes, so the comparison covers ranks 8..15 too
     used = {k for t in expected["sparse"].values() if t[2] for k in t[2]}
     assert used & set(range(8)) and used & set(range(8, 16))
@@ -459,7 +460,7 @@ def test_collective_plan_same_on_every_threaded_rank() -> None:
     assert all(r["world"] == 4 for r in results)
     expected = _summary(
         EmbarkPlanner(world_size=4, local_world_size=2, batch_size=256, constraints=constraints).plan(
-            _Model(), [EmbeddingBagCollectionSharder()]
+            _Model(), [EmbarkEmbeddingBagCollectionSharder()]
         )
     )
     for r in results:
@@ -509,7 +510,7 @@ def test_torchrec_sharding_types_restrict_the_layouts() -> None:
 
     def plan(constraints: dict[str, Any]) -> dict[str, TableLayout]:
         planner = EmbarkPlanner(world_size=8, local_world_size=4, batch_size=4096, constraints=constraints)
-        planner.plan(_ebc(tables), [EmbeddingBagCollectionSharder()])
+        planner.plan(_ebc(tables), [EmbarkEmbeddingBagCollectionSharder()])
         return dict(planner.plans[""].plan.tables)
 
     free = plan({})
@@ -531,3 +532,25 @@ def test_torchrec_sharding_types_restrict_the_layouts() -> None:
         plan({"a": ParameterConstraints(sharding_types=["tablewise"])})
     with pytest.raises(ValueError, match="constraints name tables \\['zz'\\]"):
         plan({"zz": ParameterConstraints(sharding_types=["table_wise"])})
+
+
+def test_plan_time_errors_and_report_for_nested_modules() -> None:
+    """A plan with our sharding types is refused at plan time, with the fix, when the sharders are TorchRec's own
+    (DMP would fail deep inside TorchRec); report() prints every planned module, nested ones too, in ranks."""
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sparse_arch = nn.Module()
+            self.sparse_arch.embedding_bag_collection = _ebc()
+
+    constraints = {"uq": TableConstraints(cluster="ub")}
+    planner = EmbarkPlanner(world_size=8, local_world_size=4, batch_size=512, constraints=constraints)
+    with pytest.raises(ValueError, match="pass EmbarkEmbeddingBagCollectionSharder"):
+        planner.plan(Outer(), [EmbeddingBagCollectionSharder()])
+    with pytest.raises(ValueError, match="nothing planned yet"):
+        EmbarkPlanner(world_size=8).report()
+    planner.plan(Outer(), [EmbarkEmbeddingBagCollectionSharder()])
+    text = planner.report()
+    assert "plan for sparse_arch.embedding_bag_collection: 8 ranks (2 nodes x 4)" in text
+    assert "GPU" not in text

@@ -33,8 +33,10 @@ def _quickstart(plan_path: str) -> dict[str, Any]:
         constraints={"t20": ParameterConstraints(pooling_factors=[100.0])},
     )
     plan = planner.collective_plan(model, [sharder])
-    if dist.get_rank() == 0:
-        planner.plans[""].plan.save(plan_path)
+    if dist.get_rank() == 0:  # the rank that planned keeps the details
+        print(planner.report())  # per rank: memory, lookups, traffic; for every planned module
+        (planned,) = planner.plans.values()  # one per EmbeddingBagCollection, keyed by its path
+        planned.plan.save(plan_path)  # the plan file
     dist.barrier()
     reloaded = load_plan(plan_path, model)
     sharded = DistributedModelParallel(model, plan=plan, sharders=[sharder], device=torch.device("cpu"))

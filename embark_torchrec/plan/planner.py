@@ -14,10 +14,31 @@ from torchrec.distributed.types import ShardingPlan, ShardingPlanner
 
 from .constraints import from_torchrec
 from .cost import OptimizerMemory
+from .layout import SHARDING_TYPE_PREFIX
+from .report import ScoredPlan, render
 from .plan_model import PlannedModel, plan_model
 from .search import SearchConfig
 from .spec import IdDistribution, ModelSpec
 from .topology import DEFAULT_HARDWARE, Hardware, Topology, hardware_preset
+
+
+def _check_sharders(result: Any, sharders: list[Any]) -> None:
+    """Refuses, before any module is sharded, a plan that uses our sharding types with sharders that
+    cannot run them (TorchRec's own would fail deep inside DistributedModelParallel)."""
+    from ..sharding.sharder import EmbarkEmbeddingBagCollectionSharder
+
+    ours = [
+        f"{path or 'model'}.{table}"
+        for path, module_plan in result.plan.items()
+        for table, ps in module_plan.items()
+        if ps.sharding_type.startswith(SHARDING_TYPE_PREFIX)
+    ]
+    if ours and not any(isinstance(s, EmbarkEmbeddingBagCollectionSharder) for s in sharders):
+        raise ValueError(
+            f"the plan runs tables {ours[:5]}{' ...' if len(ours) > 5 else ''} on embark sharding types, which the "
+            "given sharders cannot run: pass EmbarkEmbeddingBagCollectionSharder() to the planner and to "
+            "DistributedModelParallel(sharders=[...])"
+        )
 
 
 def _sharders_accept(module: Any, sharders: list[Any]) -> bool:
@@ -94,6 +115,7 @@ class EmbarkPlanner(ShardingPlanner):
             result.plan[path] = module_sharding_plan(planned.plan, spec, self.compute_device)
         if not result.plan:
             raise ValueError("no module in the model is an EmbeddingBagCollection that the given sharders shard")
+        _check_sharders(result, sharders)
         misnamed = sorted(set(constraints) - planned_tables)
         if misnamed:
             raise ValueError(
@@ -106,13 +128,25 @@ class EmbarkPlanner(ShardingPlanner):
             )
         return result
 
+    def report(self) -> str:
+        """The plan report of every planned module (per-rank memory, lookups and traffic), titled
+        by the module's path; the rank that planned holds them (rank 0 after collective_plan)."""
+        if not self.plans:
+            raise ValueError(
+                "nothing planned yet: call plan() or collective_plan() first (on rank 0 for collective_plan)"
+            )
+        return "\n\n".join(
+            render([ScoredPlan("embark", p.plan, p.cost, p.seconds)], p.topology, path or "model")
+            for path, p in self.plans.items()
+        )
+
     def collective_plan(self, module: Any, sharders: list[Any] | None = None, pg: Any = None) -> Any:
         """Rank 0 plans (and keeps the details in `plans`); every rank gets the same ShardingPlan."""
         import torch.distributed as dist
         from torchrec.distributed.collective_utils import invoke_on_rank_and_broadcast_result
-        from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+        from ..sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 
-        sharders = sharders or [EmbeddingBagCollectionSharder()]
+        sharders = sharders or [EmbarkEmbeddingBagCollectionSharder()]
         pg = pg or dist.GroupMember.WORLD
         if pg is None:
             return self.plan(module, sharders)

@@ -103,8 +103,9 @@ def render(plans: Sequence[ScoredPlan], topology: Topology, model_name: str) -> 
     s = summary(main)
     hw = topology.hardware
     out = [
-        f"# {main.name} plan for {model_name}: {topology.world_size} GPUs ({topology.num_nodes} nodes x "
-        f"{topology.local_world_size}), {hw.name}, cap {topology.hbm_cap_bytes / 1e9:.0f} GB per GPU",
+        f"# {main.name} plan for {model_name}: {topology.world_size} ranks ({topology.num_nodes} "
+        f"{'node' if topology.num_nodes == 1 else 'nodes'} x {topology.local_world_size}), hardware {hw.name}, "
+        f"cap {topology.hbm_cap_bytes / 1e9:.0f} GB per rank",
         "",
         f"estimated step {s['step_ms']:.3f} ms = lookups {s['lookup_ms']:.3f} + embedding comm {s['comm_ms']:.3f} "
         f"+ collectives {s['collective_ms']:.3f} + DP all-reduce {s['dp_allreduce_ms']:.3f} "
