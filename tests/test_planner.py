@@ -29,11 +29,11 @@ from embark_torchrec.sharding.torchrec_plans import from_sharding_plan
 from embark_torchrec.plan.constraints import TableConstraints
 from embark_torchrec.plan.groups import builtin_sharding_type
 from embark_torchrec.plan.layout import Plan, TableLayout, WirePrecision, sharding_type_name
-from embark_torchrec.plan.planner import EmbarkPlanner
+from embark_torchrec.plan.planner import EmbarkPlanner, default_hardware
 from embark_torchrec.sharding.parameter_sharding import module_sharding_plan
 from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 from embark_torchrec.plan.spec import ModelSpec, TableSpec
-from embark_torchrec.plan.topology import Topology
+from embark_torchrec.plan.topology import PRESETS, Topology
 from embark_torchrec.testing import fake_world, threaded_ranks
 
 TABLES = [
@@ -433,7 +433,7 @@ def test_collective_plan_under_fake_world_16() -> None:
     with fake_world(16, rank=0, local_world_size=8):
         planner = EmbarkPlanner()
         got = _summary(planner.collective_plan(_Model()))
-        assert planner.plans["sparse"].topology == Topology(16, 8)
+        assert planner.plans["sparse"].topology == Topology(16, 8, PRESETS[default_hardware(planner.compute_device)])
     assert got == expected
     for rank in (5, 15):
         with fake_world(16, rank=rank, local_world_size=8):
@@ -554,3 +554,34 @@ def test_plan_time_errors_and_report_for_nested_modules() -> None:
     text = planner.report()
     assert "plan for sparse_arch.embedding_bag_collection: 8 ranks (2 nodes x 4)" in text
     assert "GPU" not in text
+
+
+def test_torchrec_constructor_arguments_and_device_default() -> None:
+    """EmbarkPlanner takes TorchRec's planner arguments and honours them: a TorchRec Topology's sizes, device, HBM
+    cap and bandwidths (bytes/ms) and a storage reservation's percentage reach the cost model's topology; without
+    hardware=, a CPU job plans with cpu-gloo (not a GPU preset)."""
+    from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
+    from torchrec.distributed.planner.types import Topology as TorchrecTopology
+
+    topology = TorchrecTopology(
+        world_size=8,
+        local_world_size=4,
+        compute_device="cuda",
+        hbm_cap=20 * 10**9,
+        intra_host_bw=300e6,
+        inter_host_bw=25e6,
+    )
+    planner = EmbarkPlanner(
+        topology=topology,
+        batch_size=256,
+        constraints={"tiny": ParameterConstraints(sharding_types=["data_parallel"])},
+        storage_reservation=HeuristicalStorageReservation(percentage=0.25),
+        hardware="dgx-h100",
+    )
+    planner.plan(_Model(), [EmbarkEmbeddingBagCollectionSharder()])
+    used = planner.plans["sparse"].topology
+    assert (used.world_size, used.local_world_size, planner.compute_device) == (8, 4, "cuda")
+    hw = used.hardware
+    assert (hw.hbm_gb, hw.hbm_reserve_gb, hw.intra_node_bw_gbps, hw.inter_node_bw_gbps) == (20.0, 5.0, 300.0, 25.0)
+    assert planner.plans["sparse"].spec.batch_size == 256 * 8
+    assert EmbarkPlanner(world_size=2, compute_device="cpu").hardware == PRESETS["cpu-gloo"]

@@ -7,6 +7,7 @@ ShardingPlan that DistributedModelParallel takes (sharding/parameter_sharding.py
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Mapping
 
 import torch
@@ -19,7 +20,41 @@ from .report import ScoredPlan, render
 from .plan_model import PlannedModel, plan_model
 from .search import SearchConfig
 from .spec import IdDistribution, ModelSpec
-from .topology import DEFAULT_HARDWARE, Hardware, Topology, hardware_preset
+from .topology import CPU_HARDWARE, DEFAULT_HARDWARE, Hardware, Topology, hardware_preset
+
+
+# GPU names (torch.cuda.get_device_name) to our presets, first match wins
+_GPU_PRESETS = (("H200", "h200"), ("H100", "dgx-h100"), ("A100", "dgx-a100"))
+
+
+def default_hardware(compute_device: str) -> str:
+    """The preset for the device in use: cpu-gloo on CPU; on CUDA the one matching the GPU's name,
+    else dgx-h100 with a warning that names the GPU."""
+    if compute_device != "cuda":
+        return CPU_HARDWARE
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "an unknown GPU"
+    for key, preset in _GPU_PRESETS:
+        if key in name:
+            return preset
+    warnings.warn(f"no hardware preset matches {name!r}; planning with {DEFAULT_HARDWARE}'s figures (pass hardware=)")
+    return DEFAULT_HARDWARE
+
+
+def hardware_from_torchrec(base: Hardware, topology: Any, storage_reservation: Any) -> Hardware:
+    """`base` with what a TorchRec Topology and storage reservation say: HBM per device (the
+    smallest, if they differ), bandwidths (TorchRec's bytes/ms are GB/s x 1e6), the reserve."""
+    overrides: dict[str, float] = {}
+    if topology is not None:
+        hbm = min(d.storage.hbm for d in topology.devices) / 1e9
+        overrides.update(
+            hbm_gb=hbm,
+            intra_node_bw_gbps=topology.intra_host_bw / 1e6,
+            inter_node_bw_gbps=topology.inter_host_bw / 1e6,
+        )
+    if storage_reservation is not None:
+        percentage = float(getattr(storage_reservation, "_percentage", 0.0))
+        overrides["hbm_reserve_gb"] = percentage * overrides.get("hbm_gb", base.hbm_gb)
+    return base.with_overrides(**overrides) if overrides else base
 
 
 def _check_sharders(result: Any, sharders: list[Any]) -> None:
@@ -48,31 +83,41 @@ def _sharders_accept(module: Any, sharders: list[Any]) -> bool:
 class EmbarkPlanner(ShardingPlanner):
     """Drop-in for torchrec's EmbeddingShardingPlanner.
 
-    batch_size is the per-rank batch, as in torchrec; compute_device defaults to cuda when there is
-    one, else cpu (it names the devices in the shard placements). `plans` keeps the Plan of every planned
-    module (by its path) for the report and the plan file. Each EmbeddingBagCollection is planned
-    on its own.
+    It takes TorchRec's arguments (topology, batch_size, constraints, storage_reservation; others
+    TorchRec's planner takes, such as enumerator or proposer, have no meaning here and are refused
+    by Python): a TorchRec `Topology` gives the world and local world sizes, the compute device, the
+    per-device HBM cap and the intra/inter-host bandwidths, over the hardware preset; a storage
+    reservation's `_percentage` of HBM is kept free. batch_size is the per-rank batch, as in
+    torchrec. Without `hardware`, the preset follows the device in use: cpu-gloo on CPU, the preset
+    matching the GPU's name on CUDA (dgx-h100 with a warning naming the GPU when none matches).
+    `plans` keeps the Plan of every planned module (by its path) for report() and the plan file.
+    Each EmbeddingBagCollection is planned on its own.
     """
 
     def __init__(
         self,
-        world_size: int | None = None,
-        local_world_size: int | None = None,
+        topology: Any = None,
         batch_size: int = 512,
         constraints: Mapping[str, Any] | None = None,
-        hardware: str | Hardware = DEFAULT_HARDWARE,
+        storage_reservation: Any = None,
+        world_size: int | None = None,
+        local_world_size: int | None = None,
+        hardware: str | Hardware | None = None,
         compute_device: str | None = None,
         id_distribution: IdDistribution | None = None,
         config: SearchConfig | None = None,
         optimizer: OptimizerMemory | None = None,
         measured: ModelSpec | None = None,
     ) -> None:
-        self.world_size = world_size
-        self.local_world_size = local_world_size
+        self.world_size = world_size or (topology.world_size if topology is not None else None)
+        self.local_world_size = local_world_size or (topology.local_world_size if topology is not None else None)
         self.batch_size = batch_size
         self.torchrec_constraints = dict(constraints or {})
-        self.hardware = hardware_preset(hardware) if isinstance(hardware, str) else hardware
-        self.compute_device = compute_device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = compute_device or (topology.compute_device if topology is not None else None)
+        self.compute_device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        chosen = hardware if hardware is not None else default_hardware(self.compute_device)
+        base = hardware_preset(chosen) if isinstance(chosen, str) else chosen
+        self.hardware = hardware_from_torchrec(base, topology, storage_reservation)
         self.id_distribution = id_distribution
         self.config = config or SearchConfig()
         self.optimizer = optimizer

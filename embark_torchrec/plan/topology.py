@@ -87,6 +87,7 @@ PRESETS: dict[str, Hardware] = {
     ),
 }
 DEFAULT_HARDWARE = "dgx-h100"
+CPU_HARDWARE = "cpu-gloo"
 
 
 def hardware_preset(name: str) -> Hardware:
