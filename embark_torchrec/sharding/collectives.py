@@ -16,7 +16,7 @@ input becomes a leaf that requires one.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -129,8 +129,3 @@ def all_to_all(
     exchange = _Exchange(group, send, recv, codecs, gradient_divisor, on_send, x.device)
     dummy = _Req.apply(x, exchange)
     return AllToAllAwaitable(dummy, exchange)
-
-
-def split_sizes(segments: List[List[Segment]]) -> List[int]:
-    """Decoded elements per member."""
-    return [sum(e for e, _ in segs) for segs in segments]

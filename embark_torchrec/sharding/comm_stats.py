@@ -245,11 +245,3 @@ class Ledger:
                 per_peer_bytes(world, self._peers, sent),
                 per_peer_bytes(world, self._peers, received),
             )
-
-
-def table_widths(columns: Sequence[int], column_table: Sequence[str]) -> Dict[str, int]:
-    """How many of `columns` (output column indices) belong to each table."""
-    out: Dict[str, int] = {}
-    for c in columns:
-        out[column_table[c]] = out.get(column_table[c], 0) + 1
-    return out
