@@ -44,10 +44,11 @@ FP8_MAX = 448.0  # largest finite float8 e4m3fn
 class Fp8RowwiseCodec:
     """float8 e4m3fn values with one fp32 scale per row (row max / 448), as uint8 bytes on the wire.
 
-    A row of w values takes w + 4 bytes; each peer's message is its values' bytes, then its rows'
-    scales. Messages are described per peer as segments (elements, row width), since our dists send
-    blocks of different widths in one all-to-all; the work is a fixed number of tensor ops whatever
-    the number of segments, plus one view per peer."""
+    A row of w values travels as its w value bytes followed by its scale's 4 bytes, so each peer's
+    message is simply its rows in order and needs no per-peer handling. Messages are described per
+    peer as segments (elements, row width), since our dists send blocks of different widths in one
+    all-to-all; rows of one width take a fixed handful of ops (views), mixed widths a fixed number
+    of gathers and scatters, whatever the number of segments."""
 
     quantized_dtype = torch.uint8
     row_wise = True
@@ -60,51 +61,62 @@ class Fp8RowwiseCodec:
         return widths.pop() if len(widths) == 1 else 0
 
     @staticmethod
-    def _row_widths(segments: Sequence[Segment], device: torch.device) -> Tuple[torch.Tensor, int]:
-        """Each row's width, as a tensor on `device`, and the number of rows."""
+    def _row_widths(segments: Sequence[Segment]) -> np.ndarray:
+        """Each row's width, in order."""
         parts = [np.tile(_blocks(w), e // sum(_blocks(w))) for e, w in segments if e]
-        widths = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        return torch.tensor(widths, dtype=torch.int64, device=device), len(widths)
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    @staticmethod
+    def _positions(widths: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where each value and each scale byte of rows of `widths` sit in the wire layout."""
+        n = int(widths.sum())
+        out_start = np.cumsum(widths + FP8_SCALE_BYTES) - (widths + FP8_SCALE_BYTES)
+        shift = torch.tensor(out_start - (np.cumsum(widths) - widths), device=device)
+        values = torch.arange(n, device=device) + shift.repeat_interleave(
+            torch.tensor(widths, device=device), output_size=n
+        )
+        scale_start = torch.tensor(out_start + widths, device=device)
+        scales = (scale_start.unsqueeze(1) + torch.arange(FP8_SCALE_BYTES, device=device)).reshape(-1)
+        return values, scales
 
     def encode(self, x: torch.Tensor, peers: Sequence[Sequence[Segment]]) -> torch.Tensor:
         segments = [s for segs in peers for s in segs]
         if x.numel() == 0:
             return x.new_empty(0, dtype=torch.uint8)
         x = x.float()
+        tiny = torch.finfo(torch.float32).tiny
         width = self._one_width(segments)
-        if width:  # rows of one width: a view, no per-row lengths
+        if width:  # rows of one width: values and scale side by side, by views
             rows = x.view(-1, width)
-            scale = rows.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX
-            q = (rows / scale.unsqueeze(1)).to(torch.float8_e4m3fn).view(torch.uint8).reshape(-1)
-        else:
-            widths, _ = self._row_widths(segments, x.device)
-            scale = (
-                torch.segment_reduce(x.abs(), "max", lengths=widths).clamp(min=torch.finfo(torch.float32).tiny)
-                / FP8_MAX
-            )
-            q = (x / scale.repeat_interleave(widths, output_size=x.numel())).to(torch.float8_e4m3fn).view(torch.uint8)
-        scale_bytes = scale.view(torch.uint8)
-        elems = [sum(e for e, _ in segs) for segs in peers]
-        rows_per_peer = [sum(scaled_rows(seg) for seg in segs) for segs in peers]
-        q_parts = torch.split(q, elems)
-        s_parts = torch.split(scale_bytes, [r * FP8_SCALE_BYTES for r in rows_per_peer])
-        return torch.cat([part for pair in zip(q_parts, s_parts) for part in pair])
+            scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=tiny) / FP8_MAX
+            q = (rows / scale).to(torch.float8_e4m3fn).view(torch.uint8)
+            return torch.cat([q, scale.view(torch.uint8)], dim=1).reshape(-1)
+        widths = self._row_widths(segments)
+        lengths = torch.tensor(widths, device=x.device)
+        scale = torch.segment_reduce(x.abs(), "max", lengths=lengths).clamp(min=tiny) / FP8_MAX
+        q = (x / scale.repeat_interleave(lengths, output_size=x.numel())).to(torch.float8_e4m3fn).view(torch.uint8)
+        values, scales = self._positions(widths, x.device)
+        out = q.new_empty(x.numel() + len(widths) * FP8_SCALE_BYTES)
+        out[values] = q
+        out[scales] = scale.view(torch.uint8)
+        return out
 
     def decode(self, y: torch.Tensor, peers: Sequence[Sequence[Segment]]) -> torch.Tensor:
         segments = [s for segs in peers for s in segs]
-        total = sum(e for e, _ in segments)
-        if total == 0:
+        if sum(e for e, _ in segments) == 0:
             return y.new_empty(0, dtype=torch.float32)
-        elems = [sum(e for e, _ in segs) for segs in peers]
-        scales = [sum(scaled_rows(seg) for seg in segs) * FP8_SCALE_BYTES for segs in peers]
-        parts = torch.split(y, [size for pair in zip(elems, scales) for size in pair])
-        q = torch.cat(parts[0::2]).view(torch.float8_e4m3fn).float()
-        scale = torch.cat(parts[1::2]).view(torch.float32)
         width = self._one_width(segments)
         if width:
-            return (q.view(-1, width) * scale.unsqueeze(1)).reshape(-1)
-        widths, _ = self._row_widths(segments, y.device)
-        return q * scale.repeat_interleave(widths, output_size=total)
+            rows = y.view(-1, width + FP8_SCALE_BYTES)
+            scale = rows[:, width:].contiguous().view(torch.float32)
+            return (rows[:, :width].view(torch.float8_e4m3fn).float() * scale).reshape(-1)
+        widths = self._row_widths(segments)
+        values, scales = self._positions(widths, y.device)
+        lengths = torch.tensor(widths, device=y.device)
+        scale = y[scales].view(torch.float32)
+        return y[values].view(torch.float8_e4m3fn).float() * scale.repeat_interleave(
+            lengths, output_size=values.numel()
+        )
 
     @staticmethod
     def size(segment: Segment) -> int:
