@@ -68,3 +68,13 @@ def test_received_peer_order_follows_torchrec_recat() -> None:
         recat = _get_recat(local_split=1, num_splits=4, stagger=stagger)
         assert recat is not None
         assert received_peer_order(a2a, 4) == recat.tolist()
+
+
+def test_qcomms_codecs_keep_their_precision() -> None:
+    """fbgemm's quantized comm codec keeps its SparseType in `_comm_precision`, which qcomm_precisions reads."""
+    from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs
+
+    from embark_torchrec.sharding.torchrec_compat import qcomm_precisions
+
+    codecs = get_qcomm_codecs(QCommsConfig(forward_precision=CommType.FP16, backward_precision=CommType.BF16))
+    assert qcomm_precisions(codecs) == ("fp16", "bf16")

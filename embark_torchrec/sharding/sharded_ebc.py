@@ -10,17 +10,35 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.distributed.comm import get_local_size
 from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo, KJTList
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionContext, ShardedEmbeddingBagCollection
+from torchrec.distributed.fbgemm_qcomm_codec import CommOp
 from torchrec.distributed.types import Awaitable, QuantizedCommCodecs, ShardingEnv
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from ..plan.layout import SHARDING_TYPE_PREFIX, parse_sharding_type
+from ..plan.layout import PRECISIONS, SHARDING_TYPE_PREFIX, WirePrecision, parse_sharding_type
 from .codecs import wire_codecs
 from .comm_stats import CommStats, CountsComm
 from .grid import GridPooledEmbeddingSharding
+from .torchrec_compat import qcomm_precisions
 from .torchrec_counting import KJTCounter, count_borrowed_dists
 from .unique import UniquePooledEmbeddingSharding, UniqueShardingContext, UniqueSparseFeaturesDist
 from .validation import InputValidator
+
+
+def qcomms_precision(registry: Optional[Dict[str, QuantizedCommCodecs]]) -> WirePrecision:
+    """The wire precision a sharder's QCommsConfig asks for on pooled all-to-alls (fp32 without one),
+    carried out by our codecs; refused by name where our codecs have no such precision."""
+    codecs = (registry or {}).get(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name)
+    if codecs is None:
+        return WirePrecision()
+    forward, backward = qcomm_precisions(codecs)
+    unknown = sorted({forward, backward} - set(PRECISIONS))
+    if unknown:
+        raise ValueError(
+            f"QCommsConfig precision {unknown} is not one embark sharding types send (they send {list(PRECISIONS)}); "
+            "set the cluster's precision in the plan instead"
+        )
+    return WirePrecision(forward, backward)
 
 
 class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
@@ -76,7 +94,7 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 qcomm_codecs_registry=qcomm_codecs_registry,
             )
         cluster, hierarchical, precision = parse_sharding_type(sharding_type)
-        codecs = wire_codecs(precision)
+        codecs = wire_codecs(precision if precision != WirePrecision() else qcomms_precision(qcomm_codecs_registry))
         if cluster == "ub":
             return UniquePooledEmbeddingSharding(sharding_infos, env, device, qcomm_codecs_registry=codecs)
         return GridPooledEmbeddingSharding(

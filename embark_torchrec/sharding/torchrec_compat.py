@@ -41,3 +41,13 @@ def received_peer_order(a2a: Any, peers: int) -> List[int]:
     dist_data._get_recat's feature order)."""
     stagger = int(getattr(a2a, "_stagger", 1))
     return [x + peers // stagger * y for x in range(peers // stagger) for y in range(stagger)]
+
+
+def qcomm_precisions(codecs: Any) -> tuple[str, str]:
+    """The forward and backward wire precisions of TorchRec qcomms codecs (fbgemm's
+    FbgemmQuantizedCommCodec keeps its SparseType in `_comm_precision`), as plan precision names."""
+    names = []
+    for codec in (codecs.forward, codecs.backward):
+        precision = getattr(codec, "_comm_precision", None)
+        names.append(str(getattr(precision, "name", precision)).lower())
+    return names[0], names[1]
