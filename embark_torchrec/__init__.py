@@ -16,6 +16,7 @@ _LAZY = {
     "EmbarkEmbeddingBagCollectionSharder": "embark_torchrec.sharding.sharder",
     "load_plan": "embark_torchrec.sharding.load_plan",
     "plan_model": "embark_torchrec.plan.plan_model",
+    "simulate_nodes": "embark_torchrec.sharding.nodes",
 }
 __all__ = sorted(_LAZY)
 

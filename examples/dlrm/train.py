@@ -41,7 +41,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from tqdm import tqdm
 
-from embark_torchrec import EmbarkEmbeddingBagCollectionSharder, EmbarkPlanner, load_plan
+from embark_torchrec import EmbarkEmbeddingBagCollectionSharder, EmbarkPlanner, load_plan, simulate_nodes
 from embark_torchrec.plan.baselines import table_row_wise_plan
 from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.layout import PRECISIONS, Plan, WirePrecision
@@ -165,13 +165,10 @@ def init_distributed(local_world_size: int | None, timeout_s: float) -> World:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device_index = int(os.environ.get("LOCAL_RANK", "0"))  # the real one, before any regrouping
     if local_world_size is not None:
-        if world_size % local_world_size:
-            raise SystemExit(f"--local-world-size {local_world_size} does not divide world size {world_size}")
-        os.environ.update(
-            LOCAL_WORLD_SIZE=str(local_world_size),
-            LOCAL_RANK=str(rank % local_world_size),
-            GROUP_RANK=str(rank // local_world_size),
-        )
+        try:
+            simulate_nodes(local_world_size)
+        except ValueError as e:
+            raise SystemExit(f"--local-world-size: {e}") from None
     if torch.cuda.is_available():
         if device_index >= torch.cuda.device_count():
             raise SystemExit(
