@@ -78,3 +78,24 @@ def test_qcomms_codecs_keep_their_precision() -> None:
 
     codecs = get_qcomm_codecs(QCommsConfig(forward_precision=CommType.FP16, backward_precision=CommType.BF16))
     assert qcomm_precisions(codecs) == ("fp16", "bf16")
+
+
+def test_collective_and_sharding_internals_exist() -> None:
+    """The private attributes torchrec_compat reads off TorchRec's collective modules, output dists and shardings
+    are still set where it expects them (read off TorchRec's source, as they need process groups to build)."""
+    from torchrec.distributed.dist_data import KJTAllToAll, PooledEmbeddingsAllToAll
+    from torchrec.distributed.sharding.tw_sharding import BaseTwEmbeddingSharding, TwPooledEmbeddingDist
+    from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingDist
+
+    def source(obj: object) -> str:
+        return inspect.getsource(obj)  # type: ignore[arg-type]
+
+    kjt = source(KJTAllToAll.__init__)
+    assert "self._pg" in kjt and "self._splits" in kjt
+    pooled = source(PooledEmbeddingsAllToAll.__init__)
+    assert "self._pg" in pooled and "self._codecs" in pooled and "self._dim_sum_per_rank" in pooled
+    assert "self._dist" in source(TwPooledEmbeddingDist.__init__)
+    assert callable(TwPooledEmbeddingDist._create_output_dist_module)
+    assert "self._intra_dist" in source(TwRwPooledEmbeddingDist.__init__)
+    assert callable(TwRwPooledEmbeddingDist._create_output_dist_modules)
+    assert callable(BaseTwEmbeddingSharding._emb_dim_per_rank_per_feature)

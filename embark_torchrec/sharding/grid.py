@@ -46,6 +46,7 @@ from ..plan.topology import Topology
 from ..plan.wire import MAX_SLICE_ROWS
 from .collectives import all_to_all
 from .comm_stats import CountsComm, Ledger, group_ranks
+from .torchrec_compat import emb_dims_per_rank
 
 
 @dataclass(frozen=True)
@@ -587,7 +588,7 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
         device = self.dist_device(device)
         runs_per_rank = [  # each rank's cells, in its partial sums' column order
             [self._column_run(self._cells[v], int(width), offsets) for v, width in zip(names, dims)]
-            for names, dims in zip(self.embedding_names_per_rank(), self._emb_dim_per_rank_per_feature())
+            for names, dims in zip(self.embedding_names_per_rank(), emb_dims_per_rank(self))
         ]
         codecs = (self.qcomm_codecs_registry or {}).get(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name)
         if self._hierarchical:

@@ -51,3 +51,46 @@ def qcomm_precisions(codecs: Any) -> tuple[str, str]:
         precision = getattr(codec, "_comm_precision", None)
         names.append(str(getattr(precision, "name", precision)).lower())
     return names[0], names[1]
+
+
+def collective_group(module: Any) -> Any:
+    """The process group of one of TorchRec's collective modules (KJTAllToAll, PooledEmbeddingsAllToAll,
+    PooledEmbeddingsReduceScatter: `_pg`)."""
+    return module._pg
+
+
+def kjt_splits(a2a: Any) -> List[int]:
+    """How many keys a KJTAllToAll sends each peer (`_splits`)."""
+    return list(a2a._splits)
+
+
+def collective_codecs(module: Any) -> Any:
+    """The qcomms codecs of one of TorchRec's pooled collective modules (`_codecs`), or None."""
+    return module._codecs
+
+
+def pooled_dim_sum_per_rank(a2a: Any) -> List[int]:
+    """The columns each rank sends through a PooledEmbeddingsAllToAll (`_dim_sum_per_rank`)."""
+    return [int(d) for d in a2a._dim_sum_per_rank]
+
+
+def has_emb_dims_per_rank(sharding: Any) -> bool:
+    """Whether a TorchRec sharding knows each rank's embedding widths per feature (table-wise-like ones)."""
+    return hasattr(sharding, "_emb_dim_per_rank_per_feature")
+
+
+def emb_dims_per_rank(sharding: Any) -> List[List[int]]:
+    """Each rank's embedding widths, per feature, in a TorchRec sharding's order
+    (`_emb_dim_per_rank_per_feature()`)."""
+    return [list(map(int, dims)) for dims in sharding._emb_dim_per_rank_per_feature()]
+
+
+def build_lazy_output_dists(dist_module: Any) -> None:
+    """TorchRec's pooled output dists build their collective modules on first use (`_dist` /
+    `_intra_dist` None until `_create_output_dist_module(s)`); build them now, as forward would for
+    a fixed batch size, so that hooks on them see the first step too."""
+    for m in list(dist_module.modules()):
+        if getattr(m, "_dist", False) is None and hasattr(m, "_create_output_dist_module"):
+            m._create_output_dist_module(None)
+        if getattr(m, "_intra_dist", False) is None and hasattr(m, "_create_output_dist_modules"):
+            m._create_output_dist_modules(None)

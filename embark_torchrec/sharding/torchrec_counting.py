@@ -18,7 +18,16 @@ from torchrec.distributed.dist_data import KJTAllToAll, PooledEmbeddingsAllToAll
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from .comm_stats import CommStats, Ledger, group_ranks
-from .torchrec_compat import received_peer_order
+from .torchrec_compat import (
+    build_lazy_output_dists,
+    collective_codecs,
+    collective_group,
+    emb_dims_per_rank,
+    has_emb_dims_per_rank,
+    kjt_splits,
+    pooled_dim_sum_per_rank,
+    received_peer_order,
+)
 
 ALL_TABLES = "*"
 
@@ -39,8 +48,8 @@ class KJTCounter:
 
     def __init__(self, a2a: KJTAllToAll, stats: CommStats, sharding_type: str, feature_table: Dict[str, str]) -> None:
         self._stats, self._sharding_type, self._feature_table = stats, sharding_type, feature_table
-        self._peers = group_ranks(a2a._pg)
-        self._splits: List[int] = list(a2a._splits)
+        self._peers = group_ranks(collective_group(a2a))
+        self._splits = kjt_splits(a2a)
         self._peer_of_key = np.repeat(np.arange(len(self._peers)), self._splits)
         self._received_from = received_peer_order(a2a, len(self._peers))  # output segment -> peer
         self._sent: Optional[torch.Tensor] = None  # IDs sent per key (device)
@@ -141,9 +150,9 @@ class _PooledCounter:
 
     def __init__(self, module: Any, stats: CommStats, sharding_type: str) -> None:
         self._stats, self._sharding_type = stats, sharding_type
-        self._peers = group_ranks(module._pg)
+        self._peers = group_ranks(collective_group(module))
         self._me = self._peers.index(stats.rank)
-        codecs = module._codecs
+        codecs = collective_codecs(module)
         self._codecs = (codecs.forward, codecs.backward) if codecs is not None else (None, None)
 
     def _rows(self, local_embs: torch.Tensor, given: Optional[List[int]]) -> List[int]:
@@ -206,7 +215,7 @@ class ReduceScatterCounter(_PooledCounter):
 def table_widths_per_rank(sharding: Any, feature_table: Dict[str, str]) -> List[Dict[str, int]]:
     """For a table-wise-like sharding: on each rank, the output columns it holds per table."""
     out: List[Dict[str, int]] = []
-    for names, dims in zip(sharding.embedding_names_per_rank(), sharding._emb_dim_per_rank_per_feature()):
+    for names, dims in zip(sharding.embedding_names_per_rank(), emb_dims_per_rank(sharding)):
         widths: Dict[str, int] = {}
         for name, width in zip(names, dims):
             table = feature_table[base_feature(name)]
@@ -223,21 +232,17 @@ def count_borrowed_dists(
 
     TorchRec's pooled output dists build their collective on first use; they are built here, as
     forward would for a fixed batch size, so that counting covers the first step too."""
-    for m in list(dist_module.modules()):
-        if getattr(m, "_dist", False) is None and hasattr(m, "_create_output_dist_module"):
-            m._create_output_dist_module(None)
-        if getattr(m, "_intra_dist", False) is None and hasattr(m, "_create_output_dist_modules"):
-            m._create_output_dist_modules(None)
+    build_lazy_output_dists(dist_module)
     kjt_counter = None
     for m in dist_module.modules():
         if isinstance(m, KJTAllToAll):
             kjt_counter = KJTCounter(m, stats, sharding_type, feature_table)
             m.register_forward_hook(kjt_counter)
         elif isinstance(m, PooledEmbeddingsAllToAll):
-            if hasattr(sharding, "_emb_dim_per_rank_per_feature") and len(group_ranks(m._pg)) == stats.world_size:
+            if has_emb_dims_per_rank(sharding) and len(group_ranks(collective_group(m))) == stats.world_size:
                 widths = table_widths_per_rank(sharding, feature_table)
             else:  # table-row-wise's cross-node hop: every column of the sharding
-                widths = [{ALL_TABLES: int(d)} for d in m._dim_sum_per_rank]
+                widths = [{ALL_TABLES: d} for d in pooled_dim_sum_per_rank(m)]
             m.register_forward_pre_hook(PooledAllToAllCounter(m, stats, sharding_type, widths), with_kwargs=True)
         elif isinstance(m, PooledEmbeddingsReduceScatter):
             m.register_forward_pre_hook(ReduceScatterCounter(m, stats, sharding_type), with_kwargs=True)

@@ -40,7 +40,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from .codecs import Segment
 from .collectives import all_to_all
 from .comm_stats import CountsComm, Ledger
-from .torchrec_compat import VARIABLE_BATCH_OPTIMIZERS, supports_variable_batch
+from .torchrec_compat import VARIABLE_BATCH_OPTIMIZERS, emb_dims_per_rank, supports_variable_batch
 from .grid import CellRoute, GridPooledEmbeddingSharding, _ledger_hook, bag_weights
 
 # how a UB holder looks up the distinct IDs it receives (EmbarkEmbeddingBagCollectionSharder's unique_lookup)
@@ -467,7 +467,7 @@ class UniquePooledEmbeddingSharding(GridPooledEmbeddingSharding):
                 self._feature_rows,
                 self._feature_bounds,
                 cells_on,
-                [list(map(int, dims)) for dims in self._emb_dim_per_rank_per_feature()],
+                emb_dims_per_rank(self),
             )
         return layout
 
