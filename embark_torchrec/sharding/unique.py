@@ -168,17 +168,16 @@ class UniqueSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         key_group = self._group_index.repeat_interleave(counts, output_size=keys.numel())
         local_ids = (keys - self._key_start[key_group]).to(torch.int32)
         group_counts: List[int] = counts.tolist()
+        # the per-key lengths are known here: TorchRec's all-to-all need not read them off the device again
+        per_key = np.asarray(group_counts, dtype=np.int64)[self._send_groups_host].tolist()
         if self._send_in_group_order:
             send_lengths, send_values = lengths32, local_ids
         else:
-            total = int(np.asarray(group_counts, dtype=np.int64)[self._send_groups_host].sum())
             send_lengths, send_values, _ = torch.ops.fbgemm.permute_2D_sparse_data(
-                self._send_groups, lengths32.view(-1, 1), local_ids, None, total
+                self._send_groups, lengths32.view(-1, 1), local_ids, None, sum(per_key)
             )
         weights = bag_weights(kjt, self._mean) if self._weighted else None
         self.last_state = UniqueState(stride, inverse, key_group, counts, group_counts, lengths, weights)
-        # the per-key lengths are known here: TorchRec's all-to-all need not read them off the device again
-        per_key = np.asarray(group_counts, dtype=np.int64)[self._send_groups_host].tolist()
         send = KeyedJaggedTensor(
             keys=self._send_names,
             values=send_values,
@@ -236,6 +235,13 @@ def unique_lookup_input(
     stride = max(1, int(cell_sizes.max())) if len(cell_sizes) else 1
     lengths = torch.from_numpy((np.arange(stride)[None, :] < cell_sizes[:, None]).astype(np.int32).reshape(-1))
     return KeyedJaggedTensor(keys=cell_names, values=values, lengths=lengths.to(values.device), stride=stride), counts
+
+
+def _element_blocks(elems: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For `n` elements laid out as consecutive blocks of `elems[b]` elements: each element's block
+    and its offset inside it."""
+    block = torch.arange(elems.numel(), device=elems.device).repeat_interleave(elems, output_size=n)
+    return block, torch.arange(n, device=elems.device) - (torch.cumsum(elems, 0) - elems)[block]
 
 
 class _RowGather(torch.autograd.Function):
@@ -296,14 +302,9 @@ class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.T
         position = {g: i for i, g in enumerate(layout.groups_on[me])}
         self._cell_pos = np.asarray([position[g] for g in layout.cell_group_on[me]], dtype=np.int64)
         self._cell_widths = np.asarray(layout.cell_widths_on[me], dtype=np.int64)
-        # [world, groups]: columns of group g's vectors that rank k sends (one row per distinct ID)
-        self._recv_widths = np.zeros((world, layout.num_groups), dtype=np.int64)
-        for k in range(world):
-            np.add.at(self._recv_widths[k], layout.cell_group_on[k], layout.cell_widths_on[k])
         self._full_width = layout.full_width()
         self._width = layout.dims[0] if layout.dims else 0
         self._num_features = len(layout.features)
-        self._dims = layout.dims
         # received blocks, in arrival order (holder, then its cells): group, width, first column
         blocks = [
             (g, w, c.col_start)
@@ -313,7 +314,6 @@ class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.T
         self._block_group = torch.tensor([b[0] for b in blocks], dtype=torch.int64, device=device)
         self._block_width = torch.tensor([b[1] for b in blocks], dtype=torch.int64, device=device)
         self._block_col = torch.tensor([b[2] for b in blocks], dtype=torch.int64, device=device)
-        self._block_index = torch.arange(len(blocks), device=device)
         max_dim = max(layout.dims) if layout.dims else 0
         self._max_dim = max_dim
         self._columns = torch.tensor(
@@ -390,10 +390,7 @@ class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.T
         columns = np.tile(np.concatenate([[0], np.cumsum(self._cell_widths)])[:-1], world)
         elems = rows * widths
         n = int(elems.sum())
-        block = torch.arange(len(elems), device=device).repeat_interleave(
-            torch.tensor(elems, device=device), output_size=n
-        )
-        offset = torch.arange(n, device=device) - torch.tensor(np.cumsum(elems) - elems, device=device)[block]
+        block, offset = _element_blocks(torch.tensor(elems, device=device), n)
         width = torch.tensor(widths, device=device)[block]
         row = torch.tensor(first_row, device=device)[block] + torch.div(offset, width, rounding_mode="floor")
         source = row * padded.size(1) + torch.tensor(columns, device=device)[block] + torch.remainder(offset, width)
@@ -411,10 +408,7 @@ class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.T
             key_row = torch.arange(state.key_group.numel(), device=counts.device) + shift[state.key_group]
             return vectors.view(-1, self._width), key_row[state.inverse]
         # otherwise scatter every received element into a [keys, widest dim] table
-        block_elems = block_rows * self._block_width
-        n = vectors.numel()
-        block = self._block_index.repeat_interleave(block_elems, output_size=n)
-        offset = torch.arange(n, device=vectors.device) - (torch.cumsum(block_elems, 0) - block_elems)[block]
+        block, offset = _element_blocks(block_rows * self._block_width, vectors.numel())
         width = self._block_width[block]
         row = group_first_key[self._block_group][block] + torch.div(offset, width, rounding_mode="floor")
         dest = row * self._max_dim + self._block_col[block] + torch.remainder(offset, width)

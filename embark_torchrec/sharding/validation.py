@@ -48,7 +48,8 @@ class InputValidator:
         rows = self._rows.get(order)
         if rows is None or rows.device != device:
             known = self._feature_tables
-            missing = [f for f in known if f not in set(keys)]
+            present = set(keys)
+            missing = [f for f in known if f not in present]
             if missing:
                 raise InvalidInputError(
                     f"rank {self._rank}: features {missing} are missing from the KeyedJaggedTensor (it has {keys})"
