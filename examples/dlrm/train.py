@@ -546,3 +546,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    # After a clean run, torch 2.13's gloo threads sometimes abort interpreter teardown ("terminate
+    # called without an active exception", SIGABRT), failing the job after its RESULT line; all is
+    # saved and the process group destroyed by now, so flush and leave without the teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
