@@ -85,9 +85,9 @@ class EmbarkPlanner(ShardingPlanner):
 
     It takes TorchRec's arguments (topology, batch_size, constraints, storage_reservation; others
     TorchRec's planner takes, such as enumerator or proposer, have no meaning here and are refused
-    by Python): a TorchRec `Topology` gives the world and local world sizes, the compute device, the
-    per-device HBM cap and the intra/inter-host bandwidths, over the hardware preset; a storage
-    reservation's `_percentage` of HBM is kept free. batch_size is the per-rank batch, as in
+    by Python): a TorchRec `Topology` (or ours, with its hardware) gives the world and local world
+    sizes, the compute device, the per-device HBM cap and the intra/inter-host bandwidths, over the
+    hardware preset; a storage reservation's `_percentage` of HBM is kept free. batch_size is the per-rank batch, as in
     torchrec. Without `hardware`, the preset follows the device in use: cpu-gloo on CPU, the preset
     matching the GPU's name on CUDA (dgx-h100 with a warning naming the GPU when none matches).
     `plans` keeps the Plan of every planned module (by its path) for report() and the plan file.
@@ -109,6 +109,11 @@ class EmbarkPlanner(ShardingPlanner):
         optimizer: OptimizerMemory | None = None,
         measured: ModelSpec | None = None,
     ) -> None:
+        if isinstance(topology, Topology):  # ours: its hardware is the plan's, unless given
+            hardware = hardware if hardware is not None else topology.hardware
+            world_size = world_size or topology.world_size
+            local_world_size = local_world_size or topology.local_world_size
+            topology = None
         self.world_size = world_size or (topology.world_size if topology is not None else None)
         self.local_world_size = local_world_size or (topology.local_world_size if topology is not None else None)
         self.batch_size = batch_size

@@ -136,15 +136,10 @@ class ModelSpec:
         if not self.tables:
             raise SpecError(f"model {self.name!r} has no tables")
         seen: set[str] = set()
-        features: dict[str, str] = {}
-        for t in self.tables:
+        for t in self.tables:  # a feature may feed several tables, as in TorchRec (one lookup per table)
             if t.name in seen:
                 raise SpecError(f"table {t.name!r} appears twice")
             seen.add(t.name)
-            for f in t.feature_names:
-                if f in features:
-                    raise SpecError(f"feature {f!r} of table {t.name!r} is also a feature of table {features[f]!r}")
-                features[f] = t.name
 
     def table(self, name: str) -> TableSpec:
         for t in self.tables:

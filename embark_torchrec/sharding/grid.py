@@ -58,8 +58,9 @@ class CellRoute:
     col_start: int
 
 
-def virtual_feature(feature: str, row_slice: int, col_slice: int) -> str:
-    return f"{feature}#{row_slice}.{col_slice}"
+def virtual_feature(embedding_name: str, row_slice: int, col_slice: int) -> str:
+    """A cell's key: its table's embedding name for the feature (unique even when tables share the feature)."""
+    return f"{embedding_name}#{row_slice}.{col_slice}"
 
 
 def bag_weights(kjt: KeyedJaggedTensor, mean: torch.Tensor) -> torch.Tensor:
@@ -467,6 +468,7 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
     ) -> None:
         self._hierarchical = hierarchical
         self._features: List[str] = []
+        self._embedding_names: List[str] = []  # TorchRec's: "feature@table" for a feature read by several tables
         self._feature_tables: List[str] = []
         self._feature_rows: List[int] = []
         self._feature_dims: List[int] = []
@@ -500,8 +502,10 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
                     f"sharding sends; split its rows into slices of fewer than {MAX_SLICE_ROWS}"
                 )
             first = len(self._features)
-            for name in cfg.feature_names:
+            embedding_names = list(cfg.embedding_names) or list(cfg.feature_names)
+            for name, embedding_name in zip(cfg.feature_names, embedding_names):
                 self._features.append(name)
+                self._embedding_names.append(embedding_name)
                 self._feature_tables.append(cfg.name)
                 self._feature_rows.append(cfg.num_embeddings)
                 self._feature_dims.append(cfg.embedding_dim)
@@ -512,7 +516,7 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
             )
             for shard in shards:
                 r, c = rows.index(shard.shard_offsets[0]), cols.index(shard.shard_offsets[1])
-                names = [virtual_feature(f, r, c) for f in cfg.feature_names]
+                names = [virtual_feature(e, r, c) for e in embedding_names]
                 for i, v in enumerate(names):
                     self._cells[v] = CellRoute(first + i, r, shard.shard_offsets[1])
                 tables_per_rank[shard.placement.rank()].append(  # type: ignore[union-attr]
@@ -538,12 +542,13 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
                 )
         return tables_per_rank
 
-    # The module sees the original features and embeddings; the cells are internal.
+    # The module sees the original features (a shared one once per table) and TorchRec's embedding
+    # names; the cells are internal.
     def feature_names(self) -> List[str]:
         return list(self._features)
 
     def embedding_names(self) -> List[str]:
-        return list(self._features)
+        return list(self._embedding_names)
 
     def embedding_dims(self) -> List[int]:
         return list(self._feature_dims)

@@ -13,6 +13,7 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionContext, Sha
 from torchrec.distributed.fbgemm_qcomm_codec import CommOp
 from torchrec.distributed.types import Awaitable, QuantizedCommCodecs, ShardingEnv
 from torchrec.modules.embedding_configs import PoolingType
+from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..plan.layout import PRECISIONS, SHARDING_TYPE_PREFIX, WirePrecision, parse_sharding_type
@@ -41,6 +42,18 @@ def qcomms_precision(registry: Optional[Dict[str, QuantizedCommCodecs]]) -> Wire
     return WirePrecision(forward, backward)
 
 
+def key_tables(configs: List[Any]) -> Dict[str, str]:
+    """The table each KJT key the dists send stands for: features, and TorchRec's embedding names
+    ("feature@table") that our cells use for a feature read by several tables (the feature itself
+    then counts to the first of them)."""
+    keys: Dict[str, str] = {}
+    for config, names in zip(configs, get_embedding_names_by_table(configs)):
+        for feature, name in zip(config.feature_names, names):
+            keys.setdefault(feature, config.name)
+            keys[name] = config.name
+    return keys
+
+
 class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     """torchrec builds one EmbeddingSharding per distinct sharding-type string, so each EMBark
     cluster variant (one string) gets its own dists; built-in strings go to torchrec.
@@ -58,7 +71,7 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self.comm_stats: Optional[CommStats] = None
         self._kjt_counters: Dict[int, KJTCounter] = {}  # sharding index -> its input KJT all-to-all's counter
         self._validate = InputValidator(
-            {f: c.name for c in self._embedding_bag_configs for f in c.feature_names},
+            {c.name: list(c.feature_names) for c in self._embedding_bag_configs},
             {c.name: c.num_embeddings for c in self._embedding_bag_configs},
             self._env.rank,
             invalid_ids,
@@ -145,7 +158,7 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
     def _count_dists(self, dists: Any) -> None:
         assert self.comm_stats is not None
-        feature_table = {f: c.name for c in self._embedding_bag_configs for f in c.feature_names}
+        feature_table = key_tables(self._embedding_bag_configs)
         for i, (sharding_type, sharding, dist_module) in enumerate(
             zip(self._sharding_types, self._embedding_shardings, dists)
         ):

@@ -74,7 +74,7 @@ class UniqueLayout:
     offset by key_start[g], so one sorted torch.unique over all features orders IDs by group.
     """
 
-    features: List[str]
+    features: List[str]  # the embedding names (unique per table and feature)
     dims: List[int]
     group_feature: List[int]
     group_names: List[str]
@@ -456,7 +456,7 @@ class UniquePooledEmbeddingSharding(GridPooledEmbeddingSharding):
         if layout is None:
             cells_on = [[self._cells[v] for v in names] for names in self.feature_names_per_rank()]
             layout = self._unique_layout = UniqueLayout.build(
-                self._features,
+                self._embedding_names,
                 self._feature_dims,
                 self._feature_rows,
                 self._feature_bounds,

@@ -35,11 +35,18 @@ class InputValidator:
     """
 
     def __init__(
-        self, feature_tables: Dict[str, str], table_rows: Dict[str, int], rank: int, invalid_ids: str = "raise"
+        self, table_features: Dict[str, List[str]], table_rows: Dict[str, int], rank: int, invalid_ids: str = "raise"
     ) -> None:
         if invalid_ids not in INVALID_ID_POLICIES:
             raise ValueError(f"invalid_ids must be one of {INVALID_ID_POLICIES}, got {invalid_ids!r}")
-        self._feature_tables, self._table_rows = feature_tables, table_rows
+        # a feature read by several tables must be a valid row of each: it is checked against the smallest
+        self._feature_tables: Dict[str, str] = {}
+        for table, features in table_features.items():
+            for f in features:
+                known = self._feature_tables.get(f)
+                if known is None or table_rows[table] < table_rows[known]:
+                    self._feature_tables[f] = table
+        self._table_rows = table_rows
         self._rank, self._policy = rank, invalid_ids
         self._rows: Dict[tuple, torch.Tensor] = {}  # per key order: each key's table rows (-1: not ours)
 

@@ -38,7 +38,8 @@ def global_kjt_batch(
     """The global batch as ``world_size`` KJTs of ``batch_size`` samples each (rank r feeds element r).
 
     Built from ``seed`` alone, so every rank (and the unsharded reference) gets identical tensors. Keys are the
-    tables' feature names in table order; ids are valid rows of the feature's table. A fraction of bags is empty,
+    tables' feature names in table order, each once (a feature read by several tables takes IDs valid in all of
+    them); ids are valid rows of the feature's tables. A fraction of bags is empty,
     and every feature has at least one empty bag per slice, since empty bags are a classic source of pooling bugs.
     ``weighted`` adds a per-ID weight in [0.5, 1.5). ``ids``: "uniform" over the rows; "zipf" (Zipf(1.1) over the
     rows: heavy repetition, for de-duplication); "distinct" (no ID twice in a feature of one slice).
@@ -47,7 +48,11 @@ def global_kjt_batch(
         raise ValueError("world_size and batch_size must be >= 1")
     if ids not in _ID_KINDS:
         raise ValueError(f"ids must be one of {_ID_KINDS}, got {ids!r}")
-    features = [(name, table.num_embeddings) for table in tables for name in table.feature_names]
+    rows: dict[str, int] = {}  # a feature read by several tables: once, with IDs valid in all of them
+    for table in tables:
+        for name in table.feature_names:
+            rows[name] = min(rows.get(name, table.num_embeddings), table.num_embeddings)
+    features = list(rows.items())
     generator = torch.Generator().manual_seed(seed)
     slices: list[KeyedJaggedTensor] = []
     for _ in range(world_size):

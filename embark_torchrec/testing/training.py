@@ -19,7 +19,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, get_embedding_names_by_table
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -123,7 +123,11 @@ def compare_sharded_training(
             )
         gen = torch.Generator().manual_seed(seed + step)
         projections = [
-            {f: torch.randn(batch_per_rank, t.embedding_dim, generator=gen) for t in tables for f in t.feature_names}
+            {
+                name: torch.randn(batch_per_rank, t.embedding_dim, generator=gen)
+                for t, names in zip(tables, get_embedding_names_by_table(tables))
+                for name in names
+            }
             for _ in range(ws)
         ]
         ref_opt.zero_grad()
