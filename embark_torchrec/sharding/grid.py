@@ -47,6 +47,7 @@ from ..plan.wire import MAX_SLICE_ROWS
 from .collectives import all_to_all
 from .comm_stats import CountsComm, Ledger, group_ranks
 from .torchrec_compat import emb_dims_per_rank
+from .variable_batch import FeatureMajor, pad_to_uniform
 
 
 @dataclass(frozen=True)
@@ -233,7 +234,7 @@ class GridSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         )
 
     def forward(self, sparse_features: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
-        return self._dist(self._cut(sparse_features))
+        return self._dist(self._cut(pad_to_uniform(sparse_features)))
 
 
 def batch_per_rank(
@@ -268,14 +269,15 @@ class GridPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.
         self,
         pg: dist.ProcessGroup,
         runs_per_rank: List[List[ColumnRun]],
-        out_dim: int,
+        feature_dims: List[int],
         device: torch.device,
         codecs: Optional[QuantizedCommCodecs] = None,
     ) -> None:
         super().__init__()
         self._pg, self._codecs = pg, codecs
         self._world_size, self._rank = dist.get_world_size(pg), dist.get_rank(pg)
-        self._out_dim = out_dim
+        self._out_dim = out_dim = sum(feature_dims)
+        self._feature_major = FeatureMajor(feature_dims, device)
         self._runs = [RunTable(runs) for runs in runs_per_rank]
         self._dims = [r.dim for r in self._runs]
         self._fold = ColumnFold([np.concatenate([r.targets for r in self._runs])], out_dim, device)
@@ -314,6 +316,8 @@ class GridPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.
             return self._fold([torch.cat(blocks, dim=1)]) if blocks else received.new_zeros(here, self._out_dim)
 
         awaitable.callbacks.append(fold)
+        if sharding_ctx is not None and sharding_ctx.variable_batch_per_feature:
+            awaitable.callbacks.append(self._feature_major)
         return awaitable
 
 
@@ -335,12 +339,14 @@ class HierarchicalPooledEmbeddingDist(
         pg: dist.ProcessGroup,
         local_world_size: int,
         runs_per_rank: List[List[ColumnRun]],
-        out_dim: int,
+        feature_dims: List[int],
         device: torch.device,
         codecs: Optional[QuantizedCommCodecs] = None,
     ) -> None:
         super().__init__()
         self._codecs, self._device = codecs, device
+        out_dim = sum(feature_dims)
+        self._feature_major = FeatureMajor(feature_dims, device)
         self._world_size = dist.get_world_size(pg)
         self._rank = dist.get_rank(pg)
         self._lws = local_world_size
@@ -452,6 +458,8 @@ class HierarchicalPooledEmbeddingDist(
             return self._cross_fold(parts)
 
         awaitable.callbacks.append(fold)
+        if sharding_ctx is not None and sharding_ctx.variable_batch_per_feature:
+            awaitable.callbacks.append(self._feature_major)
         return awaitable
 
 
@@ -599,9 +607,9 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
         if self._hierarchical:
             local_world_size = get_local_size(self._world_size)
             return HierarchicalPooledEmbeddingDist(
-                self._pg, local_world_size, runs_per_rank, offsets[-1], device, codecs
+                self._pg, local_world_size, runs_per_rank, self._feature_dims, device, codecs
             )
-        return GridPooledEmbeddingDist(self._pg, runs_per_rank, offsets[-1], device, codecs)
+        return GridPooledEmbeddingDist(self._pg, runs_per_rank, self._feature_dims, device, codecs)
 
     def _column_run(self, cell: CellRoute, width: int, offsets: List[int]) -> ColumnRun:
         """Where a cell's partial sums land in the module's output (`offsets`: each feature's first column)."""

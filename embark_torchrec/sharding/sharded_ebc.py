@@ -76,6 +76,9 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             self._env.rank,
             invalid_ids,
         )
+        self._embark_shardings = [
+            i for i, s in enumerate(self._embedding_shardings) if isinstance(s, GridPooledEmbeddingSharding)
+        ]
         self._unique_shardings = [
             (i, sharding)
             for i, sharding in enumerate(self._embedding_shardings)
@@ -124,6 +127,11 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             features = self._validate(features)
         awaitable = super().input_dist(ctx, features)
         first = len(ctx.sharding_contexts) - len(self._input_dists)
+        if ctx.variable_batch_per_feature:  # our dists pad every feature to the longest (variable_batch.py)
+            for i in self._embark_shardings:
+                base = ctx.sharding_contexts[first + i]
+                longest = max(base.batch_size_per_feature_pre_a2a, default=0)
+                base.batch_size_per_feature_pre_a2a = [longest] * len(base.batch_size_per_feature_pre_a2a)
         for i, input_dist in enumerate(self._input_dists):
             if isinstance(input_dist, UniqueSparseFeaturesDist):
                 base = ctx.sharding_contexts[first + i]

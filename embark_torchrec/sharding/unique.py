@@ -42,6 +42,7 @@ from .collectives import all_to_all
 from .comm_stats import CountsComm, Ledger
 from .torchrec_compat import VARIABLE_BATCH_OPTIMIZERS, emb_dims_per_rank, supports_variable_batch
 from .grid import CellRoute, GridPooledEmbeddingSharding, _ledger_hook, bag_weights
+from .variable_batch import FeatureMajor, RowGather, pad_to_uniform
 
 # how a UB holder looks up the distinct IDs it receives (EmbarkEmbeddingBagCollectionSharder's unique_lookup)
 UNIQUE_LOOKUPS = ("auto", "variable_batch", "padded")
@@ -154,7 +155,7 @@ class UniqueSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         self.last_state: Optional[UniqueState] = None
 
     def forward(self, sparse_features: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
-        kjt = sparse_features
+        kjt = pad_to_uniform(sparse_features)
         stride = kjt.stride()
         lengths = kjt.lengths()
         ids = kjt.values().long()
@@ -244,22 +245,6 @@ def _element_blocks(elems: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Te
     return block, torch.arange(n, device=elems.device) - (torch.cumsum(elems, 0) - elems)[block]
 
 
-class _RowGather(torch.autograd.Function):
-    """Rows of `source` at `index` (distinct rows): backward copies each gradient row back into
-    place (a copy, not index_select's accumulating scatter, which is several times slower)."""
-
-    @staticmethod
-    def forward(ctx: Any, source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(index)
-        ctx.rows = source.size(0)
-        return source.index_select(0, index)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        (index,) = ctx.saved_tensors
-        return grad.new_zeros(ctx.rows, grad.size(1)).index_copy_(0, index, grad), None
-
-
 class _BagSum(torch.autograd.Function):
     """Each bag's sum of its IDs' rows of `table` (times their weights), by embedding_bag; backward
     gathers each ID's bag gradient and scatter-adds it into its row (embedding_bag's own dense
@@ -303,6 +288,7 @@ class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.T
         self._cell_pos = np.asarray([position[g] for g in layout.cell_group_on[me]], dtype=np.int64)
         self._cell_widths = np.asarray(layout.cell_widths_on[me], dtype=np.int64)
         self._full_width = layout.full_width()
+        self._feature_major = FeatureMajor(layout.dims, device)
         self._width = layout.dims[0] if layout.dims else 0
         self._num_features = len(layout.features)
         # received blocks, in arrival order (holder, then its cells): group, width, first column
@@ -368,6 +354,8 @@ class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.T
             local_embs.reshape(-1), send, recv, self._pg, self._codecs, world, _ledger_hook(ledger, self._codecs)
         )
         awaitable.callbacks.append(lambda vectors: self._expand(vectors, state))
+        if sharding_ctx.variable_batch_per_feature:
+            awaitable.callbacks.append(self._feature_major)
         return awaitable
 
     def _sender_major(self, padded: torch.Tensor, per_cell: np.ndarray) -> torch.Tensor:
@@ -385,7 +373,7 @@ class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.T
             base = first_row * cells + cell - out_start * cells
             index = np.repeat(base, rows) + np.arange(int(rows.sum())) * cells
             rows_of = padded.reshape(-1, int(self._cell_widths[0]))
-            return _RowGather.apply(rows_of, torch.from_numpy(index).to(device)).reshape(-1)
+            return RowGather.apply(rows_of, torch.from_numpy(index).to(device)).reshape(-1)
         widths = np.tile(self._cell_widths, world)
         columns = np.tile(np.concatenate([[0], np.cumsum(self._cell_widths)])[:-1], world)
         elems = rows * widths

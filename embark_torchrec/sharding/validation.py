@@ -98,14 +98,24 @@ class InputValidator:
             )
         if self._policy == "clamp":
             fixed = torch.where(bad, torch.where(values < 0, torch.zeros_like(values), limit - 1), values)
-            return KeyedJaggedTensor(keys=keys, values=fixed, lengths=lengths, weights=weights, stride=kjt.stride())
+            return _rebuilt(kjt, fixed, lengths, weights)
         keep = ~bad
         bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=values.device), lengths.long())
         kept = torch.zeros_like(lengths).index_add_(0, bag, keep.to(lengths.dtype))
+        return _rebuilt(kjt, values[keep], kept, weights[keep] if weights is not None else None)
+
+
+def _rebuilt(
+    kjt: KeyedJaggedTensor, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None
+) -> KeyedJaggedTensor:
+    """`kjt` with new values, lengths and weights, keeping its batch layout (also a variable batch per feature)."""
+    if kjt.variable_stride_per_key():
         return KeyedJaggedTensor(
-            keys=keys,
-            values=values[keep],
-            lengths=kept,
-            weights=weights[keep] if weights is not None else None,
-            stride=kjt.stride(),
+            keys=kjt.keys(),
+            values=values,
+            lengths=lengths,
+            weights=weights,
+            stride_per_key_per_rank=kjt.stride_per_key_per_rank(),
+            inverse_indices=kjt.inverse_indices_or_none(),
         )
+    return KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=lengths, weights=weights, stride=kjt.stride())

@@ -34,6 +34,7 @@ def global_kjt_batch(
     empty_fraction: float = 0.25,
     weighted: bool = False,
     ids: str = "uniform",
+    variable_batch: bool = False,
 ) -> list[KeyedJaggedTensor]:
     """The global batch as ``world_size`` KJTs of ``batch_size`` samples each (rank r feeds element r).
 
@@ -43,6 +44,8 @@ def global_kjt_batch(
     and every feature has at least one empty bag per slice, since empty bags are a classic source of pooling bugs.
     ``weighted`` adds a per-ID weight in [0.5, 1.5). ``ids``: "uniform" over the rows; "zipf" (Zipf(1.1) over the
     rows: heavy repetition, for de-duplication); "distinct" (no ID twice in a feature of one slice).
+    ``variable_batch`` makes each slice a VBE KJT, as TorchRec's EBC takes it: feature f keeps its first B_f bags
+    (B_f drawn in [1, batch_size]) and inverse indices map each of the batch_size samples to one of them.
     """
     if batch_size < 1 or world_size < 1:
         raise ValueError("world_size and batch_size must be >= 1")
@@ -64,12 +67,35 @@ def global_kjt_batch(
             _draw(ids, rows, int(lengths[index].sum()), generator, name) for index, (name, rows) in enumerate(features)
         ]
         flat = torch.cat(values) if values else torch.empty(0, dtype=torch.long)
-        slices.append(
-            KeyedJaggedTensor.from_lengths_sync(
-                keys=[name for name, _ in features],
-                values=flat,
-                lengths=lengths.flatten(),
-                weights=torch.rand(flat.numel(), generator=generator) + 0.5 if weighted else None,
+        weights = torch.rand(flat.numel(), generator=generator) + 0.5 if weighted else None
+        keys = [name for name, _ in features]
+        if variable_batch:
+            slices.append(_variable_batch(keys, flat, lengths, weights, generator))
+        else:
+            slices.append(
+                KeyedJaggedTensor.from_lengths_sync(keys=keys, values=flat, lengths=lengths.flatten(), weights=weights)
             )
-        )
     return slices
+
+
+def _variable_batch(
+    keys: list[str],
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    weights: torch.Tensor | None,
+    generator: torch.Generator,
+) -> KeyedJaggedTensor:
+    """Feature f of a [features, batch] slice cut to its first B_f bags, with inverse indices over them."""
+    n_features, batch = lengths.shape
+    kept = torch.randint(1, batch + 1, (n_features,), generator=generator)
+    keep_bag = torch.arange(batch)[None, :] < kept[:, None]
+    keep_id = keep_bag.flatten().repeat_interleave(lengths.flatten())
+    inverse = torch.stack([torch.randint(0, int(k), (batch,), generator=generator) for k in kept])
+    return KeyedJaggedTensor(
+        keys=keys,
+        values=values[keep_id],
+        lengths=lengths[keep_bag],
+        weights=weights[keep_id] if weights is not None else None,
+        stride_per_key_per_rank=[[int(k)] for k in kept],
+        inverse_indices=(keys, inverse),
+    )

@@ -97,11 +97,12 @@ def compare_sharded_training(
     silent_rank: int | None = None,
     ids: str = "uniform",
     unique_lookup: str = "auto",
+    variable_batch: bool = False,
 ) -> dict[str, float]:
     """Max |sharded - unsharded| per output feature (each step) and per table weight (after all steps).
 
     `silent_rank` sends no IDs at all (every bag empty), as a rank with nothing for a table would; `ids` as in
-    global_kjt_batch; `unique_lookup` as the sharder's.
+    global_kjt_batch; `unique_lookup` as the sharder's; `variable_batch`: VBE input (global_kjt_batch).
     """
     rank, ws = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
@@ -113,7 +114,15 @@ def compare_sharded_training(
     dense_opt = _reference_optimizer(dense, optimizer, lr) if dense else None
     diffs: dict[str, float] = {}
     for step in range(steps):
-        batch = global_kjt_batch(tables, ws, batch_per_rank, seed=seed + 100 * step, weighted=weighted, ids=ids)
+        batch = global_kjt_batch(
+            tables,
+            ws,
+            batch_per_rank,
+            seed=seed + 100 * step,
+            weighted=weighted,
+            ids=ids,
+            variable_batch=variable_batch,
+        )
         if silent_rank is not None:
             batch[silent_rank] = KeyedJaggedTensor.from_lengths_sync(
                 keys=batch[silent_rank].keys(),
