@@ -12,6 +12,12 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
+    "CheckpointError": "embark_torchrec.checkpoint",
+    "latest_verified_checkpoint": "embark_torchrec.checkpoint",
+    "load_checkpoint": "embark_torchrec.checkpoint",
+    "resume_checkpoint": "embark_torchrec.checkpoint",
+    "save_checkpoint": "embark_torchrec.checkpoint",
+    "verify_checkpoint": "embark_torchrec.checkpoint",
     "EmbarkPlanner": "embark_torchrec.plan.planner",
     "EmbarkEmbeddingBagCollectionSharder": "embark_torchrec.sharding.sharder",
     "load_plan": "embark_torchrec.sharding.load_plan",

@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchmetrics.classification import BinaryAUROC
 from torchrec.datasets.utils import Batch
@@ -42,6 +41,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from tqdm import tqdm
 
 from embark_torchrec import EmbarkEmbeddingBagCollectionSharder, EmbarkPlanner, load_plan, simulate_nodes
+from embark_torchrec import checkpoint
 from embark_torchrec.plan.baselines import table_row_wise_plan
 from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.layout import PRECISIONS, Plan, WirePrecision
@@ -295,21 +295,10 @@ def _state(model: torch.nn.Module, optimizer: CombinedOptimizer, step: int) -> d
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": torch.tensor(step)}
 
 
-def latest_checkpoint(directory: Path) -> Path | None:
-    """The newest complete save: dcp writes .metadata last, so a save cut short is skipped."""
-    done = [p for p in directory.glob("step_*") if (p / ".metadata").exists()]
-    return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
-
-
 def save_checkpoint(directory: Path, model: torch.nn.Module, optimizer: CombinedOptimizer, step: int) -> None:
-    dcp.save(_state(model, optimizer, step), checkpoint_id=directory / f"step_{step:08d}")
-
-
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: CombinedOptimizer) -> int:
-    state = _state(model, optimizer, 0)
-    dcp.load(state, checkpoint_id=path)
-    optimizer.load_state_dict(state["optimizer"])
-    return int(state["step"])
+    """directory/step_<n> with a manifest of its files' hashes, visible only once complete (see
+    embark_torchrec.checkpoint)."""
+    checkpoint.save_checkpoint(directory, _state(model, optimizer, step), step)
 
 
 # ---------------------------------------------------------------- training and evaluation
@@ -491,13 +480,23 @@ class Trainer:
         return cost.step_ms
 
     def _resume(self) -> int:
-        """The step to start from: that of the newest complete checkpoint with --resume, else 0."""
-        found = latest_checkpoint(self.args.checkpoint_dir) if self.args.resume else None
-        if found is None:
+        """The step to start from: with --resume, that of the newest checkpoint whose files match its manifest
+        (rank 0 says which newer ones it skipped and why), else 0."""
+        if not self.args.resume:
             return 0
-        step = load_checkpoint(found, self.model, self.optimizer)
+        state = _state(self.model, self.optimizer, 0)
+        found = checkpoint.resume_checkpoint(self.args.checkpoint_dir, state)
         if self.world.rank == 0:
-            print(f"resumed from {found} at step {step}", flush=True)
+            for path, reason in found.skipped:
+                print(f"skipped checkpoint {path}: {reason}", flush=True)
+        if found.path is None:
+            if self.world.rank == 0 and found.skipped:
+                print(f"no checkpoint in {self.args.checkpoint_dir} verifies: starting at step 0", flush=True)
+            return 0
+        self.optimizer.load_state_dict(state["optimizer"])
+        step = int(state["step"])
+        if self.world.rank == 0:
+            print(f"resumed from {found.path} at step {step}", flush=True)
         return step
 
     def train(self) -> None:

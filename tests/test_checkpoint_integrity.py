@@ -1,0 +1,382 @@
+"""Checkpoints you can trust (embark_torchrec.checkpoint): a damaged or unfinished newest step is never loaded.
+
+Each save gets a manifest (size and SHA-256 of every file) and becomes visible as step_<n> only once complete; resume
+takes the newest step whose files match it. The damages: 4 KiB of a data file flipped in place (same size), a
+truncated data file, a deleted data or metadata file, no manifest, a garbled manifest, an extra file, a folder renamed
+to another step, a stray step_abc folder, a save that stopped after DCP wrote its files. In each case resume must load
+the newest intact step bit for bit (compared with the state saved at that step) and name the skipped folder and the
+reason. In process on a 1-rank gloo group (the helpers' broadcast paths run), then on 2 ranks (every rank loads the
+step rank 0 chose; a failure on rank 0 reaches rank 1), then one run of the DLRM example under torchrun.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+import embark_torchrec.checkpoint as ckpt
+from embark_torchrec import (
+    CheckpointError,
+    latest_verified_checkpoint,
+    load_checkpoint,
+    resume_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from embark_torchrec.testing import run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = (4, 8, 12)
+DATA = "__0_0.distcp"
+
+
+def _state(step: int) -> dict[str, Any]:
+    """A training state that differs at every step: weights, optimizer state, a plain value, the step."""
+    g = torch.Generator().manual_seed(step)
+    return {
+        "model": {"w": torch.randn(64, 64, generator=g), "b": torch.randn(64, generator=g).double()},
+        "optimizer": {"sum": torch.rand(64, 64, generator=g), "lr": 0.01 * step},
+        "step": torch.tensor(step),
+    }
+
+
+def _blank() -> dict[str, Any]:
+    """What a fresh trainer holds before loading: the same structure, other values."""
+    return {
+        "model": {"w": torch.zeros(64, 64), "b": torch.zeros(64, dtype=torch.float64)},
+        "optimizer": {"sum": torch.zeros(64, 64), "lr": 0.0},
+        "step": torch.tensor(0),
+    }
+
+
+def _assert_bit_equal(got: Any, want: Any, where: str = "state") -> None:
+    if isinstance(want, dict):
+        assert sorted(got) == sorted(want), where
+        for key in want:
+            _assert_bit_equal(got[key], want[key], f"{where}/{key}")
+    elif isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and got.shape == want.shape, where
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), where
+    else:
+        assert got == want, where
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def saved(tmp_path: Path, one_rank: None) -> Path:
+    """A checkpoint directory with steps 4, 8 and 12 saved by save_checkpoint."""
+    for step in STEPS:
+        save_checkpoint(tmp_path, _state(step), step)
+    return tmp_path
+
+
+# ---------------------------------------------------------------- damages: (damage, expected step, folder, words)
+
+
+def _flip(folder: Path) -> None:
+    data = folder / "step_00000012" / DATA
+    size = data.stat().st_size
+    assert size > 3 * 4096
+    with open(data, "r+b") as fh:  # bytes 4-8 KiB: inside the first tensor's raw data
+        fh.seek(4096)
+        block = fh.read(4096)
+        fh.seek(4096)
+        fh.write(bytes(b ^ 0xFF for b in block))
+    assert data.stat().st_size == size
+
+
+def _truncate(folder: Path) -> None:
+    data = folder / "step_00000012" / DATA
+    os.truncate(data, data.stat().st_size // 2)
+
+
+def _garble_manifest(folder: Path) -> None:
+    manifest = folder / "step_00000012" / ckpt.MANIFEST_NAME
+    manifest.write_text(manifest.read_text()[:-20])
+
+
+def _rename_to_16(folder: Path) -> None:
+    (folder / "step_00000004").rename(folder / "step_00000016")
+
+
+def _stray(folder: Path) -> None:
+    (folder / "step_abc").mkdir()
+    (folder / "step_abc" / ".metadata").write_bytes(b"not a checkpoint")
+
+
+DAMAGES: dict[str, tuple[Callable[[Path], None], int, str, list[str]]] = {
+    "flipped_same_size": (_flip, 8, "step_00000012", ["hash mismatch", f"step_00000012/{DATA}"]),
+    "truncated": (_truncate, 8, "step_00000012", ["size differs", f"step_00000012/{DATA}"]),
+    "data_file_deleted": (
+        lambda f: (f / "step_00000012" / DATA).unlink(),
+        8,
+        "step_00000012",
+        ["missing file", f"step_00000012/{DATA}"],
+    ),
+    "metadata_deleted": (
+        lambda f: (f / "step_00000012" / ".metadata").unlink(),
+        8,
+        "step_00000012",
+        ["missing file", "step_00000012/.metadata"],
+    ),
+    "no_manifest": (
+        lambda f: (f / "step_00000012" / ckpt.MANIFEST_NAME).unlink(),
+        8,
+        "step_00000012",
+        ["no manifest", f"step_00000012/{ckpt.MANIFEST_NAME}"],
+    ),
+    "garbled_manifest": (_garble_manifest, 8, "step_00000012", ["unreadable", ckpt.MANIFEST_NAME]),
+    "extra_file": (
+        lambda f: (f / "step_00000012" / "__2_0.distcp").write_bytes(b"x"),
+        8,
+        "step_00000012",
+        ["unexpected file", "step_00000012/__2_0.distcp"],
+    ),
+    "renamed_to_another_step": (_rename_to_16, 12, "step_00000016", ["says step 4", "folder name says step 16"]),
+    "stray_step_abc": (_stray, 12, "step_abc", ["name is not step_<int>"]),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_resume_skips_a_damaged_newest_step_and_loads_the_newest_intact_one_bit_for_bit(
+    saved: Path, damage: str
+) -> None:
+    """After the damage, resume loads the newest step that is intact (not the damaged one: every step's state
+    differs), bit for bit as saved, and reports the damaged folder with the reason and the file."""
+    apply, want_step, bad_folder, words = DAMAGES[damage]
+    apply(saved)
+    state = _blank()
+    resumed = resume_checkpoint(saved, state)
+    assert (resumed.path, resumed.step) == (saved / f"step_{want_step:08d}", want_step), resumed
+    _assert_bit_equal(state, _state(want_step))
+    assert [s.path for s in resumed.skipped] == [saved / bad_folder], resumed.skipped
+    reason = resumed.skipped[0].reason
+    assert all(w in reason for w in words), reason
+    assert latest_verified_checkpoint(saved) == (resumed.path, resumed.skipped)
+
+
+def test_damage_in_every_newer_step_is_reported_newest_first(saved: Path) -> None:
+    """Two damaged steps: both are named, newest first, and resume falls back past both."""
+    _flip(saved)
+    (saved / "step_00000008" / ".metadata").unlink()
+    state = _blank()
+    resumed = resume_checkpoint(saved, state)
+    assert resumed.step == 4
+    _assert_bit_equal(state, _state(4))
+    assert [(s.path.name, s.reason.split(" ")[0]) for s in resumed.skipped] == [
+        ("step_00000012", "hash"),
+        ("step_00000008", "missing"),
+    ]
+
+
+def test_save_writes_a_manifest_of_every_file_and_leaves_only_the_step_folder(saved: Path) -> None:
+    """Each step folder holds DCP's files and a manifest with the size and SHA-256 of each of them (recomputed here);
+    no temporary folder or file is left after a save."""
+    assert sorted(p.name for p in saved.iterdir()) == [f"step_{s:08d}" for s in STEPS]
+    folder = saved / "step_00000008"
+    manifest = json.loads((folder / ckpt.MANIFEST_NAME).read_text())
+    files = sorted(p.name for p in folder.iterdir() if p.name != ckpt.MANIFEST_NAME)
+    assert files == [".metadata", DATA]
+    assert manifest["step"] == 8
+    assert manifest["files"] == {
+        name: {
+            "size": (folder / name).stat().st_size,
+            "sha256": hashlib.sha256((folder / name).read_bytes()).hexdigest(),
+        }
+        for name in files
+    }
+    assert verify_checkpoint(folder) == []
+
+
+def test_a_save_that_stops_before_its_manifest_never_shows_as_a_step(
+    saved: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DCP finished writing but the save died before the manifest: no step_00000016 exists, resume reports the
+    leftover as an unfinished save and loads step 12; the next save of step 16 replaces the leftover."""
+    real_save = ckpt.dcp.save
+
+    def save_then_die(state: dict[str, Any], **kwargs: Any) -> None:
+        real_save(state, **kwargs)
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(ckpt.dcp, "save", save_then_die)
+    with pytest.raises(CheckpointError, match="step_00000016.partial.*disk gone"):
+        save_checkpoint(saved, _state(16), 16)
+    monkeypatch.setattr(ckpt.dcp, "save", real_save)
+    assert not (saved / "step_00000016").exists() and (saved / "step_00000016.partial" / ".metadata").exists()
+    state = _blank()
+    resumed = resume_checkpoint(saved, state)
+    assert resumed.step == 12
+    _assert_bit_equal(state, _state(12))
+    assert [(s.path.name, s.reason.split(" ")[0]) for s in resumed.skipped] == [("step_00000016.partial", "unfinished")]
+
+    save_checkpoint(saved, _state(16), 16)
+    assert not (saved / "step_00000016.partial").exists()
+    state = _blank()
+    assert resume_checkpoint(saved, state).skipped == []
+    _assert_bit_equal(state, _state(16))
+
+
+def test_saving_a_step_again_replaces_it_whole(saved: Path) -> None:
+    """A second save of step 12 (a rerun into the same directory) leaves one verified step_00000012 with the new
+    state, and nothing else behind."""
+    newer = _state(99)
+    save_checkpoint(saved, newer, 12)
+    assert sorted(p.name for p in saved.iterdir()) == [f"step_{s:08d}" for s in STEPS]
+    state = _blank()
+    assert resume_checkpoint(saved, state).step == 12
+    _assert_bit_equal(state, newer)
+
+
+def test_load_checkpoint_refuses_a_damaged_step_that_dcp_alone_would_load(saved: Path) -> None:
+    """The flipped step loads without an error when not verified (DCP checks no hashes), into values that differ
+    from the save; verified, it raises naming the file, and leaves the target untouched."""
+    _flip(saved)
+    path = saved / "step_00000012"
+    unchecked = _blank()
+    load_checkpoint(path, unchecked, verify=False)
+    assert unchecked["step"] == 12 and not torch.equal(unchecked["model"]["w"], _state(12)["model"]["w"])
+    state = _blank()
+    with pytest.raises(CheckpointError, match=f"hash mismatch on file .*step_00000012/{DATA}"):
+        load_checkpoint(path, state)
+    _assert_bit_equal(state, _blank())
+    load_checkpoint(saved / "step_00000008", state)
+    _assert_bit_equal(state, _state(8))
+
+
+def test_nothing_to_resume_and_a_bad_directory(tmp_path: Path, one_rank: None) -> None:
+    """A missing or empty directory resumes nothing (a fresh run); a file in its place is an error naming it; a
+    negative step is refused, naming the directory."""
+    state = _blank()
+    assert resume_checkpoint(tmp_path / "none", state) == (None, None, [])
+    assert resume_checkpoint(tmp_path, state) == (None, None, [])
+    _assert_bit_equal(state, _blank())
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CheckpointError, match="file is not a folder"):
+        resume_checkpoint(tmp_path / "file", state)
+    with pytest.raises(ValueError, match=f"-1 .*{tmp_path.name}"):
+        save_checkpoint(tmp_path, state, -1)
+
+
+# ---------------------------------------------------------------- 2 ranks
+
+
+def _two_ranks(directory: str) -> dict[str, Any]:
+    """Save steps 1 and 2 of a row-sharded tensor (each rank writes its own file); rank 0 flips rank 1's file of
+    step 2; resume on both ranks. Then a save whose files rank 0 cannot see (as without a shared file system)."""
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2,))
+
+    def state(step: int) -> dict[str, Any]:
+        full = torch.randn(256, 64, generator=torch.Generator().manual_seed(step))
+        return {"w": distribute_tensor(full, mesh, [Shard(0)]), "step": torch.tensor(step)}
+
+    for step in (1, 2):
+        save_checkpoint(directory, state(step), step)
+    files = sorted(p.name for p in (Path(directory) / "step_00000002").iterdir())
+    if rank == 0:
+        data = Path(directory) / "step_00000002" / "__1_0.distcp"
+        with open(data, "r+b") as fh:
+            fh.seek(100)
+            fh.write(b"\xff" * 64)
+    dist.barrier()
+    target = state(0)
+    resumed = resume_checkpoint(directory, target)
+    assert isinstance(target["w"], DTensor)
+    equal = torch.equal(target["w"].to_local(), state(1)["w"].to_local()) and int(target["step"]) == 1
+
+    if rank == 1:  # rank 1 reports a file rank 0 does not have
+        real = ckpt._listing
+        ckpt._listing = lambda folder: [*real(folder), "__1_9.distcp"]
+    try:
+        save_checkpoint(directory, state(3), 3)
+        error = ""
+    except CheckpointError as e:
+        error = str(e)
+    return {"files": files, "resumed": resumed, "equal": equal, "error": error}
+
+
+def test_two_ranks_load_the_step_rank_0_chose_and_share_its_errors(tmp_path: Path) -> None:
+    """Each rank wrote its own data file; rank 1's file of step 2 is damaged: both ranks resume from step 1 with their
+    own shard bit for bit and get the same skip report. A save whose files rank 0 cannot see fails on both ranks
+    (none hangs), saying the directory must be shared, and leaves no step_00000003."""
+    results = run_ranks(_two_ranks, 2, timeout_s=120, args=(str(tmp_path),))
+    assert results[0]["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", ckpt.MANIFEST_NAME]
+    for r in results:
+        assert r["equal"]
+        assert (r["resumed"].path, r["resumed"].step) == (tmp_path / "step_00000001", 1)
+        assert r["resumed"].skipped == results[0]["resumed"].skipped
+        assert "hash mismatch" in r["resumed"].skipped[0].reason and "__1_0.distcp" in r["resumed"].skipped[0].reason
+        assert "__1_9.distcp" in r["error"] and "every rank shares" in r["error"], r["error"]
+    assert "(on rank 0)" in results[1]["error"]
+    assert not (tmp_path / "step_00000003").exists()
+
+
+# ---------------------------------------------------------------- the DLRM example
+
+
+def test_example_resume_reports_what_it_skips_and_saves_verified_steps(tmp_path: Path) -> None:
+    """--resume over a directory holding only a step folder without a manifest (e.g. saved by an older version) and a
+    stray step_abc: rank 0 names both with their reasons, training starts at step 0 instead of crashing, and the
+    step the run saves verifies."""
+    ckpt_dir = tmp_path / "ckpt"
+    (ckpt_dir / "step_abc").mkdir(parents=True)
+    (ckpt_dir / "step_00000007").mkdir()
+    (ckpt_dir / "step_00000007" / ".metadata").write_bytes(b"junk")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(ROOT / "examples" / "dlrm" / "train.py"),
+            "--steps",
+            "2",
+            "--batch-size",
+            "64",
+            "--eval-batches",
+            "1",
+            "--log-every",
+            "1",
+            "--checkpoint-dir",
+            str(ckpt_dir),
+            "--resume",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1",
+        },  # fmt: skip
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    lines = out.splitlines()
+    assert f"skipped checkpoint {ckpt_dir / 'step_00000007'}: no manifest: " in "\n".join(lines), out[-3000:]
+    assert f"skipped checkpoint {ckpt_dir / 'step_abc'}: name is not step_<int>" in lines, out[-3000:]
+    assert f"no checkpoint in {ckpt_dir} verifies: starting at step 0" in lines
+    assert not any(line.startswith("resumed from") for line in lines)
+    assert json.loads(next(x for x in lines if x.startswith("RESULT "))[len("RESULT ") :])["steps_run"] == 2
+    assert verify_checkpoint(ckpt_dir / "step_00000002") == []
