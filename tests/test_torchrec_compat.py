@@ -99,3 +99,16 @@ def test_collective_and_sharding_internals_exist() -> None:
     assert "self._intra_dist" in source(TwRwPooledEmbeddingDist.__init__)
     assert callable(TwRwPooledEmbeddingDist._create_output_dist_modules)
     assert callable(BaseTwEmbeddingSharding._emb_dim_per_rank_per_feature)
+
+
+def test_fused_optimizer_sizes_grid_rowwise_state_by_node_group() -> None:
+    """TorchRec's EmbeddingFusedOptimizer still sizes a row x column table's row-wise state as rows x shards /
+    get_node_group_size() (why our grids are refused for optimizers with per-row state)."""
+    from torchrec.distributed.batched_embedding_kernel import EmbeddingFusedOptimizer
+
+    from embark_torchrec.sharding.torchrec_compat import has_rowwise_state
+
+    source = inspect.getsource(EmbeddingFusedOptimizer.__init__)
+    assert "get_node_group_size()" in source and "is_grid_sharded" in source
+    assert has_rowwise_state("EXACT_ROWWISE_ADAGRAD") and not has_rowwise_state(None)
+    assert not has_rowwise_state(EmbOptimType.EXACT_ADAGRAD)

@@ -17,7 +17,8 @@ TORCHREC_SHARDING_TYPES = ("data_parallel", "table_wise", *sorted(_ROW_CUTS | _C
 @dataclass(frozen=True)
 class TableConstraints:
     """cluster: force dp/rb/ub; layout: use exactly this layout; ranks: the only ranks allowed;
-    row_cuts / column_cuts: whether the search may split the table's rows / columns;
+    row_cuts / column_cuts: whether the search may split the table's rows / columns; grid_cuts:
+    whether it may split both (a row x column grid; not for optimizers with per-row state);
     unique_based: whether the table may go to the UB cluster when its cluster is not forced."""
 
     cluster: str | None = None
@@ -26,6 +27,7 @@ class TableConstraints:
     precision: WirePrecision | None = None
     row_cuts: bool = True
     column_cuts: bool = True
+    grid_cuts: bool = True
     unique_based: bool = True
 
     def __post_init__(self) -> None:

@@ -7,15 +7,16 @@ ShardingPlan that DistributedModelParallel takes (sharding/parameter_sharding.py
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 import warnings
 from typing import Any, Mapping
 
 import torch
 from torchrec.distributed.types import ShardingPlan, ShardingPlanner
 
-from .constraints import from_torchrec
+from .constraints import TableConstraints, from_torchrec
 from .cost import OptimizerMemory
-from .layout import SHARDING_TYPE_PREFIX
+from .layout import SHARDING_TYPE_PREFIX, TableLayout, ceil_row_bounds
 from .report import ScoredPlan, render
 from .plan_model import PlannedModel, plan_model
 from .search import SearchConfig
@@ -78,6 +79,38 @@ def _check_sharders(result: Any, sharders: list[Any]) -> None:
 
 def _sharders_accept(module: Any, sharders: list[Any]) -> bool:
     return any(isinstance(module, s.module_type) for s in sharders)
+
+
+def _embedding_bags(module: Any) -> Any:
+    """The EmbeddingBagCollection a module plans: itself, or the one inside a managed-collision EBC
+    (None for other modules)."""
+    from ..sharding.torchrec_compat import managed_collision_embedding_bags
+
+    inner = managed_collision_embedding_bags(module)
+    if inner is not None:
+        return inner
+    return module if hasattr(module, "embedding_bag_configs") else None
+
+
+def _row_wise(rows: int, dim: int, world_size: int) -> TableLayout:
+    """TorchRec's row-wise layout: even row blocks, one per rank."""
+    bounds = ceil_row_bounds(rows, world_size)
+    return TableLayout("rb", bounds, (0, dim), tuple((k,) for k in range(len(bounds) - 1)))
+
+
+def _without_grids(
+    module: Any, sharders: list[Any], names: set[str], constraints: Mapping[str, TableConstraints]
+) -> dict[str, TableConstraints]:
+    """`constraints` for the module's tables, forbidding row x column grids when the fused optimizer
+    of the sharder that shards it keeps per-row state (TorchRec's fused optimizer cannot lay that
+    state out for them; see torchrec_compat.has_rowwise_state)."""
+    from ..sharding.torchrec_compat import has_rowwise_state
+
+    here = {k: v for k, v in constraints.items() if k in names}
+    optimizers = [(s.fused_params or {}).get("optimizer") for s in sharders if isinstance(module, s.module_type)]
+    if not any(has_rowwise_state(o) for o in optimizers):
+        return here
+    return {n: replace(here.get(n, TableConstraints()), grid_cuts=False) for n in names}
 
 
 class EmbarkPlanner(ShardingPlanner):
@@ -145,11 +178,16 @@ class EmbarkPlanner(ShardingPlanner):
         constraints = from_torchrec(self.torchrec_constraints)
         result = ShardingPlan(plan={})
         planned_tables: set[str] = set()
+        planned_paths: list[str] = []
         for path, sub in module.named_modules():
-            if not _sharders_accept(sub, sharders) or not hasattr(sub, "embedding_bag_configs"):
+            if any(path.startswith(f"{p}.") for p in planned_paths) or not _sharders_accept(sub, sharders):
+                continue  # DistributedModelParallel shards a planned module whole, its children with it
+            collection = _embedding_bags(sub)
+            if collection is None:
                 continue
+            planned_paths.append(path)
             spec = ModelSpec.from_module(
-                sub,
+                collection,
                 self.torchrec_constraints,
                 batch_size=self.batch_size * topology.world_size,
                 name=path or "model",
@@ -159,7 +197,11 @@ class EmbarkPlanner(ShardingPlanner):
                 spec = spec.with_measured(self.measured)
             names = {t.name for t in spec.tables}
             planned_tables.update(names)
-            here = {k: v for k, v in constraints.items() if k in names}
+            here = _without_grids(sub, sharders, names, constraints)
+            if collection is not sub:  # managed collisions: TorchRec runs them row-wise only
+                here = {
+                    t.name: TableConstraints(layout=_row_wise(t.rows, t.dim, topology.world_size)) for t in spec.tables
+                }
             planned = plan_model(spec, topology, here, self.config, self.optimizer)
             self.plans[path] = planned
             result.plan[path] = module_sharding_plan(planned.plan, spec, self.compute_device)

@@ -211,9 +211,9 @@ class GreedySearch:
         c = self.constraints.get(name, TableConstraints())
         n_r, n_c = shape
         limit = min(self.world_size, len(self._allowed(name)))
-        if c.row_cuts and 2 * n_r <= t.rows and 2 * n_r * n_c <= limit:
+        if c.row_cuts and (n_c == 1 or c.grid_cuts) and 2 * n_r <= t.rows and 2 * n_r * n_c <= limit:
             yield (2 * n_r, n_c)
-        if c.column_cuts and 2 * n_c <= t.dim // 4 and 2 * n_r * n_c <= limit:
+        if c.column_cuts and (n_r == 1 or c.grid_cuts) and 2 * n_c <= t.dim // 4 and 2 * n_r * n_c <= limit:
             yield (n_r, 2 * n_c)
 
     def _costliest_table(

@@ -46,7 +46,7 @@ from ..plan.topology import Topology
 from ..plan.wire import MAX_SLICE_ROWS
 from .collectives import all_to_all
 from .comm_stats import CountsComm, Ledger, group_ranks
-from .torchrec_compat import emb_dims_per_rank
+from .torchrec_compat import emb_dims_per_rank, has_rowwise_state
 from .variable_batch import FeatureMajor, pad_to_uniform
 
 
@@ -503,6 +503,13 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
                 ],
             )
             rows, cols = list(row_bounds), list(col_bounds)
+            optimizer = (info.fused_params or {}).get("optimizer")
+            if len(rows) > 2 and len(cols) > 2 and has_rowwise_state(optimizer):
+                raise ValueError(
+                    f"table {cfg.name!r}: a {len(rows) - 1} x {len(cols) - 1} grid cannot keep {optimizer}'s "
+                    "per-row state (TorchRec's fused optimizer lays it out for row-only or column-only cuts); "
+                    "cut its rows or its columns, not both (EmbarkPlanner does so for such optimizers)"
+                )
             longest = max(b - a for a, b in zip(rows, rows[1:]))
             if longest >= MAX_SLICE_ROWS:
                 raise ValueError(

@@ -24,6 +24,24 @@ VARIABLE_BATCH_OPTIMIZERS = frozenset(
 )
 
 
+def has_rowwise_state(optimizer: Any) -> bool:
+    """Whether a fused optimizer keeps state per row (one value per row, e.g. EXACT_ROWWISE_ADAGRAD's
+    momentum1). TorchRec's EmbeddingFusedOptimizer (batched_embedding_kernel.py) lays such state out
+    as one global 1-D tensor only for tables cut by rows or by columns alone, or for its own grid
+    (column slices row-split over one node's ranks): it sizes a grid's state as rows x shards /
+    get_node_group_size(), which a row x column grid of ours generally is not."""
+    name = str(getattr(optimizer, "name", optimizer)).upper()
+    return "ROWWISE" in name and name in EmbOptimType.__members__
+
+
+def managed_collision_embedding_bags(module: Any) -> Any:
+    """The EmbeddingBagCollection inside a ManagedCollisionEmbeddingBagCollection (its
+    `_embedding_module`), or None for any other module."""
+    from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
+
+    return module._embedding_module if isinstance(module, ManagedCollisionEmbeddingBagCollection) else None
+
+
 def lookup_tbes(lookup: Any) -> List[Any]:
     """The fbgemm TBEs behind a TorchRec grouped lookup (`_emb_modules[i].emb_module`)."""
     return [m.emb_module for m in getattr(lookup, "_emb_modules", [])]

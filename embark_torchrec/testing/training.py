@@ -31,7 +31,11 @@ from .batches import global_kjt_batch
 from .equality import copy_global_weights
 
 ADAGRAD_EPS = 1e-8
-OPTIMIZERS = {"sgd": EmbOptimType.EXACT_SGD, "adagrad": EmbOptimType.EXACT_ADAGRAD}
+OPTIMIZERS = {
+    "sgd": EmbOptimType.EXACT_SGD,
+    "adagrad": EmbOptimType.EXACT_ADAGRAD,
+    "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+}
 
 
 class SparseArch(nn.Module):
@@ -45,9 +49,44 @@ class SparseArch(nn.Module):
         return self.ebc(features)
 
 
-def _reference_optimizer(params: Any, name: str, lr: float) -> torch.optim.Optimizer:
+class RowwiseAdagrad(torch.optim.Optimizer):
+    """fbgemm's EXACT_ROWWISE_ADAGRAD, unsharded: one accumulator per row and column slice (a sharded
+    table keeps one per row of each cell, as TorchRec's column-wise sharding does), which adds the
+    mean squared gradient over the slice's columns; the step divides by its root."""
+
+    def __init__(self, params: Any, col_bounds: list[tuple[int, ...]], lr: float, eps: float) -> None:
+        super().__init__(params, {"lr": lr, "eps": eps})
+        self._col_bounds = col_bounds
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for p, bounds in zip(params, self._col_bounds):
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["momentum1"] = torch.zeros(p.size(0), len(bounds) - 1, dtype=p.dtype)
+            group = self.param_groups[0]
+            for c, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+                g = p.grad[:, lo:hi]
+                state["momentum1"][:, c] += g.pow(2).mean(dim=1)
+                p[:, lo:hi] -= group["lr"] * g / (state["momentum1"][:, c : c + 1].sqrt() + group["eps"])
+
+
+def _reference_optimizer(
+    named: list[tuple[str, torch.nn.Parameter]], name: str, lr: float, layouts: Mapping[str, TableLayout]
+) -> torch.optim.Optimizer:
+    params = [p for _, p in named]
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr)
+    if name == "rowwise_adagrad":
+        tables = [key.split(".")[-2] for key, _ in named]  # "...embedding_bags.<table>.weight"
+        bounds = [
+            tuple(layouts[t].col_bounds) if t in layouts and layouts[t].col_bounds else (0, p.size(1))
+            for t, p in zip(tables, params)
+        ]
+        return RowwiseAdagrad(params, bounds, lr, ADAGRAD_EPS)
     return torch.optim.Adagrad(params, lr=lr, eps=ADAGRAD_EPS)
 
 
@@ -109,9 +148,9 @@ def compare_sharded_training(
     reference = SparseArch(tables, weighted, torch.device("cpu"))
     model = sharded_model(tables, layouts, local_world_size, weighted, optimizer, lr, unique_lookup=unique_lookup)
     copy_global_weights(model, reference)
-    ref_opt = _reference_optimizer(reference.parameters(), optimizer, lr)
-    dense = [p for _, p in in_backward_optimizer_filter(model.named_parameters()) if p.numel() > 0]
-    dense_opt = _reference_optimizer(dense, optimizer, lr) if dense else None
+    ref_opt = _reference_optimizer(list(reference.named_parameters()), optimizer, lr, layouts)
+    dense = [(n, p) for n, p in in_backward_optimizer_filter(model.named_parameters()) if p.numel() > 0]
+    dense_opt = _reference_optimizer(dense, optimizer, lr, {}) if dense else None
     diffs: dict[str, float] = {}
     for step in range(steps):
         batch = global_kjt_batch(

@@ -1,0 +1,130 @@
+"""ManagedCollisionEmbeddingBagCollection: EmbarkPlanner plans its inner EBC row-wise (the only layout TorchRec's
+managed-collision sharding runs), DistributedModelParallel runs it with TorchRec's MC sharder around our EBC sharder,
+and it trains exactly like the same module and plan run by TorchRec's own sharders (losses over two fused SGD steps
+and the weights after them), at 2 ranks; a plain EBC next to it is planned on its own, and the MC module's inner
+EBC is not planned twice."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.types import ShardingEnv
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
+from torchrec.modules.mc_modules import (
+    DistanceLFU_EvictionPolicy,
+    ManagedCollisionCollection,
+    MCHManagedCollisionModule,
+)
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from embark_torchrec import EmbarkEmbeddingBagCollectionSharder, EmbarkPlanner
+from embark_torchrec.testing import run_ranks
+
+FUSED = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1}
+
+
+class Model(torch.nn.Module):
+    """A managed-collision EBC (IDs hashed into 40 rows) and a plain EBC."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        tables = [EmbeddingBagConfig(name="mc", num_embeddings=40, embedding_dim=8, feature_names=["user"])]
+        mcc = ManagedCollisionCollection(
+            managed_collision_modules={
+                "mc": MCHManagedCollisionModule(
+                    zch_size=40, device=device, eviction_interval=2, eviction_policy=DistanceLFU_EvictionPolicy()
+                )
+            },
+            embedding_configs=tables,
+        )
+        self.mc = ManagedCollisionEmbeddingBagCollection(EmbeddingBagCollection(tables=tables, device=device), mcc)
+        self.ebc = EmbeddingBagCollection(
+            tables=[EmbeddingBagConfig(name="plain", num_embeddings=30, embedding_dim=8, feature_names=["item"])],
+            device=device,
+        )
+
+    def forward(self, user: KeyedJaggedTensor, item: KeyedJaggedTensor) -> torch.Tensor:
+        mc = self.mc(user)
+        mc = mc[0] if isinstance(mc, tuple) else mc
+        return mc.values().sum() + self.ebc(item).values().sum()
+
+
+def _batch(step: int, rank: int) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    user = KeyedJaggedTensor.from_lengths_sync(
+        keys=["user"], values=torch.randint(0, 10**6, (6,), generator=g), lengths=torch.tensor([2, 0, 3, 1])
+    )
+    item = KeyedJaggedTensor.from_lengths_sync(
+        keys=["item"], values=torch.randint(0, 30, (5,), generator=g), lengths=torch.tensor([1, 1, 2, 1])
+    )
+    return user, item
+
+
+def _train(model: DistributedModelParallel) -> list[float]:
+    losses = []
+    for step in range(2):
+        torch.manual_seed(step)  # the same random draws for both models (managed collisions draw some)
+        loss = model(*_batch(step, dist.get_rank()))
+        loss.backward()
+        losses.append(float(loss))
+    return losses
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, value in model.state_dict().items():
+        if isinstance(value, ShardedTensor):
+            for shard in value.local_shards():
+                out[f"{key}@{shard.metadata.shard_offsets}"] = shard.tensor.clone()
+        elif key.endswith("weight"):
+            out[key] = value.clone()
+    return out
+
+
+def _run() -> dict[str, Any]:
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    ours = [
+        ManagedCollisionEmbeddingBagCollectionSharder(
+            ebc_sharder=EmbarkEmbeddingBagCollectionSharder(fused_params=FUSED)
+        ),
+        EmbarkEmbeddingBagCollectionSharder(fused_params=FUSED),
+    ]
+    theirs = [
+        ManagedCollisionEmbeddingBagCollectionSharder(ebc_sharder=EmbeddingBagCollectionSharder(fused_params=FUSED)),
+        EmbeddingBagCollectionSharder(fused_params=FUSED),
+    ]
+    planner = EmbarkPlanner(batch_size=4)
+    plan = planner.collective_plan(Model(torch.device("meta")), ours)
+    torch.manual_seed(0)
+    model = DistributedModelParallel(
+        Model(torch.device("meta")), env=env, plan=plan, sharders=ours, device=torch.device("cpu")
+    )
+    stock = DistributedModelParallel(
+        Model(torch.device("meta")), env=env, plan=plan, sharders=theirs, device=torch.device("cpu")
+    )
+    stock.load_state_dict(model.state_dict())
+    return {
+        "plan": {path: {t: ps.sharding_type for t, ps in p.items()} for path, p in plan.plan.items()},
+        "stock": (_train(stock), _weights(stock)),
+        "ours": (_train(model), _weights(model)),
+    }
+
+
+def test_managed_collision_ebc_runs_row_wise_like_torchrec() -> None:
+    for result in run_ranks(_run, 2, timeout_s=300):
+        assert result["plan"]["mc"] == {"mc": "row_wise"}, result["plan"]
+        assert set(result["plan"]) == {"mc", "ebc"}, result["plan"]  # the inner EBC of "mc" is not planned again
+        (losses, weights), (stock_losses, stock_weights) = result["ours"], result["stock"]
+        assert losses == stock_losses
+        assert weights.keys() == stock_weights.keys() and any("mc" in k for k in weights)
+        for key, value in weights.items():
+            assert torch.equal(value, stock_weights[key]), key
