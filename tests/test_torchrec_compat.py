@@ -112,3 +112,35 @@ def test_fused_optimizer_sizes_grid_rowwise_state_by_node_group() -> None:
     assert "get_node_group_size()" in source and "is_grid_sharded" in source
     assert has_rowwise_state("EXACT_ROWWISE_ADAGRAD") and not has_rowwise_state(None)
     assert not has_rowwise_state(EmbOptimType.EXACT_ADAGRAD)
+
+
+def test_sharded_ebc_and_sharding_state_our_subclasses_read() -> None:
+    """Every private attribute of TorchRec's ShardedEmbeddingBagCollection and EmbeddingSharding that
+    torchrec_compat's accessors read is still set by TorchRec, and every private method our subclasses override
+    still exists on the parent (else the override would silently never run)."""
+    from torchrec.distributed.embedding_sharding import EmbeddingSharding
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+    from torchrec.distributed.sharding.tw_sharding import BaseTwEmbeddingSharding
+
+    ebc_source = inspect.getsource(ShardedEmbeddingBagCollection)
+    for attr in (
+        "_embedding_bag_configs",
+        "_env",
+        "_embedding_shardings",
+        "_sharding_types",
+        "_input_dists",
+        "_output_dists",
+        "_lookups",
+        "_pooling_type_to_rs_features",
+        "_has_mean_pooling_callback",
+        "_model_parallel_name_to_local_shards",
+        "_table_name_to_config",
+        "_skip_missing_weight_key",
+    ):
+        assert f"self.{attr} =" in ebc_source or f"self.{attr}:" in ebc_source, attr
+    sharding_source = inspect.getsource(EmbeddingSharding) + inspect.getsource(BaseTwEmbeddingSharding)
+    for attr in ("_pg", "_world_size", "_device"):
+        assert f"self.{attr} =" in sharding_source or f"self.{attr}:" in sharding_source, attr
+    assert callable(getattr(ShardedEmbeddingBagCollection, "_create_input_dist"))
+    assert callable(getattr(ShardedEmbeddingBagCollection, "_pre_load_state_dict_hook"))
+    assert callable(getattr(BaseTwEmbeddingSharding, "_shard"))

@@ -46,7 +46,13 @@ from ..plan.topology import Topology
 from ..plan.wire import MAX_SLICE_ROWS
 from .collectives import all_to_all
 from .comm_stats import CountsComm, Ledger, group_ranks
-from .torchrec_compat import emb_dims_per_rank, has_rowwise_state
+from .torchrec_compat import (
+    emb_dims_per_rank,
+    has_rowwise_state,
+    sharding_device,
+    sharding_group,
+    sharding_world_size,
+)
 from .variable_batch import FeatureMajor, pad_to_uniform
 
 
@@ -487,7 +493,7 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
         super().__init__(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)
 
     def _shard(self, sharding_infos: List[EmbeddingShardingInfo]) -> List[List[ShardedEmbeddingTable]]:
-        tables_per_rank: List[List[ShardedEmbeddingTable]] = [[] for _ in range(self._world_size)]
+        tables_per_rank: List[List[ShardedEmbeddingTable]] = [[] for _ in range(sharding_world_size(self))]
         for info in sharding_infos:
             cfg = info.embedding_config
             shards: List[ShardMetadata] = info.param_sharding.sharding_spec.shards  # type: ignore[union-attr]
@@ -580,14 +586,15 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
     def dist_device(self, device: Optional[torch.device]) -> torch.device:
         """Where a dist's tensors go: the device given, else the sharding's (TorchRec builds input
         dists without one), else the CPU."""
-        chosen = device if device is not None else self._device
+        chosen = device if device is not None else sharding_device(self)
         return chosen if chosen is not None else torch.device("cpu")
 
     def create_input_dist(self, device: Optional[torch.device] = None) -> BaseSparseFeaturesDist[KeyedJaggedTensor]:
-        assert self._pg is not None
+        pg = sharding_group(self)
+        assert pg is not None
         virtual = [v for names in self.feature_names_per_rank() for v in names]
         return GridSparseFeaturesDist(
-            self._pg,
+            pg,
             self._feature_rows,
             self._feature_mean,
             self._feature_bounds,
@@ -601,7 +608,8 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
     def create_output_dist(
         self, device: Optional[torch.device] = None
     ) -> BaseEmbeddingDist[EmbeddingShardingContext, torch.Tensor, torch.Tensor]:
-        assert self._pg is not None
+        pg = sharding_group(self)
+        assert pg is not None
         offsets = [0]
         for d in self._feature_dims:
             offsets.append(offsets[-1] + d)
@@ -612,11 +620,11 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
         ]
         codecs = (self.qcomm_codecs_registry or {}).get(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name)
         if self._hierarchical:
-            local_world_size = get_local_size(self._world_size)
+            local_world_size = get_local_size(sharding_world_size(self))
             return HierarchicalPooledEmbeddingDist(
-                self._pg, local_world_size, runs_per_rank, self._feature_dims, device, codecs
+                pg, local_world_size, runs_per_rank, self._feature_dims, device, codecs
             )
-        return GridPooledEmbeddingDist(self._pg, runs_per_rank, self._feature_dims, device, codecs)
+        return GridPooledEmbeddingDist(pg, runs_per_rank, self._feature_dims, device, codecs)
 
     def _column_run(self, cell: CellRoute, width: int, offsets: List[int]) -> ColumnRun:
         """Where a cell's partial sums land in the module's output (`offsets`: each feature's first column)."""

@@ -20,7 +20,20 @@ from ..plan.layout import PRECISIONS, SHARDING_TYPE_PREFIX, WirePrecision, parse
 from .codecs import wire_codecs
 from .comm_stats import CommStats, CountsComm
 from .grid import GridPooledEmbeddingSharding
-from .torchrec_compat import qcomm_precisions
+from .torchrec_compat import (
+    is_virtual_table,
+    local_shards_by_table,
+    mean_fixup_features,
+    module_configs,
+    module_env,
+    module_input_dists,
+    module_lookups,
+    module_output_dists,
+    module_sharding_types,
+    module_shardings,
+    qcomm_precisions,
+    skip_missing_weight,
+)
 from .torchrec_counting import KJTCounter, count_borrowed_dists
 from .unique import UniquePooledEmbeddingSharding, UniqueShardingContext, UniqueSparseFeaturesDist
 from .validation import InputValidator
@@ -71,25 +84,24 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self.comm_stats: Optional[CommStats] = None
         self._kjt_counters: Dict[int, KJTCounter] = {}  # sharding index -> its input KJT all-to-all's counter
         self._validate = InputValidator(
-            {c.name: list(c.feature_names) for c in self._embedding_bag_configs},
-            {c.name: c.num_embeddings for c in self._embedding_bag_configs},
-            self._env.rank,
+            {c.name: list(c.feature_names) for c in module_configs(self)},
+            {c.name: c.num_embeddings for c in module_configs(self)},
+            module_env(self).rank,
             invalid_ids,
         )
         self._embark_shardings = [
-            i for i, s in enumerate(self._embedding_shardings) if isinstance(s, GridPooledEmbeddingSharding)
+            i for i, s in enumerate(module_shardings(self)) if isinstance(s, GridPooledEmbeddingSharding)
         ]
         self._unique_shardings = [
             (i, sharding)
-            for i, sharding in enumerate(self._embedding_shardings)
+            for i, sharding in enumerate(module_shardings(self))
             if isinstance(sharding, UniquePooledEmbeddingSharding)
         ]
-        if self._has_mean_pooling_callback:
-            divided = set(self._pooling_type_to_rs_features[PoolingType.MEAN.value])
-            features = [f for sharding in self._embedding_shardings for f in sharding.feature_names()]
-            self._pooling_type_to_rs_features[PoolingType.SUM.value] = [
-                f for f in dict.fromkeys(features) if f not in divided
-            ]
+        fixup = mean_fixup_features(self)
+        if fixup is not None:
+            divided = set(fixup[PoolingType.MEAN.value])
+            features = [f for sharding in module_shardings(self) for f in sharding.feature_names()]
+            fixup[PoolingType.SUM.value] = [f for f in dict.fromkeys(features) if f not in divided]
 
     @classmethod
     def create_embedding_bag_sharding(
@@ -126,13 +138,14 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         if isinstance(features, KeyedJaggedTensor):
             features = self._validate(features)
         awaitable = super().input_dist(ctx, features)
-        first = len(ctx.sharding_contexts) - len(self._input_dists)
+        input_dists = module_input_dists(self)
+        first = len(ctx.sharding_contexts) - len(input_dists)
         if ctx.variable_batch_per_feature:  # our dists pad every feature to the longest (variable_batch.py)
             for i in self._embark_shardings:
                 base = ctx.sharding_contexts[first + i]
                 longest = max(base.batch_size_per_feature_pre_a2a, default=0)
                 base.batch_size_per_feature_pre_a2a = [longest] * len(base.batch_size_per_feature_pre_a2a)
-        for i, input_dist in enumerate(self._input_dists):
+        for i, input_dist in enumerate(input_dists):
             if isinstance(input_dist, UniqueSparseFeaturesDist):
                 base = ctx.sharding_contexts[first + i]
                 ctx.sharding_contexts[first + i] = UniqueShardingContext(
@@ -145,7 +158,7 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         return awaitable
 
     def new_comm_stats(self) -> CommStats:
-        pg = self._env.process_group
+        pg = module_env(self).process_group
         world = dist.get_world_size(pg)
         return CommStats(dist.get_rank(pg), world, get_local_size(world))
 
@@ -156,19 +169,19 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 raise ValueError("this module already counts into another CommStats")
             return
         self.comm_stats = stats
-        self._count_dists(self._output_dists)
-        self._count_dists(self._input_dists)  # empty until the first batch: see _create_input_dist
+        self._count_dists(module_output_dists(self))
+        self._count_dists(module_input_dists(self))  # empty until the first batch: see _create_input_dist
 
     def _create_input_dist(self, input_feature_names: List[str]) -> None:
         super()._create_input_dist(input_feature_names)
         if self.comm_stats is not None:
-            self._count_dists(self._input_dists)
+            self._count_dists(module_input_dists(self))
 
     def _count_dists(self, dists: Any) -> None:
         assert self.comm_stats is not None
-        feature_table = key_tables(self._embedding_bag_configs)
+        feature_table = key_tables(module_configs(self))
         for i, (sharding_type, sharding, dist_module) in enumerate(
-            zip(self._sharding_types, self._embedding_shardings, dists)
+            zip(module_sharding_types(self), module_shardings(self), dists)
         ):
             for m in dist_module.modules():
                 if isinstance(m, CountsComm):
@@ -189,7 +202,7 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             features = list(input)
             for i, sharding in self._unique_shardings:
                 features[i], ctx.sharding_contexts[i].received_counts = sharding.lookup_input(
-                    features[i], self._lookups[i], self._unique_lookup
+                    features[i], module_lookups(self)[i], self._unique_lookup
                 )
             input = KJTList(features)
         return super().compute_and_output_dist(ctx, input)
@@ -198,10 +211,10 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def _pre_load_state_dict_hook(
         self: "EmbarkShardedEmbeddingBagCollection", state_dict: Dict[str, Any], prefix: str, *args: Any
     ) -> None:
-        for table, local_shards in self._model_parallel_name_to_local_shards.items():
+        for table, local_shards in local_shards_by_table(self).items():
             key = f"{prefix}embedding_bags.{table}.weight"
             value = state_dict.get(key)
-            if self._table_name_to_config[table].use_virtual_table or not isinstance(value, torch.Tensor):
+            if is_virtual_table(self, table) or not isinstance(value, torch.Tensor):
                 continue
             incoming = (
                 {tuple(s.metadata.shard_offsets): s.tensor for s in value.local_shards()}
@@ -223,6 +236,5 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                         )
                     shard.tensor.copy_(source)
             del state_dict[key]
-            if key not in self._skip_missing_weight_key:
-                self._skip_missing_weight_key.append(key)
+            skip_missing_weight(self, key)
         ShardedEmbeddingBagCollection._pre_load_state_dict_hook(self, state_dict, prefix, *args)

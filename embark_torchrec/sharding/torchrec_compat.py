@@ -112,3 +112,82 @@ def build_lazy_output_dists(dist_module: Any) -> None:
             m._create_output_dist_module(None)
         if getattr(m, "_intra_dist", False) is None and hasattr(m, "_create_output_dist_modules"):
             m._create_output_dist_modules(None)
+
+
+# ShardedEmbeddingBagCollection (distributed/embeddingbag.py): what our subclass reads of its state.
+
+
+def module_configs(module: Any) -> List[Any]:
+    """The collection's EmbeddingBagConfigs (`_embedding_bag_configs`)."""
+    return module._embedding_bag_configs
+
+
+def module_env(module: Any) -> Any:
+    """The module's ShardingEnv (`_env`)."""
+    return module._env
+
+
+def module_shardings(module: Any) -> List[Any]:
+    """One EmbeddingSharding per sharding type, in the module's order (`_embedding_shardings`)."""
+    return module._embedding_shardings
+
+
+def module_sharding_types(module: Any) -> List[str]:
+    """The sharding-type strings, in the same order (`_sharding_types`)."""
+    return module._sharding_types
+
+
+def module_input_dists(module: Any) -> List[Any]:
+    """Per sharding, its input dist (`_input_dists`; empty until the first batch builds them)."""
+    return module._input_dists
+
+
+def module_output_dists(module: Any) -> List[Any]:
+    """Per sharding, its output dist (`_output_dists`)."""
+    return module._output_dists
+
+
+def module_lookups(module: Any) -> List[Any]:
+    """Per sharding, its lookup (`_lookups`)."""
+    return module._lookups
+
+
+def mean_fixup_features(module: Any) -> Any:
+    """TorchRec's MEAN fix-up for row-wise / table-row-wise tables: its features per pooling type
+    (`_pooling_type_to_rs_features`), or None when the module has no such fix-up
+    (`_has_mean_pooling_callback`)."""
+    return module._pooling_type_to_rs_features if module._has_mean_pooling_callback else None
+
+
+def local_shards_by_table(module: Any) -> Any:
+    """Each model-parallel table's local weight shards (`_model_parallel_name_to_local_shards`)."""
+    return module._model_parallel_name_to_local_shards
+
+
+def is_virtual_table(module: Any, table: str) -> bool:
+    """Whether a table is a virtual (key-value) one (`_table_name_to_config[table].use_virtual_table`)."""
+    return bool(module._table_name_to_config[table].use_virtual_table)
+
+
+def skip_missing_weight(module: Any, key: str) -> None:
+    """Tells TorchRec's load_state_dict hook that `key` was loaded here (`_skip_missing_weight_key`)."""
+    if key not in module._skip_missing_weight_key:
+        module._skip_missing_weight_key.append(key)
+
+
+# EmbeddingSharding (distributed/embedding_sharding.py, sharding/tw_sharding.py): what our shardings read.
+
+
+def sharding_group(sharding: Any) -> Any:
+    """A sharding's process group (`_pg`)."""
+    return sharding._pg
+
+
+def sharding_world_size(sharding: Any) -> int:
+    """A sharding's world size (`_world_size`)."""
+    return int(sharding._world_size)
+
+
+def sharding_device(sharding: Any) -> Any:
+    """The device a sharding was built for (`_device`), or None."""
+    return sharding._device

@@ -40,7 +40,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from .codecs import Segment
 from .collectives import all_to_all
 from .comm_stats import CountsComm, Ledger
-from .torchrec_compat import VARIABLE_BATCH_OPTIMIZERS, emb_dims_per_rank, supports_variable_batch
+from .torchrec_compat import VARIABLE_BATCH_OPTIMIZERS, emb_dims_per_rank, sharding_group, supports_variable_batch
 from .grid import CellRoute, GridPooledEmbeddingSharding, _ledger_hook, bag_weights
 from .variable_batch import FeatureMajor, RowGather, pad_to_uniform
 
@@ -454,16 +454,18 @@ class UniquePooledEmbeddingSharding(GridPooledEmbeddingSharding):
         return layout
 
     def create_input_dist(self, device: Optional[torch.device] = None) -> BaseSparseFeaturesDist[KeyedJaggedTensor]:
-        assert self._pg is not None
+        pg = sharding_group(self)
+        assert pg is not None
         return UniqueSparseFeaturesDist(
-            self._pg, self.unique_layout(), self._weighted, self._feature_mean, self.dist_device(device)
+            pg, self.unique_layout(), self._weighted, self._feature_mean, self.dist_device(device)
         )
 
     def create_output_dist(self, device: Optional[torch.device] = None) -> UniquePooledEmbeddingDist:  # type: ignore[override]
-        assert self._pg is not None
+        pg = sharding_group(self)
+        assert pg is not None
         registry = self.qcomm_codecs_registry or {}
         return UniquePooledEmbeddingDist(
-            self._pg,
+            pg,
             self.unique_layout(),
             self._feature_tables,
             self.dist_device(device),
@@ -475,8 +477,9 @@ class UniquePooledEmbeddingSharding(GridPooledEmbeddingSharding):
     ) -> tuple[KeyedJaggedTensor, np.ndarray]:
         """What this rank's lookup takes, from what its input dist received (unique_lookup_input);
         `mode` as the sharder's unique_lookup."""
-        assert self._pg is not None
-        rank = dist.get_rank(self._pg)
+        pg = sharding_group(self)
+        assert pg is not None
+        rank = dist.get_rank(pg)
         variable_batch = getattr(self, "_variable_batch", None)
         if variable_batch is None:
             capable = supports_variable_batch(lookup)
