@@ -585,3 +585,18 @@ def test_torchrec_constructor_arguments_and_device_default() -> None:
     assert (hw.hbm_gb, hw.hbm_reserve_gb, hw.intra_node_bw_gbps, hw.inter_node_bw_gbps) == (20.0, 5.0, 300.0, 25.0)
     assert planner.plans["sparse"].spec.batch_size == 256 * 8
     assert EmbarkPlanner(world_size=2, compute_device="cpu").hardware == PRESETS["cpu-gloo"]
+
+
+def test_torchrec_topology_on_cpu_and_torchrec_defaults() -> None:
+    """On CPU TorchRec keeps tables in host memory, so a CPU Topology's ddr_cap is the memory per rank (its HBM is
+    0); a Topology left at TorchRec's defaults (as dlrm_main.py builds it) keeps the hardware preset's memory and
+    bandwidths, since the user said nothing about them."""
+    from torchrec.distributed.planner.types import Topology as TorchrecTopology
+
+    defaults = EmbarkPlanner(topology=TorchrecTopology(world_size=2, local_world_size=2, compute_device="cpu"))
+    assert defaults.hardware == PRESETS["cpu-gloo"]
+    given = EmbarkPlanner(
+        topology=TorchrecTopology(world_size=2, local_world_size=2, compute_device="cpu", ddr_cap=6 * 10**9)
+    )
+    assert given.hardware.hbm_gb == 6.0
+    assert given.hardware.intra_node_bw_gbps == PRESETS["cpu-gloo"].intra_node_bw_gbps

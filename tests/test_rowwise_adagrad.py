@@ -190,3 +190,31 @@ def test_planner_cuts_rows_or_columns_for_rowwise_optimizers() -> None:
         shapes[optimizer.name] = [(layout.num_row_slices, layout.num_col_slices) for layout in layouts]
     assert any(r > 1 and c > 1 for r, c in shapes["EXACT_SGD"]), shapes  # the model does call for grids
     assert all(r == 1 or c == 1 for r, c in shapes["EXACT_ROWWISE_ADAGRAD"]), shapes
+
+
+def test_planner_sees_row_wise_optimizers_applied_in_backward() -> None:
+    """An optimizer given to the parameters by apply_optimizer_in_backward (as dlrm_main.py does) counts like the
+    sharder's fused one: TorchRec's RowWiseAdagrad makes the planner cut one way only."""
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    from embark_torchrec import EmbarkEmbeddingBagCollectionSharder, EmbarkPlanner
+
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", num_embeddings=2_000_000, embedding_dim=256, feature_names=[f"f{i}"])
+        for i in range(2)
+    ]
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": 0.1})
+    planner = EmbarkPlanner(
+        world_size=16,
+        local_world_size=8,
+        hardware="dgx-h100",
+        batch_size=4096,
+        constraints={t.name: ParameterConstraints(pooling_factors=[50.0]) for t in tables},
+    )
+    planner.plan(ebc, [EmbarkEmbeddingBagCollectionSharder()])
+    shapes = [(layout.num_row_slices, layout.num_col_slices) for layout in planner.plans[""].plan.tables.values()]
+    assert all(r == 1 or c == 1 for r, c in shapes), shapes

@@ -42,16 +42,22 @@ def default_hardware(compute_device: str) -> str:
 
 
 def hardware_from_torchrec(base: Hardware, topology: Any, storage_reservation: Any) -> Hardware:
-    """`base` with what a TorchRec Topology and storage reservation say: HBM per device (the
-    smallest, if they differ), bandwidths (TorchRec's bytes/ms are GB/s x 1e6), the reserve."""
+    """`base` with what a TorchRec Topology and storage reservation say: memory per device (the
+    smallest, if they differ: HBM on GPUs, host memory on CPUs, where TorchRec keeps the tables
+    there), bandwidths (TorchRec's bytes/ms are GB/s x 1e6), the reserve. Values equal to TorchRec's
+    defaults were not said by the user (a Topology always carries them) and leave the preset's."""
+    from torchrec.distributed.planner.constants import CROSS_NODE_BANDWIDTH, DDR_CAP, HBM_CAP, INTRA_NODE_BANDWIDTH
+
     overrides: dict[str, float] = {}
     if topology is not None:
-        hbm = min(d.storage.hbm for d in topology.devices) / 1e9
-        overrides.update(
-            hbm_gb=hbm,
-            intra_node_bw_gbps=topology.intra_host_bw / 1e6,
-            inter_node_bw_gbps=topology.inter_host_bw / 1e6,
-        )
+        on_cpu = topology.compute_device == "cpu"
+        memory = min(d.storage.ddr if on_cpu else d.storage.hbm for d in topology.devices)
+        if memory != (DDR_CAP if on_cpu else HBM_CAP):
+            overrides["hbm_gb"] = memory / 1e9
+        if topology.intra_host_bw != INTRA_NODE_BANDWIDTH:
+            overrides["intra_node_bw_gbps"] = topology.intra_host_bw / 1e6
+        if topology.inter_host_bw != CROSS_NODE_BANDWIDTH:
+            overrides["inter_node_bw_gbps"] = topology.inter_host_bw / 1e6
     if storage_reservation is not None:
         percentage = float(getattr(storage_reservation, "_percentage", 0.0))
         overrides["hbm_reserve_gb"] = percentage * overrides.get("hbm_gb", base.hbm_gb)
@@ -102,12 +108,14 @@ def _without_grids(
     module: Any, sharders: list[Any], names: set[str], constraints: Mapping[str, TableConstraints]
 ) -> dict[str, TableConstraints]:
     """`constraints` for the module's tables, forbidding row x column grids when the fused optimizer
-    of the sharder that shards it keeps per-row state (TorchRec's fused optimizer cannot lay that
-    state out for them; see torchrec_compat.has_rowwise_state)."""
-    from ..sharding.torchrec_compat import has_rowwise_state
+    (the sharder's, or one apply_optimizer_in_backward gave its parameters) keeps per-row state
+    (TorchRec's fused optimizer cannot lay that state out for them; see
+    torchrec_compat.has_rowwise_state)."""
+    from ..sharding.torchrec_compat import has_rowwise_state, in_backward_optimizers
 
     here = {k: v for k, v in constraints.items() if k in names}
     optimizers = [(s.fused_params or {}).get("optimizer") for s in sharders if isinstance(module, s.module_type)]
+    optimizers += in_backward_optimizers(module)
     if not any(has_rowwise_state(o) for o in optimizers):
         return here
     return {n: replace(here.get(n, TableConstraints()), grid_cuts=False) for n in names}

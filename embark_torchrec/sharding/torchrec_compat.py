@@ -42,6 +42,21 @@ def managed_collision_embedding_bags(module: Any) -> Any:
     return module._embedding_module if isinstance(module, ManagedCollisionEmbeddingBagCollection) else None
 
 
+def in_backward_optimizers(module: Any) -> List[Any]:
+    """The fused optimizers apply_optimizer_in_backward gave the module's parameters (TorchRec keeps
+    them on each parameter as `_optimizer_classes`), as fbgemm types (None for one it has no type for)."""
+    from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
+
+    found = []
+    for param in module.parameters():
+        for cls in getattr(param, "_optimizer_classes", []):
+            try:
+                found.append(optimizer_type_to_emb_opt_type(cls))
+            except ValueError:
+                found.append(None)
+    return found
+
+
 def lookup_tbes(lookup: Any) -> List[Any]:
     """The fbgemm TBEs behind a TorchRec grouped lookup (`_emb_modules[i].emb_module`)."""
     return [m.emb_module for m in getattr(lookup, "_emb_modules", [])]
