@@ -81,15 +81,6 @@ def _dup_table(d: dict) -> None:
     d["tables"].append({"name": "big", "rows": 10, "dim": 4, "pooling": 1})
 
 
-def _dup_feature(d: dict) -> None:
-    d["tables"].append({"name": "other", "rows": 10, "dim": 4, "pooling": 1, "feature_names": ["g_big"]})
-
-
-def _dup_implicit_feature(d: dict) -> None:
-    # "small" has the implicit feature "small"; a second table may not claim it
-    d["tables"].append({"name": "other", "rows": 10, "dim": 4, "pooling": 1, "feature_names": ["small"]})
-
-
 ERROR_CASES = {
     "unknown table key": (_set(1, "colour", "red"), ["'big'", "colour"]),
     "negative rows": (_set(1, "rows", -5), ["'big'", "rows"]),
@@ -100,8 +91,6 @@ ERROR_CASES = {
     "negative pooling": (_set(1, "pooling", -1), ["'big'", "pooling"]),
     "unique_ratio above 1": (_set(1, "unique_ratio", 1.5), ["'big'", "unique_ratio"]),
     "duplicate table name": (_dup_table, ["'big'"]),
-    "duplicate feature name": (_dup_feature, ["'g_big'", "'big'", "'other'"]),
-    "duplicate implicit feature": (_dup_implicit_feature, ["'small'", "'other'"]),
     "missing rows": (_drop(1, "rows"), ["'big'", "rows"]),
     "missing dim": (_drop(1, "dim"), ["'big'", "dim"]),
     "missing pooling": (_drop(1, "pooling"), ["'big'", "pooling"]),
@@ -152,6 +141,16 @@ def test_model_level_errors(mutate: Callable[[dict], Any], needle: str) -> None:
     mutate(d)
     with pytest.raises(SpecError, match=needle):
         ModelSpec.from_dict(d)
+
+
+def test_a_feature_may_feed_several_tables() -> None:
+    """As in TorchRec, one feature may be looked up in several tables (explicitly or by a table's
+    implicit feature): the spec loads with each table keeping its feature names."""
+    d = _base()
+    d["tables"].append({"name": "other", "rows": 10, "dim": 4, "pooling": 1, "feature_names": ["g_big", "small"]})
+    spec = ModelSpec.from_dict(d)
+    assert spec.table("other").feature_names == ("g_big", "small")
+    assert "g_big" in spec.table("big").feature_names and spec.table("small").feature_names == ("small",)
 
 
 def test_valid_base_spec_loads() -> None:

@@ -390,7 +390,7 @@ def test_from_sharding_plan_keeps_embark_types() -> None:
     spec = ModelSpec(
         "rt2",
         4096,
-        (TableSpec("ub", 1000, 64, 1.0), TableSpec("hier", 1000, 64, 1.0), TableSpec("half", 1000, 64, 1.0)),
+        (TableSpec("ub", 1000, 64, 1.0), TableSpec("hier", 1000, 64, 1.0), TableSpec("fp16_table", 1000, 64, 1.0)),
     )
     plan = Plan(
         W,
@@ -398,7 +398,7 @@ def test_from_sharding_plan_keeps_embark_types() -> None:
         {
             "ub": TableLayout("ub", (0, 400, 1000), (0, 64), ((1,), (9,))),
             "hier": TableLayout("rb", (0, 500, 1000), (0, 32, 64), ((0, 1), (8, 9)), hierarchical=True),
-            "half": TableLayout("rb", (0, 1000), (0, 64), ((5,),), WirePrecision("fp16", "bf16")),
+            "fp16_table": TableLayout("rb", (0, 1000), (0, 64), ((5,),), WirePrecision("fp16", "bf16")),
         },
     )
     sharding_plan = ShardingPlan(plan={"": module_sharding_plan(plan, spec)})

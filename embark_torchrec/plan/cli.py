@@ -3,24 +3,34 @@
 Plans MODEL (a spec file, or a built-in name: dcnv2, t180, t200, t510), prints the report (or one
 JSON object with --json), writes the plan file with --out, and compares with the baselines named
 by --compare (trw, torchrec), all scored by the same cost model.
+
+Every user error (bad arguments, a bad spec file, an output path that cannot be written, a model
+that does not fit) is one line on stderr and exit code 2, before any planning where it can be.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from .baselines import table_row_wise_plan
-from .layout import Plan
 from .cost import CostModel
+from .fields import integer, number
+from .layout import Plan
 from .plan_model import plan_model
 from .report import ScoredPlan, plot_rank_loads, render, summary
 from .spec import ModelSpec, SpecError, builtin_model, load_model_spec
 from .topology import DEFAULT_HARDWARE, PRESETS, Topology, hardware_preset
+
+
+class UsageError(Exception):
+    """A user error: main prints it as one line and exits with 2."""
 
 
 def _torchrec_default_plan(spec: ModelSpec, topology: Topology) -> Plan:
@@ -31,20 +41,40 @@ def _torchrec_default_plan(spec: ModelSpec, topology: Topology) -> Plan:
 
 
 BASELINES = {"trw": table_row_wise_plan, "torchrec": _torchrec_default_plan}
+_SPEC_SUFFIXES = (".json", ".yaml", ".yml")
 
 
-def _load_model(model: str) -> ModelSpec:
-    return load_model_spec(model) if Path(model).exists() else builtin_model(model)
+def _positive_int(value: str) -> int:
+    """An argument that counts something (ranks, samples): an integer >= 1."""
+    try:
+        return integer(int(value), "", minimum=1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value!r}") from None
+
+
+def _positive_number(value: str) -> float:
+    """An argument that measures something (GB): a finite number > 0 (not nan, not inf)."""
+    try:
+        return number(float(value), "")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {value!r}") from None
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but its errors are UsageErrors (one line, no usage dump), so that main reports them."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m embark_torchrec.plan", description=__doc__.split("\n\n")[1])
+    p = _Parser(prog="python -m embark_torchrec.plan", description=__doc__.split("\n\n")[1])
     p.add_argument("model", help="model spec file (JSON/YAML) or built-in model name")
-    p.add_argument("--world-size", type=int, required=True)
-    p.add_argument("--local-world-size", type=int, required=True)
-    p.add_argument("--batch-size", type=int, help="global batch size (default: the spec's)")
+    p.add_argument("--world-size", type=_positive_int, required=True)
+    p.add_argument("--local-world-size", type=_positive_int, required=True)
+    p.add_argument("--batch-size", type=_positive_int, help="global batch size (default: the spec's)")
     p.add_argument("--hardware", default=DEFAULT_HARDWARE, choices=sorted(PRESETS))
-    p.add_argument("--hbm-gb", type=float, help="override the preset's memory per GPU")
+    p.add_argument("--hbm-gb", type=_positive_number, help="override the preset's memory per GPU")
     p.add_argument("--out", type=Path, help="write the plan file here")
     p.add_argument("--compare", default="", help="comma-separated baselines: trw, torchrec")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
@@ -52,27 +82,45 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+def _check_output(flag: str, path: Path | None) -> None:
+    """Refuses, before planning, an output path that cannot be written: its directory missing or
+    read-only, or the path an existing directory or read-only file."""
+    if path is None:
+        return
+    parent = path.parent
+    if path.is_dir():
+        raise UsageError(f"{flag} {path}: is a directory")
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"{flag} {path}: not writable")
+
+
+def _load_model(model: str) -> ModelSpec:
+    """A spec file, or a built-in model; a name that looks like a file but is none is refused as such."""
+    path = Path(model)
+    if path.exists():
+        return load_model_spec(path)
+    if path.suffix in _SPEC_SUFFIXES or os.sep in model:
+        raise SpecError("no such file", file=model)
+    return builtin_model(model)
+
+
+def _run(args: argparse.Namespace) -> int:
     compare = [c for c in args.compare.split(",") if c]
     unknown = sorted(set(compare) - set(BASELINES))
     if unknown:
-        print(f"error: unknown baselines {unknown}; known: {sorted(BASELINES)}", file=sys.stderr)
-        return 2
-    try:
-        spec = _load_model(args.model)
-    except (SpecError, OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.batch_size:
+        raise UsageError(f"unknown baselines {unknown}; known: {sorted(BASELINES)}")
+    _check_output("--out", args.out)
+    _check_output("--plot", args.plot)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--plot needs matplotlib (pip install 'embark-torchrec[plot]')")
+    spec = _load_model(args.model)
+    if args.batch_size is not None:
         spec = spec.with_batch_size(args.batch_size)
     hardware = hardware_preset(args.hardware).with_overrides(hbm_gb=args.hbm_gb)
-    try:
-        topology = Topology(args.world_size, args.local_world_size, hardware)
-        planned = plan_model(spec, topology)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    topology = Topology(args.world_size, args.local_world_size, hardware)
+    planned = plan_model(spec, topology)
     cost = CostModel(spec, topology)
     plans = [ScoredPlan("embark", planned.plan, planned.cost, planned.seconds)]
     for name in compare:
@@ -84,13 +132,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot:
         plot_rank_loads(plans, args.plot)
     if args.json:
-        print(
-            json.dumps(
-                {"model": spec.name, "world_size": topology.world_size, "plans": {p.name: summary(p) for p in plans}}
-            )
-        )
+        result = {"model": spec.name, "world_size": topology.world_size, "plans": {p.name: summary(p) for p in plans}}
+        print(json.dumps(result, allow_nan=False))
     else:
         print(render(plans, topology, spec.name))
         if args.out:
             print(f"\nplan file written to {args.out}")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The CLI; returns the exit code: 0, or 2 after one line on stderr for a user error."""
+    try:
+        return _run(parse_args(argv))
+    except (UsageError, ValueError) as e:  # ValueError: SpecError, PlanError (FieldErrors), Topology's
+        message = e
+    except OSError as e:  # writing --out or --plot failed after all
+        message = f"{e.filename}: {e.strerror}" if e.filename else e
+    print("error: " + " ".join(str(message).split()), file=sys.stderr)
+    return 2

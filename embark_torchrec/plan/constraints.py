@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from .fields import FieldError, boolean, choice, integers, reading, shown, texts
 from .layout import CLUSTERS, TableLayout, WirePrecision
+from .spec import SpecError
 
 
 # TorchRec's sharding types, as the cuts they allow a table (its ParameterConstraints.sharding_types)
@@ -31,10 +33,17 @@ class TableConstraints:
     unique_based: bool = True
 
     def __post_init__(self) -> None:
-        if self.cluster is not None and self.cluster not in CLUSTERS:
-            raise ValueError(f"cluster {self.cluster!r} is not one of {CLUSTERS}")
-        if self.ranks is not None and not self.ranks:
-            raise ValueError("allowed ranks must not be empty")
+        with reading(SpecError):
+            if self.cluster is not None:
+                choice(self.cluster, "cluster", CLUSTERS)
+            for name, kind in (("layout", TableLayout), ("precision", WirePrecision)):
+                value = getattr(self, name)
+                if value is not None and not isinstance(value, kind):
+                    raise FieldError(f"expected a {kind.__name__}, got {shown(value)}", name)
+            if self.ranks is not None:
+                object.__setattr__(self, "ranks", integers(self.ranks, "ranks"))
+            for name in ("row_cuts", "column_cuts", "grid_cuts", "unique_based"):
+                boolean(getattr(self, name), name)
 
 
 def from_torchrec(constraints: Mapping[str, Any] | None) -> dict[str, TableConstraints]:
@@ -42,22 +51,23 @@ def from_torchrec(constraints: Mapping[str, Any] | None) -> dict[str, TableConst
     a list without data_parallel forbids replication and de-duplication (TorchRec's types are all
     reduction-based), so the table goes to the RB cluster; row-wise, table-row-wise and grid allow
     row cuts, column-wise, table-column-wise and grid column cuts, table-wise neither (one cell on
-    any rank). Unknown type names are refused, naming the table."""
+    any rank). sharding_types that is not a list of strings, and unknown type names, are SpecErrors
+    naming the table."""
     out: dict[str, TableConstraints] = {}
     for name, c in (constraints or {}).items():
         if isinstance(c, TableConstraints):
             out[name] = c
             continue
-        types = list(getattr(c, "sharding_types", None) or [])
-        unknown = sorted(set(types) - set(TORCHREC_SHARDING_TYPES))
-        if unknown:
-            raise ValueError(
-                f"table {name!r}: unknown sharding types {unknown} in its ParameterConstraints; "
-                f"known: {list(TORCHREC_SHARDING_TYPES)}"
-            )
+        with reading(SpecError, where=f"table {name!r}"):
+            raw = getattr(c, "sharding_types", None)
+            types = list(texts(raw, "sharding_types", allow_empty=True)) if raw is not None else []
+            unknown = sorted(set(types) - set(TORCHREC_SHARDING_TYPES))
+            if unknown:
+                known = list(TORCHREC_SHARDING_TYPES)
+                raise FieldError(f"unknown sharding types {unknown} in its ParameterConstraints; known: {known}")
         if not types:
             continue
-        if types == ["data_parallel"]:
+        if set(types) == {"data_parallel"}:
             out[name] = TableConstraints(cluster="dp")
             continue
         out[name] = TableConstraints(

@@ -11,15 +11,34 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
+from .fields import (
+    FieldError,
+    boolean,
+    choice,
+    integer,
+    integers,
+    items,
+    keys,
+    mapping,
+    read_document,
+    reading,
+    table_name,
+)
+
 CLUSTERS = ("dp", "rb", "ub")
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
 PLAN_FORMAT = "embark-plan"
 PLAN_VERSION = 1
 SHARDING_TYPE_PREFIX = "embark_"
+_PLAN_KEYS = ("format", "version", "world_size", "local_world_size", "tables")
+_LAYOUT_KEYS = ("cluster", "precision", "shards", "hierarchical")
+_PRECISION_KEYS = ("forward", "backward")
+_SHARD_KEYS = ("rows", "cols", "rank")
 
 
-class PlanError(ValueError):
-    """A plan that breaks an invariant; the message names the table (and rank, where one is at fault)."""
+class PlanError(FieldError):
+    """A plan that breaks an invariant; the message names the file, the table and the field (and the
+    rank, where one is at fault)."""
 
 
 @dataclass(frozen=True)
@@ -37,9 +56,9 @@ class WirePrecision:
     backward: str = "fp32"
 
     def __post_init__(self) -> None:
-        for p in (self.forward, self.backward):
-            if p not in PRECISIONS:
-                raise PlanError(f"precision {p!r} is not one of {PRECISIONS}")
+        with reading(PlanError):
+            choice(self.forward, "forward", PRECISIONS)
+            choice(self.backward, "backward", PRECISIONS)
 
 
 @dataclass(frozen=True)
@@ -206,22 +225,38 @@ class Plan:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Plan":
-        if d.get("format") != PLAN_FORMAT or d.get("version") != PLAN_VERSION:
-            raise PlanError(
-                f"not an {PLAN_FORMAT} version {PLAN_VERSION} file "
-                f"(format={d.get('format')!r}, version={d.get('version')!r})"
-            )
-        ws, lws = int(d["world_size"]), int(d["local_world_size"])
-        tables = {name: _layout_from_dict(name, entry, ws) for name, entry in d["tables"].items()}
+    def from_dict(cls, d: Any) -> "Plan":
+        """The plan file's format (README "plan file"), field by field: exactly what to_dict writes,
+        with `precision`, `hierarchical` and a dp table's empty `shards` optional."""
+        with reading(PlanError):
+            m = mapping(d, "")
+            header = (m.get("format"), m.get("version"))
+            if header != (PLAN_FORMAT, PLAN_VERSION) or type(header[1]) is not int:
+                raise PlanError(
+                    f"not an {PLAN_FORMAT} version {PLAN_VERSION} file (format={header[0]!r}, version={header[1]!r})"
+                )
+            keys(m, "", _PLAN_KEYS, required=_PLAN_KEYS)
+            ws = integer(m["world_size"], "world_size", minimum=1)
+            lws = integer(m["local_world_size"], "local_world_size", minimum=1)
+            if ws % lws:
+                raise FieldError(f"expected a divisor of world_size {ws}, got {lws}", "local_world_size")
+            entries = mapping(m["tables"], "tables")
+        tables = {}
+        for name, entry in entries.items():
+            with reading(PlanError, where=f"table {name!r}"):
+                table_name(name, "")
+            tables[name] = _layout_from_dict(name, entry, ws)
         return cls(ws, lws, tables)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """A plan file; every error names the file."""
+        data = read_document(path, PlanError, allow_yaml=False)
+        with reading(PlanError, file=str(path)):
+            return cls.from_dict(data)
 
 
 def grid_from_shards(
@@ -268,35 +303,43 @@ def ceil_row_bounds(rows: int, parts: int) -> tuple[int, ...]:
     return tuple(range(0, rows, block)) + (rows,)
 
 
-def _layout_from_dict(name: str, entry: Mapping[str, Any], world_size: int) -> TableLayout:
-    """Rebuild the grid from a shard list; refuse shard lists that are not an exact grid."""
+def _layout_from_dict(name: str, entry: Any, world_size: int) -> TableLayout:
+    """One table's entry, field by field; the grid is rebuilt from the shard list, refusing shard
+    lists that are not an exact grid."""
     where = f"table {name!r}"
-    cluster = entry.get("cluster")
-    prec = entry.get("precision") or {}
-    try:
-        precision = WirePrecision(prec.get("forward", "fp32"), prec.get("backward", "fp32"))
-    except PlanError as e:
-        raise PlanError(f"{where}: {e}") from None
-    shards = entry.get("shards", [])
-    if cluster == "dp":
-        if shards:
-            raise PlanError(f"{where}: a dp table is replicated and must have no shards")
-        return TableLayout.data_parallel(precision)
-    if not shards:
-        raise PlanError(f"{where}: cluster {cluster!r} needs shards")
-    for s in shards:
-        if not isinstance(s, Mapping) or not {"rows", "cols", "rank"} <= set(s):
-            raise PlanError(f"{where}: a shard needs 'rows', 'cols' and 'rank', got {s!r}")
-    row_bounds, col_bounds, ranks = grid_from_shards(
-        where, [Shard(tuple(s["rows"]), tuple(s["cols"]), int(s["rank"])) for s in shards]
-    )
-    layout = TableLayout(cluster, row_bounds, col_bounds, ranks, precision, bool(entry.get("hierarchical", False)))
-    if cluster not in CLUSTERS:
-        raise PlanError(f"{where}: cluster {cluster!r} is not one of {CLUSTERS}")
-    for k in layout.used_ranks():
-        if not 0 <= k < world_size:
-            raise PlanError(f"{where}: rank {k} is outside world size {world_size}")
-    return layout
+    with reading(PlanError, where=where):
+        m = mapping(entry, "")
+        keys(m, "", _LAYOUT_KEYS, required=("cluster",))
+        cluster = choice(m["cluster"], "cluster", CLUSTERS)
+        with reading(PlanError, parent="precision"):
+            prec = mapping(m.get("precision", {}), "")
+            keys(prec, "", _PRECISION_KEYS)
+            precision = WirePrecision(prec.get("forward", "fp32"), prec.get("backward", "fp32"))
+        hierarchical = boolean(m.get("hierarchical", False), "hierarchical")
+        entries = items(m.get("shards", []), "shards", "a list of shards")
+        if cluster == "dp":
+            if entries:
+                raise FieldError("a dp table is replicated and must have no shards", "shards")
+            if hierarchical:
+                raise FieldError("a dp table is replicated and has no partial sums to reduce", "hierarchical")
+            return TableLayout.data_parallel(precision)
+        if not entries:
+            raise FieldError(f"cluster {cluster!r} needs shards", "shards")
+        shards = [_shard_from_dict(s, f"shards[{i}]", world_size) for i, s in enumerate(entries)]
+    row_bounds, col_bounds, ranks = grid_from_shards(where, shards)
+    return TableLayout(cluster, row_bounds, col_bounds, ranks, precision, hierarchical)
+
+
+def _shard_from_dict(entry: Any, field: str, world_size: int) -> Shard:
+    """{"rows": [start, end], "cols": [start, end], "rank": k} with 0 <= k < world_size."""
+    s = mapping(entry, field)
+    keys(s, field, _SHARD_KEYS, required=_SHARD_KEYS)
+    rank = integer(s["rank"], f"{field}.rank")
+    if rank >= world_size:
+        raise FieldError(f"rank {rank} is outside world size {world_size}", f"{field}.rank")
+    rows = integers(s["rows"], f"{field}.rows", length=2)
+    cols = integers(s["cols"], f"{field}.cols", length=2)
+    return Shard((rows[0], rows[1]), (cols[0], cols[1]), rank)
 
 
 def sharding_type_name(layout: TableLayout) -> str:

@@ -6,7 +6,6 @@ EmbeddingBagCollection plus the pooling factors of its ParameterConstraints.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -15,8 +14,27 @@ from typing import Any, Mapping
 
 import numpy as np
 
-_MODEL_KEYS = {"name", "description", "source", "batch_size", "id_distribution", "tables"}
-_TABLE_KEYS = {"name", "rows", "dim", "pooling", "feature_names", "id_distribution", "unique_ratio"}
+from .fields import (
+    FieldError,
+    choice,
+    integer,
+    items,
+    keys,
+    mapping,
+    number,
+    numbers,
+    read_document,
+    reading,
+    require,
+    shown,
+    table_name,
+    text,
+    texts,
+)
+
+_MODEL_KEYS = ("name", "description", "source", "batch_size", "id_distribution", "tables")
+_TABLE_KEYS = ("name", "rows", "dim", "pooling", "feature_names", "id_distribution", "unique_ratio")
+_DIST_KEYS = ("kind", "alpha")
 _DIST_KINDS = ("zipf", "uniform")
 
 # Below this many ranks the Zipf sums are exact; above it they use log-spaced buckets.
@@ -24,8 +42,8 @@ _EXACT_HEAD = 4096
 _BUCKET_GROWTH = 1.01
 
 
-class SpecError(ValueError):
-    """A model spec that cannot be planned; the message names the table."""
+class SpecError(FieldError):
+    """A model spec that cannot be planned; the message names the file, the table and the field."""
 
 
 @dataclass(frozen=True)
@@ -41,20 +59,20 @@ class IdDistribution:
     alpha: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.kind not in _DIST_KINDS:
-            raise SpecError(f"id_distribution kind {self.kind!r} is not one of {_DIST_KINDS}")
-        if self.kind == "zipf" and not self.alpha > 0:
-            raise SpecError(f"zipf id_distribution needs alpha > 0, got {self.alpha}")
+        with reading(SpecError):
+            choice(self.kind, "kind", _DIST_KINDS)
+            if self.kind == "zipf":
+                object.__setattr__(self, "alpha", number(self.alpha, "alpha"))
+            elif self.alpha != 0 or isinstance(self.alpha, bool):
+                raise FieldError("applies to kind 'zipf' only", "alpha")
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], where: str) -> "IdDistribution":
-        unknown = set(d) - {"kind", "alpha"}
-        if unknown:
-            raise SpecError(f"{where}: unknown id_distribution keys {sorted(unknown)}")
-        try:
-            return cls(kind=d.get("kind", "uniform"), alpha=float(d.get("alpha", 0.0)))
-        except SpecError as e:
-            raise SpecError(f"{where}: {e}") from None
+    def from_dict(cls, d: Any) -> "IdDistribution":
+        """{"kind": "zipf", "alpha": 1.1} or {"kind": "uniform"} (the default kind)."""
+        with reading(SpecError):
+            m = mapping(d, "")
+            keys(m, "", _DIST_KEYS, required=("alpha",) if m.get("kind") == "zipf" else ())
+            return cls(kind=m.get("kind", "uniform"), alpha=m.get("alpha", 0.0))
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "alpha": self.alpha} if self.kind == "zipf" else {"kind": "uniform"}
@@ -96,19 +114,21 @@ class TableSpec:
     unique_ratio: float | None = None
 
     def __post_init__(self) -> None:
-        where = f"table {self.name!r}"
-        if not self.name:
-            raise SpecError("a table has an empty name")
-        if not isinstance(self.rows, int) or self.rows <= 0:
-            raise SpecError(f"{where}: rows must be a positive integer, got {self.rows!r}")
-        if not isinstance(self.dim, int) or self.dim <= 0 or self.dim % 4:
-            raise SpecError(f"{where}: dim must be a positive multiple of 4, got {self.dim!r}")
-        if not self.pooling > 0:
-            raise SpecError(f"{where}: pooling (mean IDs per sample) must be > 0, got {self.pooling!r}")
-        if self.unique_ratio is not None and not 0 < self.unique_ratio <= 1:
-            raise SpecError(f"{where}: unique_ratio must be in (0, 1], got {self.unique_ratio!r}")
-        if not self.feature_names:
-            object.__setattr__(self, "feature_names", (self.name,))
+        """Every field by type and value (files, dicts and TorchRec modules all come through here);
+        feature_names () means the one feature named like the table."""
+        with reading(SpecError):
+            table_name(self.name, "name")
+        with reading(SpecError, where=f"table {self.name!r}"):
+            integer(self.rows, "rows", minimum=1)
+            if integer(self.dim, "dim", minimum=1) % 4:
+                raise FieldError(f"expected a multiple of 4, got {self.dim}", "dim")
+            object.__setattr__(self, "pooling", number(self.pooling, "pooling"))
+            features = (self.name,) if self.feature_names == () else texts(self.feature_names, "feature_names")
+            object.__setattr__(self, "feature_names", features)
+            if self.id_distribution is not None and not isinstance(self.id_distribution, IdDistribution):
+                raise FieldError(f"expected an IdDistribution, got {shown(self.id_distribution)}", "id_distribution")
+            if self.unique_ratio is not None:
+                object.__setattr__(self, "unique_ratio", number(self.unique_ratio, "unique_ratio", at_most=1.0))
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "rows": self.rows, "dim": self.dim, "pooling": self.pooling}
@@ -131,14 +151,22 @@ class ModelSpec:
     id_distribution: IdDistribution = field(default_factory=IdDistribution)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.batch_size, int) or self.batch_size <= 0:
-            raise SpecError(f"model {self.name!r}: batch_size must be a positive integer, got {self.batch_size!r}")
-        if not self.tables:
-            raise SpecError(f"model {self.name!r} has no tables")
+        with reading(SpecError):
+            text(self.name, "name")
+        with reading(SpecError, where=f"model {self.name!r}"):
+            integer(self.batch_size, "batch_size", minimum=1)
+            if not isinstance(self.id_distribution, IdDistribution):
+                raise FieldError(f"expected an IdDistribution, got {shown(self.id_distribution)}", "id_distribution")
+            tables = tuple(items(self.tables, "tables", "a list of tables"))
+            if not tables:
+                raise FieldError("the model has no tables", "tables")
+            object.__setattr__(self, "tables", tables)
         seen: set[str] = set()
-        for t in self.tables:  # a feature may feed several tables, as in TorchRec (one lookup per table)
+        for t in tables:  # a feature may feed several tables, as in TorchRec (one lookup per table)
+            if not isinstance(t, TableSpec):
+                raise SpecError(f"expected a TableSpec, got {shown(t)}", "tables", f"model {self.name!r}")
             if t.name in seen:
-                raise SpecError(f"table {t.name!r} appears twice")
+                raise SpecError("another table has this name too", "name", f"table {t.name!r}")
             seen.add(t.name)
 
     def table(self, name: str) -> TableSpec:
@@ -185,19 +213,22 @@ class ModelSpec:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ModelSpec":
-        if not isinstance(d, Mapping):
-            raise SpecError("a model spec must be a mapping with 'name', 'batch_size' and 'tables'")
-        unknown = set(d) - _MODEL_KEYS
-        if unknown:
-            raise SpecError(f"model spec: unknown keys {sorted(unknown)}")
-        for key in ("batch_size", "tables"):
-            if key not in d:
-                raise SpecError(f"model spec: missing {key!r}")
-        name = str(d.get("name", "model"))
-        dist = IdDistribution.from_dict(d.get("id_distribution") or {}, f"model {name!r}")
-        tables = tuple(_table_from_dict(t, i) for i, t in enumerate(d["tables"]))
-        return cls(name=name, batch_size=d["batch_size"], tables=tables, id_distribution=dist)
+    def from_dict(cls, d: Any) -> "ModelSpec":
+        """The spec file's format (README "Model spec file"), field by field; `description` and
+        `source` are free text for people."""
+        with reading(SpecError):
+            m = mapping(d, "")
+            keys(m, "", _MODEL_KEYS, required=("batch_size", "tables"))
+            for key in ("description", "source"):
+                if key in m:
+                    text(m[key], key)
+            name = text(m.get("name", "model"), "name")
+        with reading(SpecError, where=f"model {name!r}"):
+            with reading(SpecError, parent="id_distribution"):
+                dist = IdDistribution.from_dict(m.get("id_distribution", {}))
+            raw_tables = items(m["tables"], "tables", "a list of tables")
+        tables = tuple(_table_from_dict(t, i) for i, t in enumerate(raw_tables))
+        return cls(name=name, batch_size=m["batch_size"], tables=tables, id_distribution=dist)
 
     @classmethod
     def from_module(
@@ -218,7 +249,9 @@ class ModelSpec:
         tables = []
         for cfg in configs:
             c = constraints.get(cfg.name)
-            pf = list(getattr(c, "pooling_factors", None) or [1.0])
+            raw = getattr(c, "pooling_factors", None)
+            with reading(SpecError, where=f"table {cfg.name!r}"):
+                pf = numbers(raw, "pooling_factors") if raw is not None else (1.0,)
             tables.append(
                 TableSpec(
                     name=cfg.name,
@@ -234,45 +267,26 @@ class ModelSpec:
 
 
 def _table_from_dict(t: Any, index: int) -> TableSpec:
-    if not isinstance(t, Mapping):
-        raise SpecError(f"table #{index} is not a mapping")
-    name = str(t.get("name", f"#{index}"))
-    unknown = set(t) - _TABLE_KEYS
-    if unknown:
-        raise SpecError(f"table {name!r}: unknown keys {sorted(unknown)}")
-    for key in ("name", "rows", "dim", "pooling"):
-        if key not in t:
-            raise SpecError(f"table {name!r}: missing {key!r}")
-    dist = t.get("id_distribution")
-    try:
-        pooling = float(t["pooling"])
-    except (TypeError, ValueError):
-        raise SpecError(f"table {name!r}: pooling must be a number, got {t['pooling']!r}") from None
-    return TableSpec(
-        name=name,
-        rows=t["rows"],
-        dim=t["dim"],
-        pooling=pooling,
-        feature_names=tuple(t.get("feature_names") or ()),
-        id_distribution=IdDistribution.from_dict(dist, f"table {name!r}") if dist is not None else None,
-        unique_ratio=t.get("unique_ratio"),
-    )
+    """One entry of `tables`: named by its index until its name is known. The values are checked by
+    TableSpec itself; an explicit feature_names must be a non-empty list."""
+    with reading(SpecError, where=f"table #{index}"):
+        m = mapping(t, "")
+        name = table_name(require(m, "name"), "name")
+    with reading(SpecError, where=f"table {name!r}"):
+        keys(m, "", _TABLE_KEYS, required=("rows", "dim", "pooling"))
+        features = texts(m["feature_names"], "feature_names") if "feature_names" in m else ()
+        dist = None
+        if "id_distribution" in m:
+            with reading(SpecError, parent="id_distribution"):
+                dist = IdDistribution.from_dict(m["id_distribution"])
+        return TableSpec(name, m["rows"], m["dim"], m["pooling"], features, dist, m.get("unique_ratio"))
 
 
 def load_model_spec(path: str | Path) -> ModelSpec:
-    """Read a model spec from JSON, or YAML when the file ends in .yaml/.yml."""
-    p = Path(path)
-    text = p.read_text()
-    if p.suffix in (".yaml", ".yml"):
-        import yaml
-
-        data = yaml.safe_load(text)
-    else:
-        data = json.loads(text)
-    try:
+    """Read a model spec from JSON, or YAML when the file ends in .yaml/.yml; every error names the file."""
+    data = read_document(path, SpecError, allow_yaml=True)
+    with reading(SpecError, file=str(path)):
         return ModelSpec.from_dict(data)
-    except SpecError as e:
-        raise SpecError(f"{p}: {e}") from None
 
 
 _BUILTIN = Path(__file__).resolve().parent.parent / "models"
