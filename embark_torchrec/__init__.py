@@ -20,6 +20,7 @@ _LAZY = {
     "verify_checkpoint": "embark_torchrec.checkpoint",
     "EmbarkPlanner": "embark_torchrec.plan.planner",
     "EmbarkEmbeddingBagCollectionSharder": "embark_torchrec.sharding.sharder",
+    "EmbarkEmbeddingCollectionSharder": "embark_torchrec.sharding.sharded_ec",
     "load_plan": "embark_torchrec.sharding.load_plan",
     "plan_model": "embark_torchrec.plan.plan_model",
     "simulate_nodes": "embark_torchrec.sharding.nodes",

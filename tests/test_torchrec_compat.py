@@ -144,3 +144,23 @@ def test_sharded_ebc_and_sharding_state_our_subclasses_read() -> None:
     assert callable(getattr(ShardedEmbeddingBagCollection, "_create_input_dist"))
     assert callable(getattr(ShardedEmbeddingBagCollection, "_pre_load_state_dict_hook"))
     assert callable(getattr(BaseTwEmbeddingSharding, "_shard"))
+
+
+def test_sharded_ec_state_our_subclass_reads() -> None:
+    """The same for TorchRec's ShardedEmbeddingCollection, its sharder and the sharding state our sequence lookups
+    read."""
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
+    from torchrec.distributed.embedding_sharding import EmbeddingSharding
+    from torchrec.distributed.sharding.tw_sharding import BaseTwEmbeddingSharding
+
+    def sets(cls: type, attr: str) -> bool:
+        source = "".join(inspect.getsource(c) for c in cls.__mro__ if c.__module__.startswith("torchrec"))
+        return f"self.{attr} =" in source or f"self.{attr}:" in source
+
+    for attr in ("_embedding_configs", "_sharding_type_to_sharding", "_input_dists", "_output_dists", "_lookups"):
+        assert sets(ShardedEmbeddingCollection, attr), attr
+    assert sets(EmbeddingCollectionSharder, "_use_index_dedup")
+    for attr in ("_env", "_grouped_embedding_configs"):
+        assert sets(BaseTwEmbeddingSharding, attr) or sets(EmbeddingSharding, attr), attr
+    assert callable(getattr(ShardedEmbeddingCollection, "_embedding_dim_for_sharding_type"))
+    assert callable(getattr(ShardedEmbeddingCollection, "_create_input_dist"))

@@ -8,18 +8,27 @@ from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, Shard
 from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSharding
 
 from ..plan.groups import DATA_PARALLEL, sharding_type
-from ..plan.layout import Plan
-from ..plan.spec import ModelSpec
+from ..plan.layout import SHARDING_TYPE_PREFIX, Plan, sharding_type_name
+from ..plan.spec import ModelSpec, TableSpec
+
+# TorchRec's EmbeddingCollection runs these built-in types exactly; every other layout of a sequence
+# table runs as ours (TorchRec's sequence column-wise needs one width for all its tables)
+SEQUENCE_BUILTIN_TYPES = (DATA_PARALLEL, "table_wise", "row_wise")
 
 
-def module_sharding_plan(plan: Plan, spec: ModelSpec, compute_device: str = "cuda") -> Any:
+def module_sharding_plan(
+    plan: Plan, spec: ModelSpec, compute_device: str = "cuda", builtin: tuple[str, ...] | None = None
+) -> Any:
     """A Plan as torchrec's EmbeddingModuleShardingPlan (one ParameterSharding per table): our
-    sharding-type strings where no built-in type runs a layout exactly (plan/groups.py)."""
+    sharding-type strings where no built-in type runs a layout exactly (plan/groups.py), or where the
+    built-in type is not in `builtin` (None: any)."""
     lws = plan.local_world_size
     out = EmbeddingModuleShardingPlan()
     for t in spec.tables:
         layout = plan[t.name]
         kind = sharding_type(layout, t.rows, plan.world_size, lws)
+        if builtin is not None and kind not in builtin and not kind.startswith(SHARDING_TYPE_PREFIX):
+            kind = sharding_type_name(layout)
         if kind == DATA_PARALLEL:
             out[t.name] = ParameterSharding(
                 sharding_type=kind, compute_kernel="dense", ranks=list(range(plan.world_size))
@@ -46,3 +55,16 @@ def module_sharding_plan(plan: Plan, spec: ModelSpec, compute_device: str = "cud
             sharding_spec=EnumerableShardingSpec(metadata),
         )
     return out
+
+
+def sequence_sharding_plan(plan: Plan, collection: Any, compute_device: str = "cuda") -> Any:
+    """module_sharding_plan for a TorchRec EmbeddingCollection (sequence tables: one vector per ID),
+    whose tables ModelSpec.from_module does not read."""
+    tables = tuple(
+        TableSpec(
+            name=c.name, rows=c.num_embeddings, dim=c.embedding_dim, pooling=1.0, feature_names=tuple(c.feature_names)
+        )
+        for c in collection.embedding_configs()
+    )
+    spec = ModelSpec(name="sequence", batch_size=plan.world_size, tables=tables)
+    return module_sharding_plan(plan, spec, compute_device, SEQUENCE_BUILTIN_TYPES)

@@ -129,7 +129,9 @@ def build_lazy_output_dists(dist_module: Any) -> None:
             m._create_output_dist_modules(None)
 
 
-# ShardedEmbeddingBagCollection (distributed/embeddingbag.py): what our subclass reads of its state.
+# ShardedEmbeddingBagCollection (distributed/embeddingbag.py) and ShardedEmbeddingCollection
+# (distributed/embedding.py): what our subclasses read of their state (the dists, lookups and env
+# have the same names in both).
 
 
 def module_configs(module: Any) -> List[Any]:
@@ -140,6 +142,26 @@ def module_configs(module: Any) -> List[Any]:
 def module_env(module: Any) -> Any:
     """The module's ShardingEnv (`_env`)."""
     return module._env
+
+
+def sequence_configs(module: Any) -> List[Any]:
+    """A sharded EmbeddingCollection's EmbeddingConfigs (`_embedding_configs`)."""
+    return module._embedding_configs
+
+
+def sequence_shardings(module: Any) -> List[Any]:
+    """A sharded EmbeddingCollection's EmbeddingShardings, in its dists' order (`_sharding_type_to_sharding`)."""
+    return list(module._sharding_type_to_sharding.values())
+
+
+def sequence_sharding_types(module: Any) -> List[str]:
+    """A sharded EmbeddingCollection's sharding-type strings, in the same order (`_sharding_type_to_sharding`)."""
+    return list(module._sharding_type_to_sharding)
+
+
+def uses_index_dedup(sharder: Any) -> bool:
+    """Whether an EmbeddingCollectionSharder de-duplicates indices (`_use_index_dedup`)."""
+    return bool(sharder._use_index_dedup)
 
 
 def module_shardings(module: Any) -> List[Any]:
@@ -206,3 +228,13 @@ def sharding_world_size(sharding: Any) -> int:
 def sharding_device(sharding: Any) -> Any:
     """The device a sharding was built for (`_device`), or None."""
     return sharding._device
+
+
+def sharding_env(sharding: Any) -> Any:
+    """A sharding's ShardingEnv (`_env`)."""
+    return sharding._env
+
+
+def sharding_grouped_configs(sharding: Any) -> List[Any]:
+    """The grouped table configs a sharding's lookup takes (`_grouped_embedding_configs`)."""
+    return sharding._grouped_embedding_configs
