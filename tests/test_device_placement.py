@@ -29,6 +29,8 @@ a branch on a data-dependent value, or an op a CPU-only torch cannot fake on cud
 
 from __future__ import annotations
 
+import re
+
 import dataclasses
 import traceback
 import types
@@ -170,12 +172,14 @@ def test_the_walk_finds_stray_tensors() -> None:
 
     stray, count = stray_tensors({"dists": [Dist()]}, META)
     assert count == 6
-    assert sorted(s.split(":")[0] for s in stray) == sorted(
+    # a hook's key is a process-wide handle id, so it depends on what ran before in this process
+    found = sorted(re.sub(r"_forward_hooks\[\d+\]", "_forward_hooks[id]", s.split(":")[0]) for s in stray)
+    assert found == sorted(
         [
             "dists[0]['bad']",
             "dists[0].table[0][1]",
             "dists[0].codec.scale['rows'][0]",
-            "dists[0]._forward_hooks[0].<closure 0>",
+            "dists[0]._forward_hooks[id].<closure 0>",
         ]
     )
 

@@ -201,7 +201,7 @@ class GridSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         self._virtual_names = virtual_names
         # fbgemm cuts every feature into the same number of buckets (a feature with fewer row
         # slices gets empty trailing ones), bucket-major; a route is one (bucket, feature) row.
-        n_features = len(row_bounds)
+        n_features = self._n_features = len(row_bounds)
         buckets = max(len(bounds) - 1 for bounds in row_bounds)
         self._buckets = buckets
         # one row of bucket bounds per feature (fbgemm takes them as a list of tensors)
@@ -229,7 +229,7 @@ class GridSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
                 lengths, ids, False, False, self._block_sizes, self._buckets, weights, None, -1, self._bucket_pos
             )
         out_lengths, out_values, out_weights = torch.ops.fbgemm.permute_2D_sparse_data(
-            self._route_rows, bucket_lengths.view(-1, stride), local, bucket_weights, None
+            self._route_rows, bucket_lengths.view(self._buckets * self._n_features, stride), local, bucket_weights, None
         )
         return KeyedJaggedTensor(
             keys=self._virtual_names,

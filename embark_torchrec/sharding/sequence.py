@@ -192,7 +192,7 @@ class GridSequenceFeaturesDist(GridSparseFeaturesDist):
                 lengths, ids, False, True, self._block_sizes, self._buckets, None, None, -1, self._bucket_pos
             )
             source = torch.ops.fbgemm.invert_permute(unbucketize.long())  # bucketized ID -> its input position
-        rows = bucket_lengths.view(-1, stride)
+        rows = bucket_lengths.view(self._buckets * self._n_features, stride)
         out_lengths, out_values, _ = torch.ops.fbgemm.permute_2D_sparse_data(self._route_rows, rows, local, None, None)
         _, positions, _ = torch.ops.fbgemm.permute_2D_sparse_data(self._route_rows, rows, source, None, None)
         send = KeyedJaggedTensor(

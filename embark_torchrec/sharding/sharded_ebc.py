@@ -36,7 +36,7 @@ from .torchrec_compat import (
 )
 from .torchrec_counting import KJTCounter, count_borrowed_dists
 from .unique import UniquePooledEmbeddingSharding, UniqueShardingContext, UniqueSparseFeaturesDist
-from .validation import InputValidator
+from .validation import InputValidator, check_equal_batches
 
 
 def qcomms_precision(registry: Optional[Dict[str, QuantizedCommCodecs]]) -> WirePrecision:
@@ -91,6 +91,9 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         )
         self._embark_shardings = [
             i for i, s in enumerate(module_shardings(self)) if isinstance(s, GridPooledEmbeddingSharding)
+        ]
+        self._reduce_scatter_shardings = [  # TorchRec's types whose output dist reduce-scatters per rank
+            i for i, t in enumerate(module_sharding_types(self)) if t in ("row_wise", "table_row_wise")
         ]
         self._unique_shardings = [
             (i, sharding)
@@ -195,6 +198,11 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         output here (the same path with and without TrainPipelineSparseDist). UB groups turn the
         distinct IDs they received into their lookup's input here, and file the received counts
         in the batch's context for their output dist."""
+        if not ctx.variable_batch_per_feature:
+            for i in self._reduce_scatter_shardings:
+                check_equal_batches(
+                    ctx.sharding_contexts[i].batch_size_per_rank, module_env(self).rank, module_sharding_types(self)[i]
+                )
         for i, counter in self._kjt_counters.items():
             sharding_ctx = ctx.sharding_contexts[i]
             counter.record_received(input[i], sharding_ctx.batch_size_per_rank if sharding_ctx is not None else None)

@@ -410,7 +410,8 @@ class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.T
         # also when this rank has no IDs: the output must depend on `vectors`, so that this rank
         # joins the backward exchange
         pooled = _BagSum.apply(table, index, state.lengths.reshape(-1), state.weights)
-        out = pooled.view(self._num_features, stride, -1).transpose(0, 1).reshape(stride, -1)
+        width = pooled.size(1)
+        out = pooled.view(self._num_features, stride, width).transpose(0, 1).reshape(stride, self._num_features * width)
         return out if self._same_dims else out.index_select(1, self._columns)
 
     def _ledger(self, per_cell: np.ndarray, counts: np.ndarray) -> Ledger:

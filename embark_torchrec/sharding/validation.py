@@ -68,6 +68,11 @@ class InputValidator:
 
     def __call__(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         keys: List[str] = kjt.keys()
+        if kjt.values().is_floating_point() or kjt.values().dtype == torch.bool:
+            raise InvalidInputError(
+                f"rank {self._rank}: the KeyedJaggedTensor's IDs are {kjt.values().dtype}; IDs must be integers "
+                "(torch.int64 or torch.int32), as rows of their tables"
+            )
         rows = self._rows_of(keys, kjt.values().device)
         lengths, values, weights = kjt.lengths(), kjt.values(), kjt.weights_or_none()
         per_key = kjt.length_per_key()
@@ -119,3 +124,15 @@ def _rebuilt(
             inverse_indices=kjt.inverse_indices_or_none(),
         )
     return KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=lengths, weights=weights, stride=kjt.stride())
+
+
+def check_equal_batches(batch_size_per_rank: List[int], rank: int, sharding_type: str) -> None:
+    """TorchRec's row-wise and table-row-wise output dists reduce-scatter one block per rank, so every
+    rank must send the same number of samples (unless the batch is a variable-batch KJT); checked
+    once the input dist has exchanged the batch sizes, on every rank alike, before the reduce-scatter."""
+    if len(set(batch_size_per_rank)) > 1:
+        sizes = ", ".join(f"rank {r}: {b}" for r, b in enumerate(batch_size_per_rank))
+        raise InvalidInputError(
+            f"rank {rank}: TorchRec's {sharding_type} sharding needs the same batch size on every rank, got {sizes}; "
+            "pad the batches, pass a variable-batch KeyedJaggedTensor, or shard these tables another way"
+        )

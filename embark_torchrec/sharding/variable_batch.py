@@ -73,7 +73,8 @@ class FeatureMajor:
     def __call__(self, pooled: torch.Tensor) -> torch.Tensor:
         batch = pooled.size(0)
         if self._same:
-            return pooled.view(batch, len(self._dims), -1).transpose(0, 1).reshape(-1)
+            dim = self._dims[0] if self._dims else 0
+            return pooled.view(batch, len(self._dims), dim).transpose(0, 1).reshape(-1)
         n = batch * self._width
         feature = torch.arange(len(self._dims), device=pooled.device).repeat_interleave(
             self._dim_t * batch, output_size=n

@@ -9,7 +9,7 @@ trains on the mean of the per-rank losses.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -123,6 +123,26 @@ def sharded_model(
     )
 
 
+def _max_abs(t: torch.Tensor) -> float:
+    return float(t.abs().max()) if t.numel() else 0.0
+
+
+def first_bags(kjt: KeyedJaggedTensor, n: int) -> KeyedJaggedTensor:
+    """`kjt` cut to the first `n` samples of every feature (0: a batch with no samples)."""
+    keys = kjt.keys()
+    lengths = kjt.lengths().view(len(keys), -1)
+    keep = (torch.arange(lengths.size(1)) < n).expand_as(lengths)
+    keep_id = keep.flatten().repeat_interleave(lengths.flatten())
+    weights = kjt.weights_or_none()
+    return KeyedJaggedTensor(
+        keys=keys,
+        values=kjt.values()[keep_id],
+        lengths=lengths[:, :n].flatten(),
+        weights=weights[keep_id] if weights is not None else None,
+        stride=n,
+    )
+
+
 def compare_sharded_training(
     tables: list[EmbeddingBagConfig],
     layouts: Mapping[str, TableLayout],
@@ -130,7 +150,7 @@ def compare_sharded_training(
     steps: int = 2,
     optimizer: str = "sgd",
     weighted: bool = False,
-    batch_per_rank: int = 4,
+    batch_per_rank: int | Sequence[int] = 4,
     seed: int = 0,
     lr: float = 0.1,
     silent_rank: int | None = None,
@@ -141,8 +161,10 @@ def compare_sharded_training(
     """Max |sharded - unsharded| per output feature (each step) and per table weight (after all steps).
 
     `silent_rank` sends no IDs at all (every bag empty), as a rank with nothing for a table would; `ids` as in
-    global_kjt_batch; `unique_lookup` as the sharder's; `variable_batch`: VBE input (global_kjt_batch).
+    global_kjt_batch; `unique_lookup` as the sharder's; `variable_batch`: VBE input (global_kjt_batch);
+    `batch_per_rank` may differ per rank (a list; 0: a rank with no samples).
     """
+    sizes = [batch_per_rank] * dist.get_world_size() if isinstance(batch_per_rank, int) else list(batch_per_rank)
     rank, ws = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
     reference = SparseArch(tables, weighted, torch.device("cpu"))
@@ -156,12 +178,14 @@ def compare_sharded_training(
         batch = global_kjt_batch(
             tables,
             ws,
-            batch_per_rank,
+            max(1, *sizes),
             seed=seed + 100 * step,
             weighted=weighted,
             ids=ids,
             variable_batch=variable_batch,
         )
+        if len(set(sizes)) > 1 or sizes[0] < max(1, *sizes):
+            batch = [first_bags(kjt, n) for kjt, n in zip(batch, sizes)]
         if silent_rank is not None:
             batch[silent_rank] = KeyedJaggedTensor.from_lengths_sync(
                 keys=batch[silent_rank].keys(),
@@ -172,21 +196,23 @@ def compare_sharded_training(
         gen = torch.Generator().manual_seed(seed + step)
         projections = [
             {
-                name: torch.randn(batch_per_rank, t.embedding_dim, generator=gen)
+                name: torch.randn(n, t.embedding_dim, generator=gen)
                 for t, names in zip(tables, get_embedding_names_by_table(tables))
                 for name in names
             }
-            for _ in range(ws)
+            for n in sizes
         ]
         ref_opt.zero_grad()
         ref_loss = torch.zeros(())
         ref_out_here: dict[str, torch.Tensor] = {}
         for r in range(ws):
-            out = reference(batch[r]).to_dict()
+            # TorchRec's unsharded EBC cannot split a batch of no samples; its output is empty
+            out = reference(batch[r]).to_dict() if sizes[r] else {k: v[:0] for k, v in projections[r].items()}
             ref_loss = ref_loss + _loss(out, projections[r])
             if r == rank:
                 ref_out_here = {k: v.detach() for k, v in out.items()}
-        (ref_loss / ws).backward()
+        if ref_loss.requires_grad:  # (not when no rank has a sample)
+            (ref_loss / ws).backward()
         ref_opt.step()
         if dense_opt is not None:
             dense_opt.zero_grad()
@@ -196,9 +222,7 @@ def compare_sharded_training(
         if dense_opt is not None:
             dense_opt.step()
         for k, v in out.items():
-            diffs[f"step{step}/{k}"] = max(
-                diffs.get(f"step{step}/{k}", 0.0), float((v.detach() - ref_out_here[k]).abs().max())
-            )
+            diffs[f"step{step}/{k}"] = max(diffs.get(f"step{step}/{k}", 0.0), _max_abs(v.detach() - ref_out_here[k]))
     state = reference.state_dict()
     for key, value in model.state_dict().items():
         if isinstance(value, ShardedTensor):
