@@ -401,11 +401,11 @@ def test_parameter_constraints_go_through_the_same_checks() -> None:
     assert from_torchrec({"t": SimpleNamespace(sharding_types=["table_wise"])})["t"].cluster == "rb"
     module = SimpleNamespace(
         embedding_bag_configs=lambda: [
-            SimpleNamespace(name="t", num_embeddings=10, embedding_dim=4, feature_names=["f"])
+            SimpleNamespace(name="t", num_embeddings=10, embedding_dim=4, feature_names=["f", "g"])
         ]
     )
     assert ModelSpec.from_module(module, {"t": SimpleNamespace(pooling_factors=[2, 3.0])}).tables[0].pooling == 2.5
-    for bad in ([float("inf")], [0.0], [True], "2", [], 0):
+    for bad in ([float("inf")], [0.0], [True], "2", [], 0, [1.0, 2.0, 3.0]):
         constraints = {"t": SimpleNamespace(pooling_factors=bad)}
         _refused(SpecError, lambda: ModelSpec.from_module(module, constraints), "table 't'", "field 'pooling_factors'")
 

@@ -425,13 +425,15 @@ def test_sharding_types_are_a_list_of_known_names(value: Any) -> None:
 @settings(derandomize=True, max_examples=200, deadline=None)
 @given(value=ANY_VALUE)
 def test_pooling_factors_are_finite_positive_numbers(value: Any) -> None:
-    """ParameterConstraints.pooling_factors: a non-empty list of finite numbers > 0 gives their mean as
+    """ParameterConstraints.pooling_factors: one finite number > 0 per feature of the table (here one) gives
     the table's pooling; None TorchRec's default of 1.0; anything else is a SpecError naming the table."""
     config = SimpleNamespace(name="t", num_embeddings=10, embedding_dim=4, feature_names=["f"])
     module = SimpleNamespace(embedding_bag_configs=lambda: [config])
     got = _outcome(SPEC, lambda: ModelSpec.from_module(module, {"t": SimpleNamespace(pooling_factors=value)}))
     numbers = (
-        isinstance(value, list) and value and all(type(v) in (int, float) and math.isfinite(v) and v > 0 for v in value)
+        isinstance(value, list)
+        and len(value) == 1
+        and all(type(v) in (int, float) and math.isfinite(v) and v > 0 for v in value)
     )
     if value is None:
         assert got.tables[0].pooling == 1.0

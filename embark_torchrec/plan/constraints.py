@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .fields import FieldError, boolean, choice, integers, reading, shown, texts
+from .fields import FieldError, boolean, choice, integer, integers, reading, shown, texts
 from .layout import CLUSTERS, TableLayout, WirePrecision
 from .spec import SpecError
 
@@ -14,6 +14,9 @@ from .spec import SpecError
 _ROW_CUTS = {"row_wise", "table_row_wise", "grid_shard"}
 _COLUMN_CUTS = {"column_wise", "table_column_wise", "grid_shard"}
 TORCHREC_SHARDING_TYPES = ("data_parallel", "table_wise", *sorted(_ROW_CUTS | _COLUMN_CUTS))
+# the compute kernels our plans run: fused TBEs for model-parallel tables, dense for data-parallel ones
+PLANNED_KERNELS = {"fused": "model-parallel", "dense": "data-parallel"}
+MIN_COLUMN_WIDTH = 4  # fbgemm's TBE needs widths in multiples of 4
 
 
 @dataclass(frozen=True)
@@ -21,7 +24,10 @@ class TableConstraints:
     """cluster: force dp/rb/ub; layout: use exactly this layout; ranks: the only ranks allowed;
     row_cuts / column_cuts: whether the search may split the table's rows / columns; grid_cuts:
     whether it may split both (a row x column grid; not for optimizers with per-row state);
-    unique_based: whether the table may go to the UB cluster when its cluster is not forced."""
+    min_cuts: the fewest (row, column) slices the table takes (TorchRec's sharding_types without
+    table_wise ask for cuts); min_column_width: the narrowest column slice (TorchRec's
+    min_partition); unique_based: whether the table may go to the UB cluster when its cluster is
+    not forced."""
 
     cluster: str | None = None
     layout: TableLayout | None = None
@@ -30,6 +36,8 @@ class TableConstraints:
     row_cuts: bool = True
     column_cuts: bool = True
     grid_cuts: bool = True
+    min_cuts: tuple[int, int] = (1, 1)
+    min_column_width: int = MIN_COLUMN_WIDTH
     unique_based: bool = True
 
     def __post_init__(self) -> None:
@@ -44,15 +52,22 @@ class TableConstraints:
                 object.__setattr__(self, "ranks", integers(self.ranks, "ranks"))
             for name in ("row_cuts", "column_cuts", "grid_cuts", "unique_based"):
                 boolean(getattr(self, name), name)
+            object.__setattr__(self, "min_cuts", integers(self.min_cuts, "min_cuts", length=2, minimum=1))
+            object.__setattr__(
+                self, "min_column_width", integer(self.min_column_width, "min_column_width", minimum=MIN_COLUMN_WIDTH)
+            )
 
 
 def from_torchrec(constraints: Mapping[str, Any] | None) -> dict[str, TableConstraints]:
     """torchrec ParameterConstraints -> ours, by their sharding_types: ["data_parallel"] forces DP;
     a list without data_parallel forbids replication and de-duplication (TorchRec's types are all
     reduction-based), so the table goes to the RB cluster; row-wise, table-row-wise and grid allow
-    row cuts, column-wise, table-column-wise and grid column cuts, table-wise neither (one cell on
-    any rank). sharding_types that is not a list of strings, and unknown type names, are SpecErrors
-    naming the table."""
+    row cuts, column-wise, table-column-wise and grid column cuts, only grid both at once,
+    table-wise neither (one cell on any rank); a list without table_wise (or data_parallel) asks
+    for cuts: rows when a row type is listed, else columns, both for grid alone. min_partition is
+    the narrowest column slice; compute_kernels must list one our plans run (fused, or dense for
+    data-parallel). sharding_types that is not a list of strings, unknown type names and kernels
+    we cannot run are SpecErrors naming the table."""
     out: dict[str, TableConstraints] = {}
     for name, c in (constraints or {}).items():
         if isinstance(c, TableConstraints):
@@ -65,15 +80,41 @@ def from_torchrec(constraints: Mapping[str, Any] | None) -> dict[str, TableConst
             if unknown:
                 known = list(TORCHREC_SHARDING_TYPES)
                 raise FieldError(f"unknown sharding types {unknown} in its ParameterConstraints; known: {known}")
-        if not types:
-            continue
-        if set(types) == {"data_parallel"}:
+            kernels = getattr(c, "compute_kernels", None)
+            kernels = list(texts(kernels, "compute_kernels")) if kernels is not None else []
+            runnable = [k for k in kernels if k in PLANNED_KERNELS and (k != "dense" or "data_parallel" in types)]
+            if kernels and not runnable:
+                raise FieldError(
+                    f"compute_kernels {kernels} lists none the embark plans run ({PLANNED_KERNELS}); "
+                    "add 'fused' (or use TorchRec's planner for these kernels)",
+                    "compute_kernels",
+                )
+            raw_width = getattr(c, "min_partition", None)
+            width = integer(raw_width, "min_partition", minimum=1) if raw_width is not None else MIN_COLUMN_WIDTH
+        only_dense = bool(kernels) and set(runnable) == {"dense"}
+        if set(types) == {"data_parallel"} or only_dense:
             out[name] = TableConstraints(cluster="dp")
             continue
+        if not types:
+            if raw_width is not None:
+                out[name] = TableConstraints(min_column_width=max(width, MIN_COLUMN_WIDTH))
+            continue
+        kinds = set(types)
+        whole = bool(kinds & {"table_wise", "data_parallel"})
+        rows, cols = bool(_ROW_CUTS & kinds), bool(_COLUMN_CUTS & kinds)
+        if whole:
+            least = (1, 1)
+        elif kinds == {"grid_shard"}:
+            least = (2, 2)
+        else:
+            least = (2, 1) if rows else (1, 2)
         out[name] = TableConstraints(
             cluster=None if "data_parallel" in types else "rb",
-            row_cuts=bool(_ROW_CUTS & set(types)),
-            column_cuts=bool(_COLUMN_CUTS & set(types)),
+            row_cuts=rows,
+            column_cuts=cols,
+            grid_cuts="grid_shard" in kinds,
+            min_cuts=least,
+            min_column_width=max(width, MIN_COLUMN_WIDTH),
             unique_based=False,
         )
     return out

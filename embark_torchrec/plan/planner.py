@@ -200,6 +200,7 @@ class EmbarkPlanner(ShardingPlanner):
                 batch_size=self.batch_size * topology.world_size,
                 name=path or "model",
                 id_distribution=self.id_distribution,
+                rank_batch_size=self.batch_size,
             )
             if self.measured is not None:
                 spec = spec.with_measured(self.measured)

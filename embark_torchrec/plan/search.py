@@ -213,7 +213,12 @@ class GreedySearch:
         limit = min(self.world_size, len(self._allowed(name)))
         if c.row_cuts and (n_c == 1 or c.grid_cuts) and 2 * n_r <= t.rows and 2 * n_r * n_c <= limit:
             yield (2 * n_r, n_c)
-        if c.column_cuts and (n_r == 1 or c.grid_cuts) and 2 * n_c <= t.dim // 4 and 2 * n_r * n_c <= limit:
+        if (
+            c.column_cuts
+            and (n_r == 1 or c.grid_cuts)
+            and 2 * n_c <= t.dim // c.min_column_width
+            and 2 * n_r * n_c <= limit
+        ):
             yield (n_r, 2 * n_c)
 
     def _costliest_table(
@@ -230,25 +235,41 @@ class GreedySearch:
 
     def _twins(self, name: str) -> list[str]:
         """Movable tables identical to `name` for the cost model (same sizes, traffic, cluster,
-        shape and allowed ranks): models repeat tables, and twins tie on a plateau, so a round
-        also tries cutting them all at once."""
+        shape, allowed ranks and cuts allowed): models repeat tables, and twins tie on a plateau, so
+        a round also tries cutting them all at once."""
 
         def signature(n: str) -> tuple:
+            c = self.constraints.get(n, TableConstraints())
             return (
                 self.cost.signature[n],
                 self.clusters[n],
                 self._shapes[n],
                 tuple(self._allowed(n)),
                 self._precision(n),
+                (c.row_cuts, c.column_cuts, c.grid_cuts, c.min_column_width),
             )
 
         key = signature(name)
         return [n for n in self.movable if signature(n) == key]
 
+    def _least_shape(self, name: str) -> Shape:
+        """The fewest (row, column) slices the table's constraints ask for; refused by name when the
+        table or its allowed ranks cannot hold them."""
+        c = self.constraints.get(name, TableConstraints())
+        n_r, n_c = c.min_cuts
+        t = self.cost.table(name)
+        ranks = min(self.world_size, len(self._allowed(name)))
+        if n_r > t.rows or n_c > t.dim // c.min_column_width or n_r * n_c > ranks:
+            raise PlanError(
+                f"table {name!r}: its constraints ask for at least {n_r} x {n_c} slices (columns at least "
+                f"{c.min_column_width} wide), which {t.rows} rows x dim {t.dim} on {ranks} allowed ranks cannot hold"
+            )
+        return (n_r, n_c)
+
     def _initial_shapes(self) -> tuple[dict[str, Shape], dict[str, TableLayout]]:
         """Table-wise; while some cells find no rank with memory, row-split the tables they belong
         to (or, when those cannot be cut further, the table with the largest slices)."""
-        shapes = self._shapes = {n: (1, 1) for n in self.movable}
+        shapes = self._shapes = {n: self._least_shape(n) for n in self.movable}
 
         def can_grow(n: str) -> bool:
             return (2 * shapes[n][0], shapes[n][1]) in set(self._splits(n, shapes[n]))
@@ -314,17 +335,23 @@ class GreedySearch:
         return allowed[: self.config.placement_candidates]
 
     def _moves(self, name: str, r: int, c: int, rank: int) -> Iterator[TableLayout]:
-        """Cut the cell's row or column slice with the new half on a light rank q, or move it to q."""
+        """Cut the cell's row or column slice with the new half on a light rank q (where the table's
+        constraints allow that cut), or move it to q."""
         layout = self.layouts[name]
+        con = self.constraints.get(name, TableConstraints())
         r0, r1 = layout.row_bounds[r], layout.row_bounds[r + 1]
         c0, c1 = layout.col_bounds[c], layout.col_bounds[c + 1]
+        half = (c1 - c0) // 8 * 4
+        cut_rows = con.row_cuts and (layout.num_col_slices == 1 or con.grid_cuts) and r1 - r0 >= 2
+        cut_cols = con.column_cuts and (layout.num_row_slices == 1 or con.grid_cuts)
+        cut_cols = cut_cols and min(half, c1 - c0 - half) >= con.min_column_width
         row = layout.ranks[r]
         column = tuple(layout.ranks[i][c] for i in range(layout.num_row_slices))
         for q in self._least_loaded(name, exclude=rank):
-            if r1 - r0 >= 2:
+            if cut_rows:
                 yield layout.split_rows(r, (r0 + r1) // 2, row[:c] + (q,) + row[c + 1 :])
-            if c1 - c0 >= 8:
-                yield layout.split_cols(c, c0 + (c1 - c0) // 8 * 4, column[:r] + (q,) + column[r + 1 :])
+            if cut_cols:
+                yield layout.split_cols(c, c0 + half, column[:r] + (q,) + column[r + 1 :])
             grid = [list(cells) for cells in layout.ranks]
             grid[r][c] = q
             yield layout.with_ranks(tuple(tuple(cells) for cells in grid))

@@ -238,32 +238,53 @@ class ModelSpec:
         batch_size: int = 65536,
         name: str = "model",
         id_distribution: IdDistribution | None = None,
+        rank_batch_size: int | None = None,
     ) -> "ModelSpec":
-        """From a torchrec EmbeddingBagCollection and its ParameterConstraints (pooling_factors).
+        """From a torchrec EmbeddingBagCollection and its ParameterConstraints (pooling_factors,
+        num_poolings, batch_sizes: one per feature, as TorchRec's planner reads them).
 
-        A table's pooling is the mean of its features' pooling factors (IDs per sample per feature);
-        without one it is 1.0, as in torchrec's planner.
+        A feature looks up pooling_factor x num_poolings IDs per sample for batch_sizes[i] samples
+        per rank (default: `rank_batch_size`, the planner's); a table's pooling is the mean over its
+        features of those IDs per sample of the rank's batch. Without pooling factors it is 1.0, as
+        in torchrec's planner.
         """
         configs = module.embedding_bag_configs()
         constraints = constraints or {}
         tables = []
         for cfg in configs:
             c = constraints.get(cfg.name)
-            raw = getattr(c, "pooling_factors", None)
+            n = len(cfg.feature_names) or 1
             with reading(SpecError, where=f"table {cfg.name!r}"):
-                pf = numbers(raw, "pooling_factors") if raw is not None else (1.0,)
+                pf = _per_feature(c, "pooling_factors", n, 1.0)
+                poolings = _per_feature(c, "num_poolings", n, 1.0)
+                batches = _per_feature(c, "batch_sizes", n, float(rank_batch_size or 1))
+            share = [b / rank_batch_size if rank_batch_size else 1.0 for b in batches]
             tables.append(
                 TableSpec(
                     name=cfg.name,
                     rows=int(cfg.num_embeddings),
                     dim=int(cfg.embedding_dim),
-                    pooling=float(sum(pf)) / len(pf),
+                    pooling=sum(p * k * r for p, k, r in zip(pf, poolings, share)) / n,
                     feature_names=tuple(cfg.feature_names),
                 )
             )
         return cls(
             name=name, batch_size=batch_size, tables=tuple(tables), id_distribution=id_distribution or IdDistribution()
         )
+
+
+def _per_feature(constraint: Any, field: str, features: int, default: float) -> tuple[float, ...]:
+    """A ParameterConstraints list with one value per feature (TorchRec asserts equal lengths); one
+    value stands for all features; absent: `default` for each."""
+    raw = getattr(constraint, field, None)
+    if raw is None:
+        return (default,) * features
+    values = numbers(raw, field)
+    if len(values) == 1:
+        return values * features
+    if len(values) != features:
+        raise FieldError(f"expected {features} values (one per feature of the table), got {len(values)}", field)
+    return values
 
 
 def _table_from_dict(t: Any, index: int) -> TableSpec:
