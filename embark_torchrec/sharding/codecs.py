@@ -108,7 +108,8 @@ class Fp8RowwiseCodec:
         width = self._one_width(segments)
         if width:
             rows = y.view(-1, width + FP8_SCALE_BYTES)
-            scale = rows[:, width:].contiguous().view(torch.float32)
+            scale_bytes = rows[:, width:]  # 4-byte aligned when the width is (TBE widths are multiples of 4)
+            scale = (scale_bytes if width % 4 == 0 else scale_bytes.contiguous()).view(torch.float32)
             return (rows[:, :width].view(torch.float8_e4m3fn).float() * scale).reshape(-1)
         widths = self._row_widths(segments)
         values, scales = self._positions(widths, y.device)
