@@ -26,7 +26,8 @@ from .layout import Plan
 from .plan_model import plan_model
 from .report import ScoredPlan, plot_rank_loads, render, summary
 from .spec import ModelSpec, SpecError, builtin_model, load_model_spec
-from .topology import DEFAULT_HARDWARE, PRESETS, Topology, hardware_preset
+from .hardware_file import HardwareError, resolve_hardware
+from .topology import DEFAULT_HARDWARE, PRESETS, Hardware, Topology
 
 
 class UsageError(Exception):
@@ -73,7 +74,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--world-size", type=_positive_int, required=True)
     p.add_argument("--local-world-size", type=_positive_int, required=True)
     p.add_argument("--batch-size", type=_positive_int, help="global batch size (default: the spec's)")
-    p.add_argument("--hardware", default=DEFAULT_HARDWARE, choices=sorted(PRESETS))
+    p.add_argument(
+        "--hardware",
+        default=DEFAULT_HARDWARE,
+        help=f"a preset ({', '.join(sorted(PRESETS))}) or a hardware file (JSON; python -m embark_torchrec.calibrate)",
+    )
     p.add_argument("--hbm-gb", type=_positive_number, help="override the preset's memory per GPU")
     p.add_argument("--out", type=Path, help="write the plan file here")
     p.add_argument("--compare", default="", help="comma-separated baselines: trw, torchrec")
@@ -106,6 +111,16 @@ def _load_model(model: str) -> ModelSpec:
     return builtin_model(model)
 
 
+def _load_hardware(value: str) -> Hardware:
+    """--hardware: a preset name or a hardware file; an error names the flag (and the file and field)."""
+    try:
+        return resolve_hardware(value)
+    except HardwareError as e:  # names the file already
+        raise UsageError(f"--hardware: {e}") from None
+    except ValueError as e:
+        raise UsageError(f"--hardware {value}: {e}") from None
+
+
 def _run(args: argparse.Namespace) -> int:
     compare = [c for c in args.compare.split(",") if c]
     unknown = sorted(set(compare) - set(BASELINES))
@@ -115,10 +130,10 @@ def _run(args: argparse.Namespace) -> int:
     _check_output("--plot", args.plot)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs matplotlib (pip install 'embark-torchrec[plot]')")
+    hardware = _load_hardware(args.hardware).with_overrides(hbm_gb=args.hbm_gb)
     spec = _load_model(args.model)
     if args.batch_size is not None:
         spec = spec.with_batch_size(args.batch_size)
-    hardware = hardware_preset(args.hardware).with_overrides(hbm_gb=args.hbm_gb)
     topology = Topology(args.world_size, args.local_world_size, hardware)
     planned = plan_model(spec, topology)
     cost = CostModel(spec, topology)

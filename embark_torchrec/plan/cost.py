@@ -24,7 +24,7 @@ same traffic message by message, and the runtime's dists send exactly that):
   back into its samples' bags; DP: b F p x dim x 4. Backward costs BACKWARD_COMPUTE_MULTIPLIER x forward.
   UB also costs every rank b F p x unique_ns_per_id for its own host work: de-duplication, routing
   the distinct IDs, the expansion back into bags (measured against table-wise on IDs that never
-  repeat, benchmarks/calibrate_cpu.py; zero in the GPU presets, where it runs on the device). Every
+  repeat, python -m embark_torchrec.calibrate; zero in the GPU presets, where it runs on the device). Every
   ID a cell looks up (the same counts, without the width) also costs lookup_ns_per_id: indexing and
   optimizer bookkeeping per ID, whatever its width, which is why a column split is not free on a CPU
   (zero in the GPU presets).

@@ -21,7 +21,8 @@ from .report import ScoredPlan, render
 from .plan_model import PlannedModel, plan_model
 from .search import SearchConfig
 from .spec import IdDistribution, ModelSpec
-from .topology import CPU_HARDWARE, DEFAULT_HARDWARE, Hardware, Topology, hardware_preset
+from .hardware_file import resolve_hardware
+from .topology import CPU_HARDWARE, DEFAULT_HARDWARE, Hardware, Topology
 
 
 # GPU names (torch.cuda.get_device_name) to our presets, first match wins
@@ -128,9 +129,11 @@ class EmbarkPlanner(ShardingPlanner):
     TorchRec's planner takes, such as enumerator or proposer, have no meaning here and are refused
     by Python): a TorchRec `Topology` (or ours, with its hardware) gives the world and local world
     sizes, the compute device, the per-device HBM cap and the intra/inter-host bandwidths, over the
-    hardware preset; a storage reservation's `_percentage` of HBM is kept free. batch_size is the per-rank batch, as in
-    torchrec. Without `hardware`, the preset follows the device in use: cpu-gloo on CPU, the preset
-    matching the GPU's name on CUDA (dgx-h100 with a warning naming the GPU when none matches).
+    hardware preset (`hardware`: a preset name, a hardware file's path such as one written by
+    `python -m embark_torchrec.calibrate`, or a Hardware); a storage reservation's `_percentage` of
+    HBM is kept free. batch_size is the per-rank batch, as in torchrec. Without `hardware`, the
+    preset follows the device in use: cpu-gloo on CPU, the preset matching the GPU's name on CUDA
+    (dgx-h100 with a warning naming the GPU when none matches).
     `plans` keeps the Plan of every planned module (by its path) for report() and the plan file.
     Each EmbeddingBagCollection is planned on its own.
     """
@@ -162,7 +165,7 @@ class EmbarkPlanner(ShardingPlanner):
         device = compute_device or (topology.compute_device if topology is not None else None)
         self.compute_device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         chosen = hardware if hardware is not None else default_hardware(self.compute_device)
-        base = hardware_preset(chosen) if isinstance(chosen, str) else chosen
+        base = resolve_hardware(chosen)  # a Hardware, a preset name, or a hardware file's path
         self.hardware = hardware_from_torchrec(base, topology, storage_reservation)
         self.id_distribution = id_distribution
         self.config = config or SearchConfig()

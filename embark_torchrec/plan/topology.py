@@ -37,6 +37,16 @@ class Hardware:
 
 # Lookups are random row gathers: we take half of peak HBM bandwidth as achieved (NVIDIA's planners
 # use a similar work ratio). Dense cost: DCNv2's dense part on H100 at ~2 ms per 8k samples.
+# Per-ID costs (lookup_ns_per_id, unique_ns_per_id) stay 0 in the GPU presets, estimates: no published per-ID
+# cost of fbgemm's TBE on these GPUs apart from its bytes was found (its GPU kernels are bandwidth-bound: their
+# time grows with the width), and unique-based de-duplication runs on the device. Calibrate a cluster
+# (python -m embark_torchrec.calibrate) to measure all of them.
+# collective_us stays 0 in the GPU presets, an estimate. The one public figure found is a proxy: nccl-tests
+# alltoall_perf of 128 B to 4 KB took 10.5-11.1 us (10.6 us at 128 B) on one node of NVIDIA H20, a Hopper GPU on
+# the NVLink 4 / NVSwitch fabric of DGX H100 and H200 (deepseek-ai/DeepEP issue #303; intra-node only, none of
+# H100 or H200 themselves, none of A100 found). Priced at 10.6 us, the greedy search misses the exhaustive optimum
+# by more than 5% on small dgx-h100 models (tests/test_plan_search.py), so it waits for a search that weighs
+# sharding groups' collectives.
 PRESETS: dict[str, Hardware] = {
     "dgx-h100": Hardware(
         name="dgx-h100",
@@ -65,9 +75,9 @@ PRESETS: dict[str, Hardware] = {
         inter_node_bw_gbps=50.0,
         dense_ms_per_ksample=0.2,
     ),
-    # Gloo over loopback on a CPU box: what our CPU tests and the e2e benchmark run on. Measured by
-    # benchmarks/calibrate_cpu.py with 4 ranks on this 2-core host (README, "The cost model"; medians
-    # of three runs on 2026-12-01): ~0.75 ms per collective whatever its size, all-to-all at ~0.86 GB/s
+    # Gloo over loopback on a CPU box: what our CPU tests and the e2e benchmark run on. Measured with 4 ranks
+    # on this 2-core host by the script python -m embark_torchrec.calibrate replaced (README, "The cost
+    # model"; medians of three runs on 2026-12-01): ~0.75 ms per collective whatever its size, all-to-all at ~0.86 GB/s
     # per rank (loopback: no slower "network"), TBE lookups at ~27 ns per ID plus ~8.5 GB/s of lookup
     # bytes on one rank alone (the ranks share the 2 cores: host_cores); unique-based tables' own host
     # work (de-duplication, routing, expansion) at ~320 ns per ID (UB against table-wise on IDs that

@@ -3,6 +3,7 @@
     torchrun --standalone --nproc_per_node 2 examples/dlrm/train.py [--planner embark|torchrec|trw]
         [--model SPEC] [--data DIR] [--steps S] [--batch-size B] [--local-world-size L]
         [--plan-in FILE] [--plan-out FILE] [--checkpoint-dir D [--save-every K] [--resume]]
+        [--hardware PRESET | FILE.json] [--calibrate [quick]]
 
 Everything but the plan is TorchRec: torchrec.models.dlrm.DLRM_DCN, DistributedModelParallel with
 EmbarkEmbeddingBagCollectionSharder (fused row-wise Adagrad), TrainPipelineSparseDist, and
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -41,6 +43,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from tqdm import tqdm
 
 from embark_torchrec import EmbarkEmbeddingBagCollectionSharder, EmbarkPlanner, load_plan, simulate_nodes
+from embark_torchrec import calibrate as calibration
 from embark_torchrec import checkpoint
 from embark_torchrec.plan.baselines import table_row_wise_plan
 from embark_torchrec.plan.cost import CostModel
@@ -49,7 +52,8 @@ from embark_torchrec.plan.profile import profile_features
 from embark_torchrec.plan.report import ScoredPlan, render
 from embark_torchrec.plan.search import SearchConfig
 from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec, builtin_model, load_model_spec
-from embark_torchrec.plan.topology import Topology, hardware_preset
+from embark_torchrec.plan.hardware_file import check_document, resolve_hardware, save_hardware
+from embark_torchrec.plan.topology import Hardware, Topology
 from embark_torchrec.sharding.comm_stats import enable_comm_stats
 from embark_torchrec.sharding.parameter_sharding import module_sharding_plan
 from embark_torchrec.sharding.torchrec_plans import from_sharding_plan, torchrec_constraints, torchrec_topology
@@ -116,7 +120,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--local-world-size", type=int, help="ranks per simulated node (default: torchrun's LOCAL_WORLD_SIZE)"
     )
     p.add_argument(
-        "--hardware", help=f"planner hardware preset (default: {GPU_HARDWARE} on CUDA, {CPU_HARDWARE} on CPU)"
+        "--hardware",
+        help=f"planner hardware: a preset or a hardware file (JSON) (default: {GPU_HARDWARE} on CUDA, {CPU_HARDWARE} "
+        "on CPU); with --calibrate, the preset the figures not measured come from",
+    )
+    p.add_argument(
+        "--calibrate",
+        nargs="?",
+        const="full",
+        choices=("full", "quick"),
+        help="first measure this job's hardware on its own ranks (python -m embark_torchrec.calibrate; 'quick': "
+        "seconds, wide spreads), write the hardware file next to --plan-out (else in a temporary directory) "
+        "and plan with it",
     )
     p.add_argument(
         "--wire-precision",
@@ -143,6 +158,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir")
+    if args.calibrate and args.plan_in:
+        p.error("--calibrate measures the hardware to plan with; --plan-in runs a plan file without planning")
     return args
 
 
@@ -245,6 +262,30 @@ def build_model(spec: ModelSpec, dense_features: int, device: torch.device) -> D
 
 
 # ---------------------------------------------------------------- plans
+
+
+def job_hardware(args: argparse.Namespace, world: World) -> Hardware:
+    """--hardware (a preset or a hardware file) or, with --calibrate, what every rank of this job measures
+    (rank 0 writes the hardware file next to --plan-out, else in a temporary directory)."""
+    chosen = args.hardware or (GPU_HARDWARE if world.device.type == "cuda" else CPU_HARDWARE)
+    try:
+        base = resolve_hardware(chosen)
+    except ValueError as e:  # HardwareError names the file and the field
+        raise SystemExit(f"--hardware: {e}") from None
+    if not args.calibrate:
+        return base
+    settings = calibration.GPU_SETTINGS if world.device.type == "cuda" else calibration.CPU_SETTINGS
+    document = calibration.calibrate(calibration.quick(settings) if args.calibrate == "quick" else settings, chosen)
+    if world.rank == 0:
+        out = (
+            args.plan_out.with_name(args.plan_out.stem + ".hardware.json")
+            if args.plan_out
+            else Path(tempfile.mkdtemp(prefix="embark-hardware-")) / "hardware.json"
+        )
+        save_hardware(out, document)
+        print(calibration.summary(document), flush=True)
+        print(f"hardware file written to {out}", flush=True)
+    return check_document(document)
 
 
 def make_plan(
@@ -437,7 +478,7 @@ class Trainer:
         # plan on what the data really holds: each table's pooling and unique ratio in rank 0's first batches
         profiled = (self.data.batch(step, 0).sparse_features for step in range(DEFAULTS.profile_batches))
         spec = profile_features(profiled, spec, world_size=world.world_size).spec
-        hardware = hardware_preset(args.hardware or (GPU_HARDWARE if world.device.type == "cuda" else CPU_HARDWARE))
+        hardware = job_hardware(args, world)
         topology = Topology(world.world_size, world.local_world_size, hardware)
         sharder = EmbarkEmbeddingBagCollectionSharder(
             fused_params={

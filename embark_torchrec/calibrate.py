@@ -1,0 +1,667 @@
+"""python -m embark_torchrec.calibrate: measure the cost model's figures on your own cluster, write a hardware file.
+
+    torchrun --nnodes N --nproc_per_node L ... -m embark_torchrec.calibrate [--out hardware.json] [--quick]
+    torchrun --standalone --nproc_per_node 4 -m embark_torchrec.calibrate --local-world-size 2   # 2 simulated nodes
+
+Every rank joins (NCCL on GPUs, gloo on CPUs); rank 0 writes the file, which plans wherever a preset name is
+accepted (EmbarkPlanner(hardware="hardware.json"), python -m embark_torchrec.plan --hardware hardware.json,
+examples/dlrm/train.py --hardware hardware.json). What it measures, each `repeats` times (median, quartiles,
+min and max go into the file):
+
+- collective_us: a tiny all_to_all_single (16 floats per peer) over every rank, a few back to back per sample,
+  slowest rank;
+- intra/inter_node_bw_gbps: all-to-all inside each node and between the ranks of equal local rank on
+  different nodes (every group at once, as in training), bytes each rank sends to its peers / (time of a
+  large all-to-all - time of a tiny one in the same groups);
+- allreduce_bus_gbps (not a Hardware field: the cost model prices all-reduces on the two bandwidths above
+  with the ring's 2 (n-1)/n bytes): nccl-tests' bus bandwidth of an all_reduce over every rank;
+- lookup_ns_per_id and hbm_bw_gbps: fbgemm's SplitTableBatchedEmbeddingBagsCodegen forward + backward with
+  the fused optimizer, at two poolings and two widths: time = fixed + IDs x (per ID + width x per element),
+  so two poolings give one more ID's cost, two widths one more element's; hbm_bw_gbps prices an element as
+  the cost model does (4 bytes x (1 + backward multiplier));
+- dedup_ns_per_id (not a field): torch.unique over the IDs of many features, as the unique-based input dist
+  runs it;
+- unique_ns_per_id: a unique-based table's own host work per ID (de-duplication, routing, expansion), as the
+  cost model prices it: one-hot tables trained table-wise and unique-based in interleaved rounds on IDs that
+  never repeat (so UB saves no bytes), the step time's difference per ID; at least the de-duplication alone.
+
+On one CPU host (the ranks share its cores: host_cores) lookups and de-duplication are measured on rank 0
+alone, since the cost model shares the cores among ranks itself; elsewhere every rank measures at once.
+Figures that cannot be measured (memory reserve, dense model, a bandwidth when there is one node or one rank
+per node, GPU memory on CPUs) come from the base preset and are marked "preset" in the file's "sources".
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .plan.cost import BACKWARD_COMPUTE_MULTIPLIER, WEIGHT_BYTES
+from .plan.hardware_file import FORMAT, VERSION, HardwareError, hardware_to_dict, resolve_hardware, save_hardware
+from .plan.topology import Hardware
+
+OPTIMIZERS = ("exact_rowwise_adagrad", "exact_adagrad", "exact_sgd")  # fbgemm's EmbOptimType values by name
+NARROW, WIDE, FEW, MANY = 8, 128, 5, 20  # TBE widths and poolings
+TINY_CALLS = 5  # tiny collectives per latency sample
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Sizes and repeats of the measurements; CPU and GPU defaults below, --quick repeats less."""
+
+    repeats: int = 40
+    tiny_floats: int = 16  # per peer: a message whose time is launch and synchronisation
+    large_floats: int = 1 << 20  # per peer (4 MiB): a message whose time is its bytes
+    allreduce_floats: int = 1 << 20
+    lookup_rows: int = 100_000
+    lookup_batch: int = 2048
+    dedup_features: int = 26
+    dedup_batch: int = 2048
+    ub_tables: int = 26
+    ub_rows: int = 100_000
+    ub_dim: int = 16
+    ub_batch: int = 512
+    ub_steps: int = 10
+    ub_rounds: int = 9
+    quick: bool = False
+
+
+CPU_SETTINGS = Settings()
+GPU_SETTINGS = Settings(
+    repeats=50,
+    large_floats=1 << 22,
+    allreduce_floats=1 << 26,
+    lookup_rows=4_000_000,
+    lookup_batch=32768,
+    dedup_batch=65536,
+    ub_rows=1_000_000,
+    ub_batch=8192,
+)
+
+
+def quick(settings: Settings) -> Settings:
+    """The same sizes with few repeats and steps: seconds, for tests and a first look (wider spreads)."""
+    return replace(settings, quick=True, repeats=8, ub_steps=3, ub_rounds=3)
+
+
+class CalibrationError(RuntimeError):
+    """A measurement that gives no usable figure (e.g. a large message no slower than a tiny one)."""
+
+
+# ---------------------------------------------------------------- the job
+
+
+@dataclass(frozen=True)
+class Job:
+    rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    hosts: tuple[str, ...]
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.local_world_size
+
+    @property
+    def shared_host_cores(self) -> int:
+        """Cores every rank shares (the cost model's host_cores): a CPU job on one host; else 0."""
+        if self.device.type != "cpu" or len(set(self.hosts)) > 1:
+            return 0
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _job() -> Job:
+    """This process's place in the (initialised) default group; LOCAL_WORLD_SIZE as torchrun or
+    simulate_nodes set it."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lws = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if lws < 1 or world % lws:
+        raise CalibrationError(f"LOCAL_WORLD_SIZE {lws} does not divide the world size {world}")
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    hosts: list[Any] = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    return Job(rank, world, lws, device, tuple(hosts))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _gather(values: list[float]) -> list[list[float]]:
+    """Every rank's list, on every rank."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, values)
+    return out
+
+
+def _slowest(values: list[float]) -> list[float]:
+    """Per sample, the slowest rank's time (a collective ends when its last rank does)."""
+    return [max(column) for column in zip(*_gather(values))]
+
+
+def stats(samples: Sequence[float], unit: str, what: str) -> dict[str, Any]:
+    """Median, quartiles, min and max of samples, in the hardware file's form."""
+    a = np.asarray(samples, dtype=np.float64)
+    p25, median, p75 = np.percentile(a, [25, 50, 75])
+    return {
+        "median": float(median),
+        "p25": float(p25),
+        "p75": float(p75),
+        "min": float(a.min()),
+        "max": float(a.max()),
+        "samples": int(a.size),
+        "unit": unit,
+        "what": what,
+    }
+
+
+# ---------------------------------------------------------------- collectives
+
+
+def _times(
+    fns: Sequence[Callable[[], object]], repeats: int, device: torch.device, group: Any = None, calls: int = 1
+) -> list[list[float]]:
+    """Seconds per call of each collective in `fns`, the slowest rank's: each sample of each is `calls` calls
+    back to back after a barrier of its group, divided by `calls` (several calls share out the ranks' skew
+    leaving the barrier); the collectives take turns, so that each sample of each sees the same load."""
+    for fn in fns:
+        for _ in range(max(2, repeats // 10)):
+            fn()
+    _sync(device)
+    out: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, samples in zip(fns, out):
+            dist.barrier(group=group)
+            _sync(device)
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            _sync(device)
+            samples.append((time.perf_counter() - start) / calls)
+    return [_slowest(samples) for samples in out]
+
+
+def _all_to_all(per_peer: int, device: torch.device, group: Any = None) -> Callable[[], object]:
+    n = dist.get_world_size(group)
+    send = torch.randn(per_peer * n, device=device)
+    recv = torch.empty_like(send)
+    return lambda: dist.all_to_all_single(recv, send, group=group)
+
+
+def _bandwidth(job: Job, s: Settings, group: Any, size: int, what: str) -> dict[str, Any]:
+    """GB/s each rank sends to its `size` - 1 peers in a large all-to-all of `group` (every group at once):
+    per sample, its bytes / (the large all-to-all's time - the tiny one's just before it)."""
+    tiny, large = _times(
+        [_all_to_all(s.tiny_floats, job.device, group), _all_to_all(s.large_floats, job.device, group)],
+        s.repeats,
+        job.device,
+        group,
+    )
+    peer_bytes = (size - 1) * s.large_floats * 4
+    gbps = [peer_bytes / (b - a) / 1e9 for a, b in zip(tiny, large) if b > a]
+    if len(gbps) * 2 < len(large):
+        raise CalibrationError(
+            f"{what}: an all-to-all of {s.large_floats * 4} bytes per peer was mostly no slower than one of "
+            f"{s.tiny_floats * 4}: the machine is too noisy for these sizes"
+        )
+    return stats(gbps, "GB/s", f"{what}: {peer_bytes} bytes sent per rank, less a tiny all-to-all's time")
+
+
+def _node_groups(job: Job) -> tuple[Any, Any]:
+    """This rank's intra-node group (its node's ranks) and cross-node group (the ranks of its local rank
+    on every node); None where the group would have one rank. Every rank creates every group."""
+    lws, nodes = job.local_world_size, job.num_nodes
+    intra = cross = None
+    if lws > 1:
+        intra, _ = dist.new_subgroups_by_enumeration([list(range(n * lws, (n + 1) * lws)) for n in range(nodes)])
+    if nodes > 1:
+        cross, _ = dist.new_subgroups_by_enumeration([list(range(j, job.world_size, lws)) for j in range(lws)])
+    return intra, cross
+
+
+def measure_collectives(job: Job, s: Settings) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    (tiny,) = _times([_all_to_all(s.tiny_floats, job.device)], s.repeats, job.device, calls=TINY_CALLS)
+    out["collective_us"] = stats(
+        [t * 1e6 for t in tiny],
+        "us",
+        f"all_to_all_single of {s.tiny_floats} floats per peer over all {job.world_size} ranks, {TINY_CALLS} calls "
+        "back to back per sample, slowest rank",
+    )
+    intra, cross = _node_groups(job)
+    if intra is not None:
+        out["intra_node_bw_gbps"] = _bandwidth(
+            job, s, intra, job.local_world_size, f"all-to-all inside each node of {job.local_world_size} ranks"
+        )
+    if cross is not None:
+        out["inter_node_bw_gbps"] = _bandwidth(
+            job, s, cross, job.num_nodes, f"all-to-all across {job.num_nodes} nodes, one rank per node"
+        )
+    if job.world_size > 1:
+        grad = torch.randn(s.allreduce_floats, device=job.device)
+        (times,) = _times([lambda: dist.all_reduce(grad)], s.repeats, job.device)
+        ring = 2.0 * (job.world_size - 1) / job.world_size * s.allreduce_floats * 4
+        out["allreduce_bus_gbps"] = stats(
+            [ring / t / 1e9 for t in times],
+            "GB/s",
+            f"all_reduce of {s.allreduce_floats * 4} bytes over all ranks, nccl-tests' bus bandwidth "
+            "(not a Hardware field: the cost model prices all-reduces on the two bandwidths)",
+        )
+    return out
+
+
+# ---------------------------------------------------------------- lookups and de-duplication
+
+
+def _alone_or_all(job: Job, measure: Callable[[], list[float]]) -> list[float]:
+    """On one shared CPU host rank 0 measures alone while the others wait (the cost model shares the
+    host's cores among ranks itself); elsewhere every rank measures and the samples are pooled."""
+    if job.shared_host_cores:
+        samples = measure() if job.rank == 0 else []
+        dist.barrier()
+        shared: list[Any] = [samples]
+        dist.broadcast_object_list(shared, src=0)
+        return shared[0]
+    return [x for rank_samples in _gather(measure()) for x in rank_samples]
+
+
+def _optimizer(name: str) -> Any:
+    """fbgemm's EmbOptimType member of one of OPTIMIZERS."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    return getattr(EmbOptimType, name.upper())
+
+
+def _lookup_rounds(s: Settings, device: torch.device, optimizer: str) -> list[tuple[float, float, float]]:
+    """Per round, seconds of TBE forward+backward at (NARROW, FEW), (NARROW, MANY), (WIDE, MANY)."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    on_gpu = device.type == "cuda"
+    location = EmbeddingLocation.DEVICE if on_gpu else EmbeddingLocation.HOST
+    compute = ComputeDevice.CUDA if on_gpu else ComputeDevice.CPU
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    steps = []
+    for dim, pooling in ((NARROW, FEW), (NARROW, MANY), (WIDE, MANY)):
+        tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            [(s.lookup_rows, dim, location, compute)],
+            optimizer=_optimizer(optimizer),
+            learning_rate=0.01,
+            device=device,
+        )
+        n = s.lookup_batch * pooling
+        ids = torch.randint(0, s.lookup_rows, (n,), generator=generator).to(device)
+        offsets = torch.arange(0, n + 1, pooling).to(device)
+        steps.append(lambda tbe=tbe, ids=ids, offsets=offsets: tbe(ids, offsets).sum().backward())
+    for step in steps:  # warm-up
+        for _ in range(3):
+            step()
+    rounds = []
+    for _ in range(s.repeats):
+        seconds = []
+        for step in steps:
+            _sync(device)
+            start = time.perf_counter()
+            step()
+            _sync(device)
+            seconds.append(time.perf_counter() - start)
+        rounds.append((seconds[0], seconds[1], seconds[2]))
+    return rounds
+
+
+def measure_lookups(job: Job, s: Settings, optimizer: str) -> dict[str, dict[str, Any]]:
+    """lookup_ns_per_id and hbm_bw_gbps, from each round's three TBE timings."""
+
+    def measure() -> list[float]:
+        flat = []
+        for few, narrow, wide in _lookup_rounds(s, job.device, optimizer):
+            per_element = (wide - narrow) / (s.lookup_batch * MANY * (WIDE - NARROW))
+            per_id = (narrow - few) / (s.lookup_batch * (MANY - FEW)) - NARROW * per_element
+            flat += [per_id, per_element]
+        return flat
+
+    flat = _alone_or_all(job, measure)
+    per_id, per_element = flat[0::2], flat[1::2]
+    if sum(x > 0 for x in per_element) * 2 < len(per_element):
+        raise CalibrationError(
+            f"TBE lookups of width {WIDE} were mostly no slower than of width {NARROW}: the machine is too noisy"
+        )
+    element_bytes = WEIGHT_BYTES * (1.0 + BACKWARD_COMPUTE_MULTIPLIER)
+    where = "rank 0 alone" if job.shared_host_cores else "every rank at once"
+    what = (
+        f"fbgemm TBE forward+backward, {optimizer}, {s.lookup_rows} rows, {s.lookup_batch} bags at poolings "
+        f"{FEW}/{MANY} and widths {NARROW}/{WIDE}, {where}"
+    )
+    return {
+        "lookup_ns_per_id": stats([x * 1e9 for x in per_id], "ns", what),
+        "hbm_bw_gbps": stats([element_bytes / x / 1e9 for x in per_element if x > 0], "GB/s", what),
+    }
+
+
+def _dedup_times(s: Settings, device: torch.device) -> list[float]:
+    """Seconds per ID of the unique-based input dist's de-duplication: one sorted torch.unique (with the
+    inverse) over every feature's IDs offset per feature, and each feature's first key found by searchsorted."""
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    rows = s.ub_rows
+    n = s.dedup_features * s.dedup_batch
+    ids = torch.randint(0, rows, (n,), generator=generator).to(device)
+    key_start = torch.arange(s.dedup_features + 1, device=device) * rows
+    offset = key_start[:-1].repeat_interleave(s.dedup_batch)
+
+    def dedup() -> None:
+        keys, _ = torch.unique(ids + offset, sorted=True, return_inverse=True)
+        torch.searchsorted(keys, key_start, out_int32=True)
+
+    for _ in range(3):
+        dedup()
+    out = []
+    for _ in range(s.repeats):
+        _sync(device)
+        start = time.perf_counter()
+        dedup()
+        _sync(device)
+        out.append((time.perf_counter() - start) / n)
+    return out
+
+
+def _ub_round_times(job: Job, s: Settings, optimizer: str) -> tuple[list[float], list[float]]:
+    """Per round, seconds per step (slowest rank) of ub_tables one-hot tables trained table-wise, then
+    unique-based, on IDs that never repeat within a rank's batch; the first round is a warm-up."""
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from .plan.layout import Plan, TableLayout
+    from .plan.spec import ModelSpec
+    from .sharding.parameter_sharding import module_sharding_plan
+    from .sharding.sharder import EmbarkEmbeddingBagCollectionSharder
+    from .testing.training import SparseArch
+
+    world, t, rows, dim = job.world_size, s.ub_tables, s.ub_rows, s.ub_dim
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", num_embeddings=rows, embedding_dim=dim, feature_names=[f"f{i}"])
+        for i in range(t)
+    ]
+    sharder = EmbarkEmbeddingBagCollectionSharder(
+        fused_params={
+            "optimizer": _optimizer(optimizer),
+            "learning_rate": 0.01,
+        }
+    )
+
+    def build(cluster: str) -> torch.nn.Module:
+        meta = SparseArch(tables, False, torch.device("meta"))
+        layouts = {c.name: TableLayout(cluster, (0, rows), (0, dim), ((i % world,),)) for i, c in enumerate(tables)}
+        spec = ModelSpec.from_module(meta.ebc, batch_size=world)
+        plan = ShardingPlan(
+            {"ebc": module_sharding_plan(Plan(world, job.local_world_size, layouts), spec, job.device.type)}
+        )
+        env = ShardingEnv.from_process_group(dist.group.WORLD)
+        return DistributedModelParallel(meta, env=env, plan=plan, sharders=[sharder], device=job.device)
+
+    models = {cluster: build(cluster) for cluster in ("rb", "ub")}
+    generator = torch.Generator().manual_seed(job.rank)
+    batches = [
+        KeyedJaggedTensor(
+            keys=[f"f{i}" for i in range(t)],
+            values=torch.cat([torch.randperm(rows, generator=generator)[: s.ub_batch] for _ in range(t)]),
+            lengths=torch.ones(t * s.ub_batch, dtype=torch.int32),
+        ).to(job.device)
+        for _ in range(s.ub_steps)
+    ]
+
+    def run(model: torch.nn.Module) -> None:
+        for b in batches:
+            out = model(b)
+            out = (out.wait() if hasattr(out, "wait") else out).to_dict()
+            torch.cat(list(out.values()), dim=1).sum().backward()
+
+    times: dict[str, list[float]] = {"rb": [], "ub": []}
+    for _ in range(s.ub_rounds + 1):
+        for cluster, model in models.items():
+            dist.barrier()
+            _sync(job.device)
+            start = time.perf_counter()
+            run(model)
+            _sync(job.device)
+            elapsed = torch.tensor([time.perf_counter() - start], device=job.device)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times[cluster].append(float(elapsed) / s.ub_steps)
+    return times["rb"][1:], times["ub"][1:]
+
+
+def measure_unique(job: Job, s: Settings, optimizer: str) -> dict[str, dict[str, Any]]:
+    """dedup_ns_per_id (torch.unique alone) and unique_ns_per_id (UB against table-wise, per ID, at least
+    the de-duplication alone)."""
+    dedup = [x * 1e9 for x in _alone_or_all(job, lambda: _dedup_times(s, job.device))]
+    where = "rank 0 alone" if job.shared_host_cores else "every rank at once"
+    out = {
+        "dedup_ns_per_id": stats(
+            dedup,
+            "ns",
+            f"sorted torch.unique with inverse + searchsorted over {s.dedup_features} features x "
+            f"{s.dedup_batch} IDs, {where} (not a Hardware field: part of unique_ns_per_id)",
+        )
+    }
+    table_wise, unique = _ub_round_times(job, s, optimizer)
+    ids = s.ub_tables * s.ub_batch  # per rank and step
+    cores = job.shared_host_cores
+    # on one shared host the extra work of every rank shares its cores, as the cost model prices it
+    scale = cores / (job.world_size * ids) if cores else 1.0 / ids
+    extra = [(u - t) * scale * 1e9 for t, u in zip(table_wise, unique)]
+    out["unique_ns_per_id"] = stats(
+        extra,
+        "ns",
+        f"{s.ub_tables} one-hot tables x {s.ub_batch} samples per rank, IDs never repeating: unique-based step "
+        f"- table-wise step, per ID{f' x {cores} cores / {job.world_size} ranks' if cores else ''}; "
+        "the figure is at least dedup_ns_per_id",
+    )
+    return out
+
+
+# ---------------------------------------------------------------- the hardware document
+
+
+def _device_memory_gb(job: Job) -> float | None:
+    """The smallest GPU memory of any rank (GB), or None on CPUs."""
+    if job.device.type != "cuda":
+        return None
+    return min(_gather([torch.cuda.get_device_properties(job.device).total_memory / 1e9]))[0]
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"torch": torch.__version__}
+    for package, key in (("fbgemm-gpu", "fbgemm_gpu"), ("fbgemm-gpu-cpu", "fbgemm_gpu"), ("torchrec", "torchrec")):
+        try:
+            out.setdefault(key, version(package))
+        except PackageNotFoundError:
+            continue
+    return out
+
+
+def calibrate(
+    settings: Settings, base: str | Hardware, optimizer: str = OPTIMIZERS[0], name: str | None = None
+) -> dict[str, Any]:
+    """Runs every measurement on the job's ranks (the default process group must be initialised;
+    every rank calls this) and returns the hardware document on every rank."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    base_hw = resolve_hardware(base)
+    job = _job()
+    measured = measure_collectives(job, settings)
+    measured |= measure_lookups(job, settings, optimizer)
+    measured |= measure_unique(job, settings, optimizer)
+    memory = _device_memory_gb(job)
+    document: list[Any] = [None]
+    if job.rank == 0:
+        document[0] = _document(job, settings, base, base_hw, measured, memory, optimizer, name)
+    dist.broadcast_object_list(document, src=0)
+    return document[0]
+
+
+def _document(
+    job: Job,
+    settings: Settings,
+    base: str | Hardware,
+    base_hw: Hardware,
+    measured: dict[str, dict[str, Any]],
+    memory_gb: float | None,
+    optimizer: str,
+    name: str | None,
+) -> dict[str, Any]:
+    hardware = hardware_to_dict(base_hw)
+    sources = {field: "preset" for field in hardware}
+    for field in ("collective_us", "intra_node_bw_gbps", "inter_node_bw_gbps", "hbm_bw_gbps", "lookup_ns_per_id"):
+        if field in measured:
+            hardware[field] = measured[field]["median"]
+            sources[field] = "measured"
+    hardware["lookup_ns_per_id"] = max(0.0, hardware["lookup_ns_per_id"])  # noise around a zero cost
+    hardware["unique_ns_per_id"] = max(measured["unique_ns_per_id"]["median"], measured["dedup_ns_per_id"]["median"])
+    sources["unique_ns_per_id"] = "measured"
+    hardware["host_cores"] = job.shared_host_cores
+    sources["host_cores"] = "machine"
+    if memory_gb is not None:
+        hardware["hbm_gb"] = memory_gb
+        hardware["hbm_reserve_gb"] = min(base_hw.hbm_reserve_gb, memory_gb / 2)
+        sources["hbm_gb"] = "machine"
+    host = job.hosts[0]
+    hardware["name"] = name or f"calibrated-{host}"
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "hardware": hardware,
+        "base": base if isinstance(base, str) else base.name,
+        "sources": sources,
+        "measurements": measured,
+        "run": {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host": host,
+            "hosts": sorted(set(job.hosts)),
+            "backend": dist.get_backend(),
+            "device": torch.cuda.get_device_name(job.device) if job.device.type == "cuda" else "cpu",
+            "world_size": job.world_size,
+            "local_world_size": job.local_world_size,
+            "optimizer": optimizer,
+            "quick": settings.quick,
+            **_versions(),
+        },
+    }
+
+
+def summary(document: dict[str, Any]) -> str:
+    """The figures, where they came from and their spread, one line each, for people."""
+    run, hw, sources, measured = document["run"], document["hardware"], document["sources"], document["measurements"]
+    lines = [
+        f"{run['world_size']} ranks ({run['world_size'] // run['local_world_size']} nodes x "
+        f"{run['local_world_size']}), {run['backend']} on {run['device']}, base preset {document['base']}:"
+    ]
+    for field, value in hw.items():
+        shown = f"{value:.4g}" if isinstance(value, float) else str(value)
+        line = f"  {field:22} {shown:>14}  {sources.get(field, '')}"
+        if field in measured:
+            m = measured[field]
+            line += f", {m['unit']}: IQR {m['p25']:.4g}-{m['p75']:.4g}, range {m['min']:.4g}-{m['max']:.4g}"
+            line += f", {m['samples']} samples"
+        lines.append(line)
+    for key in sorted(set(measured) - set(hw)):
+        m = measured[key]
+        lines.append(
+            f"  {key:22} {m['median']:>14.4g}  (not a field) {m['unit']}: IQR {m['p25']:.4g}-{m['p75']:.4g}, "
+            f"range {m['min']:.4g}-{m['max']:.4g}, {m['samples']} samples"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m embark_torchrec.calibrate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("hardware.json"), help="the hardware file rank 0 writes")
+    p.add_argument(
+        "--base",
+        help="preset (or hardware file) the figures not measured come from "
+        "(default: cpu-gloo on CPUs, the preset matching the GPU on CUDA)",
+    )
+    p.add_argument(
+        "--local-world-size", type=int, help="ranks per simulated node (default: torchrun's LOCAL_WORLD_SIZE)"
+    )
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=OPTIMIZERS[0], help="the TBE's fused optimizer")
+    p.add_argument("--quick", action="store_true", help="few repeats and steps (seconds; wider spreads)")
+    p.add_argument("--repeats", type=int, help="samples per measurement (default: 40 on CPU, 50 on GPU; 8 quick)")
+    p.add_argument("--name", help="the Hardware's name (default: calibrated-<host of rank 0>)")
+    args = p.parse_args(argv)
+    if args.repeats is not None and args.repeats < 2:
+        p.error("--repeats must be at least 2")
+    return args
+
+
+def _check_output(path: Path) -> None:
+    if path.is_dir() or not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
+        raise SystemExit(f"error: --out {path}: not a writable file path")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from .plan.planner import default_hardware
+    from .sharding.nodes import simulate_nodes
+
+    args = parse_args(argv)
+    if "RANK" not in os.environ:
+        raise SystemExit(
+            "start me with torchrun, e.g. torchrun --standalone --nproc_per_node 4 -m embark_torchrec.calibrate"
+        )
+    if int(os.environ["RANK"]) == 0:
+        _check_output(args.out)
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:  # the real local rank's GPU, before simulated nodes renumber the local ranks
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    if args.local_world_size is not None:
+        try:
+            simulate_nodes(args.local_world_size)
+        except ValueError as e:
+            raise SystemExit(f"error: --local-world-size: {e}") from None
+    base = args.base or default_hardware("cuda" if on_gpu else "cpu")
+    try:
+        resolve_hardware(base)
+    except (HardwareError, ValueError) as e:
+        raise SystemExit(f"error: --base: {e}") from None
+    settings = GPU_SETTINGS if on_gpu else CPU_SETTINGS
+    settings = quick(settings) if args.quick else settings
+    if args.repeats is not None:
+        settings = replace(settings, repeats=args.repeats)
+    dist.init_process_group("nccl" if on_gpu else "gloo")
+    try:
+        document = calibrate(settings, base, args.optimizer, args.name)
+        if dist.get_rank() == 0:
+            save_hardware(args.out, document)
+            print(summary(document), flush=True)
+            print(f"hardware file written to {args.out}", flush=True)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # torch 2.13's gloo threads can abort interpreter teardown after a clean run (see the DLRM example)
