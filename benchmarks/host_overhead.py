@@ -10,7 +10,8 @@ Types: TorchRec's "table_wise" (table i on rank i mod ranks) and "row_wise" (row
 the baselines, at fp32; our flat grid "embark_rb" (each table a 2x2 grid of row x column slices spread over the
 ranks, which TorchRec cannot express), hierarchical grid "embark_rb_hier" (row slices of a column on one node,
 reduced there first; only with 2 or more nodes, i.e. 4 ranks) and unique-based "embark_ub" (rows split over two
-ranks), each at wire precision fp32, fp16 and fp8. Tables: 1,000 rows x dim 16, one feature each, batch 256 per
+ranks) and "embark_ub_tw" (each table whole on one rank, placed as table-wise: UB's own cost), each at wire
+precision fp32, fp16 and fp8. Tables: 1,000 rows x dim 16, one feature each, batch 256 per
 rank; --bags multi-hot: ~2 IDs per bag (1-4, a quarter of the bags empty), one-hot: one ID per bag (as Criteo's
 DLRM; UB then sends as many vectors as table-wise when IDs do not repeat, so its time is its own host work); --ids
 nonrepeating: no ID twice in a rank's batch of a feature, zipf: Zipf(1.1). Ranks: gloo, 2 (one node) or 4 (2 nodes
@@ -50,7 +51,7 @@ ROWS, DIM, LOCAL_WORLD_SIZE = 1_000, 16, 2
 ROW_CUT = 400  # our grids cut rows unevenly, at 400
 BASELINE = "table_wise"
 TORCHREC_TYPES = ("table_wise", "row_wise")
-OUR_TYPES = ("embark_rb", "embark_rb_hier", "embark_ub")
+OUR_TYPES = ("embark_rb", "embark_rb_hier", "embark_ub", "embark_ub_tw")
 PRECISIONS = ("fp32", "fp16", "fp8")
 IDS = {"nonrepeating": "distinct", "zipf": "zipf"}  # --ids -> global_kjt_batch's ids
 BAGS = {"multi-hot": {}, "one-hot": {"max_bag_size": 1, "empty_fraction": 0.0}}  # --bags -> global_kjt_batch's bags
@@ -73,6 +74,8 @@ def _layout(kind: str, i: int, ws: int) -> TableLayout:
         nodes = ws // LOCAL_WORLD_SIZE
         ranks = tuple(tuple(((i + c) % nodes) * LOCAL_WORLD_SIZE + r for c in range(2)) for r in range(2))
         return TableLayout("rb", rows, cols, ranks, hierarchical=True)
+    if kind == "embark_ub_tw":  # table-wise placement, as TorchRec's: what de-duplication alone costs
+        return TableLayout("ub", (0, ROWS), (0, DIM), ((i % ws,),))
     return TableLayout("ub", rows, (0, DIM), ((i % ws,), ((i + 1) % ws,)))
 
 
