@@ -23,7 +23,7 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embark_torchrec.plan.layout import TableLayout, WirePrecision, ceil_row_bounds
-from embark_torchrec.sharding.comm_stats import CommKey
+from embark_torchrec.sharding.comm_stats import CommKey, enable_comm_stats
 from embark_torchrec.sharding.sequence import GridSequenceEmbeddingSharding, UniqueSequenceEmbeddingSharding
 from embark_torchrec.sharding.sharded_ec import EmbarkShardedEmbeddingCollection
 from embark_torchrec.sharding.validation import InvalidIdError
@@ -143,9 +143,8 @@ def _comm_bytes(lws: int) -> dict[str, tuple[int, int, int]]:
     spec = _layouts(ws)
     tables, layouts = _tables(spec)
     model = sharded_sequence_model(tables, layouts, lws)
-    module = _sharded_ec(model)
-    stats = module.new_comm_stats()
-    module.count_comm(stats)
+    stats = enable_comm_stats(model)  # finds the sharded EC in the model, as for EBCs
+    assert _sharded_ec(model).comm_stats is stats and enable_comm_stats(model) is stats
     expected = {name: 0 for name, entry in spec.items() if entry[2].startswith("embark_")}
     for step in range(2):
         kjt = global_kjt_batch(tables, ws, 4, seed=50 + step, ids="zipf")[rank]
@@ -242,9 +241,10 @@ def test_bad_ids_are_refused_by_name(world: tuple[int, list[dict[str, Any]]]) ->
 
 
 def test_counted_bytes_equal_what_was_sent(world: tuple[int, list[dict[str, Any]]]) -> None:
-    """With counting on, the vectors each embark table's dists bring home over two steps (and the gradients sent
-    back, the same bytes) equal one fp32 row per ID and remote cell of its row slice (per distinct ID for UB), as
-    worked out from the batch; the counters also check each message against the payload handed to the all-to-all."""
+    """With counting turned on by enable_comm_stats (which finds the sharded EC), the vectors each embark table's
+    dists bring home over two steps (and the gradients sent back, the same bytes) equal one fp32 row per ID and remote
+    cell of its row slice (per distinct ID for UB), as worked out from the batch; the counters also check each message
+    against the payload handed to the all-to-all."""
     ws, results = world
     for rank, result in enumerate(results):
         for table, (received, gradients, want) in result["bytes"].items():

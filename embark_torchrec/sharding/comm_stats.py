@@ -1,10 +1,11 @@
 """Communication accounting: the bytes every embedding collective moves, per rank.
 
-`enable_comm_stats(model)` turns counting on for every EmbarkShardedEmbeddingBagCollection in a
-model and returns this rank's `CommStats`. Our own collectives (hierarchical reduction, unique-based
-dists) record each call's bytes per peer, sharding type, table and kind; the TorchRec all-to-alls our
-grid borrows, and TorchRec's own shardings run by our sharder (table-wise, column-wise, row-wise,
-table-row-wise), are counted by hooks (torchrec_counting.py). Off by default: a dist that is not
+`enable_comm_stats(model)` turns counting on for every EmbarkShardedEmbeddingBagCollection and
+EmbarkShardedEmbeddingCollection in a model and returns this rank's `CommStats`. Our own collectives
+(hierarchical reduction, unique-based dists) record each call's bytes per peer, sharding type, table
+and kind; the TorchRec all-to-alls our grid borrows, and TorchRec's own pooled shardings run by our
+sharder (table-wise, column-wise, row-wise, table-row-wise), are counted by hooks
+(torchrec_counting.py); TorchRec's own sequence (EC) shardings are not counted. Off by default: a dist that is not
 counting pays one `is None` check.
 
 Kinds: "ids", "lengths" (int32 bag lengths; for UB the per-group counts), "weights", "metadata"
@@ -142,15 +143,19 @@ def group_ranks(pg: Any) -> List[int]:
 
 
 def enable_comm_stats(model: torch.nn.Module) -> CommStats:
-    """Count every embedding collective of the sharded EBCs in `model` from now on; returns this
-    rank's counters (one object shared by all of the model's sharded EBCs; calling it again
-    returns the same object)."""
+    """Count every embedding collective of the sharded EBCs and ECs in `model` from now on; returns
+    this rank's counters (one object shared by all of the model's sharded collections; calling it
+    again returns the same object). Of an EC, only its embark sharding types are counted (see
+    EmbarkShardedEmbeddingCollection.count_comm)."""
     from .sharded_ebc import EmbarkShardedEmbeddingBagCollection
+    from .sharded_ec import EmbarkShardedEmbeddingCollection
 
-    modules = [m for m in model.modules() if isinstance(m, EmbarkShardedEmbeddingBagCollection)]
+    kinds = (EmbarkShardedEmbeddingBagCollection, EmbarkShardedEmbeddingCollection)
+    modules = [m for m in model.modules() if isinstance(m, kinds)]
     if not modules:
         raise ValueError(
-            "the model has no EmbarkShardedEmbeddingBagCollection: shard it with EmbarkEmbeddingBagCollectionSharder"
+            "the model has no EmbarkShardedEmbeddingBagCollection or EmbarkShardedEmbeddingCollection: shard it "
+            "with EmbarkEmbeddingBagCollectionSharder or EmbarkEmbeddingCollectionSharder"
         )
     stats = next((m.comm_stats for m in modules if m.comm_stats is not None), None) or modules[0].new_comm_stats()
     for module in modules:

@@ -1,0 +1,433 @@
+"""A user-history model with TorchRec: sequence embeddings (EmbeddingCollection) sharded by EMBark's unique-based
+layout, or everything by TorchRec's default planner and sharders.
+
+    torchrun --standalone --nproc_per_node 4 examples/sequence/train.py [--planner embark|torchrec]
+        [--history-layout ub|rw] [--steps S] [--batch-size B] [--local-world-size L]
+
+The model: a user history (Zipf(1.1) IDs over a large table, 1-100 IDs per sample) looked up by an
+EmbeddingCollection, one vector per ID, and averaged per sample; a few one-hot and multi-hot features pooled by an
+EmbeddingBagCollection; both concatenated into an MLP trained on a click label (BCE). "embark" shards the history
+table with a hand-built unique-based (UB) layout, which sends each distinct ID of a batch once to its row slice's
+holder and brings its vector back once (a Zipf history repeats its hot IDs), and plans the pooled tables with
+EmbarkPlanner; "torchrec" runs TorchRec's EmbeddingShardingPlanner with TorchRec's sharders. --history-layout rw
+runs embark with the history table row-wise (TorchRec's even row blocks, on our grid sharding so that the same
+counters count it), for comparing bytes. Rank 0 prints the plan, progress, and ends with exactly one line
+`RESULT {json}` (README "Sequence example" lists its keys).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torch import nn
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.modules.mlp import MLP
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.sparse.jagged_tensor import JaggedTensor
+
+from embark_torchrec import EmbarkEmbeddingBagCollectionSharder, EmbarkEmbeddingCollectionSharder, EmbarkPlanner
+from embark_torchrec import simulate_nodes
+from embark_torchrec.plan.layout import Plan, TableLayout, ceil_row_bounds, sharding_type_name
+from embark_torchrec.plan.topology import Topology, hardware_preset
+from embark_torchrec.sharding.comm_stats import enable_comm_stats
+from embark_torchrec.sharding.parameter_sharding import sequence_sharding_plan
+from embark_torchrec.sharding.torchrec_plans import torchrec_topology
+
+from sequence_data import HISTORY, PooledFeature, SequenceBatch, SequenceData  # the example's data, next to this file
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every default of the example in one place (flags override the run-time ones)."""
+
+    history_rows: int = 1_000_000
+    min_length: int = 1
+    max_length: int = 100  # uniform lengths: mean 50.5
+    features: tuple[PooledFeature, ...] = (
+        PooledFeature("user", 100_000, 1, True),
+        PooledFeature("context", 1_000, 1, True),
+        PooledFeature("tags", 20_000, 5, False),
+    )
+    embedding_dim: int = 32
+    zipf_alpha: float = 1.1
+    mlp: tuple[int, ...] = (128, 64)
+    steps: int = 200
+    batch_size: int = 256  # per rank
+    embedding_lr: float = 0.05  # fused row-wise Adagrad
+    dense_lr: float = 0.01  # Adagrad
+    adagrad_eps: float = 1e-8
+    seed: int = 0
+    log_every: int = 50
+    warmup_steps: int = 10  # left out of samples/s
+    pg_timeout_s: float = 120.0
+
+
+DEFAULTS = Config()
+PLANNERS = ("embark", "torchrec")
+HISTORY_LAYOUTS = ("ub", "rw")
+HARDWARE = {"cpu": "cpu-gloo", "cuda": "dgx-h100"}
+EC_PATH = "model.history"  # where SequenceTrain keeps the EmbeddingCollection
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    d = DEFAULTS
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--planner", choices=PLANNERS, default="embark")
+    p.add_argument(
+        "--history-layout",
+        choices=HISTORY_LAYOUTS,
+        default="ub",
+        help="embark: the history table unique-based (ub) or row-wise (rw, for comparison)",
+    )
+    p.add_argument("--steps", type=int, default=d.steps, help="train this many steps")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="samples per rank per step")
+    p.add_argument("--history-rows", type=int, default=d.history_rows, help="rows of the history table")
+    p.add_argument("--embedding-lr", type=float, default=d.embedding_lr)
+    p.add_argument("--dense-lr", type=float, default=d.dense_lr)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--local-world-size", type=int, help="ranks per simulated node (default: torchrun's LOCAL_WORLD_SIZE)"
+    )
+    p.add_argument("--no-pipeline", action="store_true", help="plain loop instead of TrainPipelineSparseDist")
+    p.add_argument("--log-every", type=int, default=d.log_every, help="steps between samples/s and loss lines")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="first steps left out of samples/s")
+    p.add_argument(
+        "--pg-timeout-s", type=float, default=d.pg_timeout_s, help="process-group timeout (a dead rank fails the rest)"
+    )
+    args = p.parse_args(argv)
+    if args.history_layout != "ub" and args.planner != "embark":
+        p.error("--history-layout chooses embark's layout of the history table; use it with --planner embark")
+    return args
+
+
+# ---------------------------------------------------------------- processes
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+
+
+def init_distributed(local_world_size: int | None, timeout_s: float) -> World:
+    """Join the job (CUDA + NCCL where there is a GPU, else CPU + gloo); --local-world-size regroups the ranks into
+    simulated nodes before TorchRec reads LOCAL_WORLD_SIZE for its intra/cross-node groups."""
+    if "RANK" not in os.environ:
+        raise SystemExit(
+            "start me with torchrun, e.g. torchrun --standalone --nproc_per_node 2 examples/sequence/train.py"
+        )
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device_index = int(os.environ.get("LOCAL_RANK", "0"))
+    if local_world_size is not None:
+        try:
+            simulate_nodes(local_world_size)
+        except ValueError as e:
+            raise SystemExit(f"--local-world-size: {e}") from None
+    if torch.cuda.is_available():
+        device = torch.device("cuda", device_index)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    lws = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    return World(rank, world_size, lws, device)
+
+
+# ---------------------------------------------------------------- model
+
+
+def mean_per_sample(history: JaggedTensor) -> torch.Tensor:
+    """Each sample's mean history vector ([samples, dim]; zeros for an empty history)."""
+    lengths = history.lengths()
+    owner = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths.long())
+    summed = (
+        history.values().new_zeros(lengths.numel(), history.values().size(1)).index_add_(0, owner, history.values())
+    )
+    return summed / lengths.clamp(min=1).unsqueeze(1)
+
+
+# TrainPipelineSparseDist traces forward with torch.fx to find the sharded modules' inputs; the pooling is opaque
+torch.fx.wrap("mean_per_sample")
+
+
+class SequenceModel(nn.Module):
+    """Mean of the history's vectors, concatenated with the pooled features, through an MLP to one logit."""
+
+    def __init__(self, history_rows: int, device: torch.device) -> None:
+        super().__init__()
+        d = DEFAULTS
+        dim = d.embedding_dim
+        self.history = EmbeddingCollection(
+            tables=[
+                EmbeddingConfig(name=HISTORY, embedding_dim=dim, num_embeddings=history_rows, feature_names=[HISTORY])
+            ],
+            device=torch.device("meta"),
+        )
+        self.features = EmbeddingBagCollection(
+            tables=[
+                EmbeddingBagConfig(name=f.name, embedding_dim=dim, num_embeddings=f.rows, feature_names=[f.name])
+                for f in d.features
+            ],
+            device=torch.device("meta"),
+        )
+        width = dim * (1 + len(d.features))
+        self.mlp = MLP(width, list(d.mlp), device=device)
+        self.head = nn.Linear(d.mlp[-1], 1, device=device)
+
+    def forward(self, batch: SequenceBatch) -> torch.Tensor:
+        mean = mean_per_sample(self.history(batch.history)[HISTORY])
+        pooled = self.features(batch.features).values()
+        return self.head(self.mlp(torch.cat([mean, pooled], dim=1))).squeeze(1)
+
+
+class SequenceTrain(nn.Module):
+    """The model and its loss, returning (loss, (loss, logits, labels)) as TrainPipelineSparseDist expects."""
+
+    def __init__(self, model: SequenceModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: SequenceBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        logits = self.model(batch)
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+        return loss, (loss.detach(), logits.detach(), batch.labels)
+
+
+# ---------------------------------------------------------------- plans
+
+
+def history_layout(kind: str, rows: int, dim: int, world_size: int) -> TableLayout:
+    """The history table in even row blocks, one per rank: unique-based (ub) or row-based (rw)."""
+    bounds = ceil_row_bounds(rows, world_size)
+    return TableLayout("ub" if kind == "ub" else "rb", bounds, (0, dim), tuple((k,) for k in range(world_size)))
+
+
+def make_plan(args: argparse.Namespace, model: SequenceTrain, world: World, sharders: list[Any]) -> ShardingPlan:
+    """The ShardingPlan every rank runs."""
+    device_type = world.device.type
+    topology = Topology(world.world_size, world.local_world_size, hardware_preset(HARDWARE[device_type]))
+    if args.planner == "torchrec":
+        planner = EmbeddingShardingPlanner(
+            topology=torchrec_topology(topology, device_type), batch_size=args.batch_size
+        )
+        return planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    planner = EmbarkPlanner(topology=topology, batch_size=args.batch_size, compute_device=device_type)
+    plan = planner.collective_plan(model, sharders)  # the pooled tables; the planner does not plan sequence tables
+    layout = history_layout(args.history_layout, args.history_rows, DEFAULTS.embedding_dim, world.world_size)
+    history = sequence_sharding_plan(
+        Plan(world.world_size, world.local_world_size, {HISTORY: layout}), model.model.history, device_type
+    )
+    # row-wise runs on our grid sharding rather than TorchRec's (which would be its built-in row_wise), so that
+    # the same counters count it
+    history[HISTORY].sharding_type = sharding_type_name(layout)
+    plan.plan[EC_PATH] = history
+    return plan
+
+
+def describe(plan: ShardingPlan) -> str:
+    """One line per table: its module, sharding type and ranks."""
+    lines = ["| module | table | sharding type | ranks |", "|---|---|---|---|"]
+    for path, module_plan in plan.plan.items():
+        for table, ps in module_plan.items():
+            lines.append(f"| {path} | {table} | {ps.sharding_type} | {ps.ranks} |")
+    return "\n".join(lines)
+
+
+def sharders_for(planner: str, args: argparse.Namespace) -> list[Any]:
+    """Ours (which also run TorchRec's types) for embark, TorchRec's for torchrec; the same fused optimizer."""
+    fused = {
+        "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        "learning_rate": args.embedding_lr,
+        "eps": DEFAULTS.adagrad_eps,
+    }
+    if planner == "embark":
+        return [
+            EmbarkEmbeddingBagCollectionSharder(fused_params=fused),
+            EmbarkEmbeddingCollectionSharder(fused_params=fused),
+        ]
+    return [EmbeddingBagCollectionSharder(fused_params=fused), EmbeddingCollectionSharder(fused_params=fused)]
+
+
+# ---------------------------------------------------------------- training
+
+
+@dataclass
+class Progress:
+    """Loss and throughput bookkeeping for the log lines and the RESULT line."""
+
+    first_loss: float | None = None
+    last_loss: float | None = None
+    measured_seconds: float = 0.0  # after the warm-up steps
+    measured_steps: int = 0
+
+
+def _mean_over_ranks(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
+
+
+def _gather(values: list[int], device: torch.device) -> list[list[int]]:
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [t.tolist() for t in every]
+
+
+class Trainer:
+    """One run: __init__ builds the job, data, plan, sharded model and optimizers from the flags; train() trains;
+    finish() prints the RESULT line."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.world = world = init_distributed(args.local_world_size, args.pg_timeout_s)
+        torch.manual_seed(args.seed)  # the same dense initial weights on every rank and for every planner
+        d = DEFAULTS
+        self.data = SequenceData(
+            args.history_rows, d.features, args.batch_size, d.zipf_alpha, d.min_length, d.max_length, args.seed
+        )
+        model = SequenceTrain(SequenceModel(args.history_rows, world.device))
+        sharders = sharders_for(args.planner, args)
+        start = time.perf_counter()
+        self.plan = make_plan(args, model, world, sharders)
+        plan_s = time.perf_counter() - start
+        if world.rank == 0:
+            print(f"# {args.planner} plan ({plan_s:.2f} s)\n{describe(self.plan)}", flush=True)
+        self.model = DistributedModelParallel(
+            model,
+            env=ShardingEnv.from_process_group(dist.group.WORLD),
+            plan=self.plan,
+            sharders=sharders,
+            device=world.device,
+        )
+        dense = KeyedOptimizerWrapper(
+            dict(in_backward_optimizer_filter(self.model.named_parameters())),
+            lambda params: torch.optim.Adagrad(params, lr=args.dense_lr, eps=d.adagrad_eps),
+        )
+        self.optimizer = CombinedOptimizer([self.model.fused_optimizer, dense])
+        # our sharders count their collectives; TorchRec's do not, so its runs report no bytes
+        self.stats = enable_comm_stats(self.model) if args.planner == "embark" else None
+        self.progress = Progress()
+
+    def train(self) -> None:
+        """Steps 0..steps-1, each batch once (the pipeline reads up to two batches ahead)."""
+        args, world, progress = self.args, self.world, self.progress
+        batches: Iterator[SequenceBatch] = (self.data.batch(step, world.rank) for step in range(args.steps))
+        pipeline = (
+            None
+            if args.no_pipeline
+            else TrainPipelineSparseDist(self.model, self.optimizer, world.device, execute_all_batches=True)
+        )
+        samples_per_step = args.batch_size * world.world_size
+        warmup = min(args.warmup_steps, args.steps - 1)
+        window_loss, window_steps = torch.zeros((), device=world.device), 0
+        dist.barrier()
+        window_start = measured_start = time.perf_counter()
+        for step in range(args.steps):
+            if pipeline is not None:
+                loss, _, _ = pipeline.progress(batches)
+            else:
+                loss, _ = self.model(next(batches).to(world.device))
+                loss.backward()
+                self.optimizer.step()
+                self.optimizer.zero_grad()
+            if step + 1 == warmup:
+                measured_start = time.perf_counter()
+            elif step + 1 > warmup:
+                progress.measured_steps += 1
+            window_loss += loss.detach()
+            window_steps += 1
+            if window_steps == args.log_every or step + 1 == args.steps:
+                mean_loss = _mean_over_ranks(float(window_loss) / window_steps, world.device)
+                rate = window_steps * samples_per_step / (time.perf_counter() - window_start)
+                if progress.first_loss is None:
+                    progress.first_loss = mean_loss
+                progress.last_loss = mean_loss
+                if world.rank == 0:
+                    print(f"step {step + 1}: loss {mean_loss:.4f}, {rate:,.0f} samples/s", flush=True)
+                window_loss, window_steps, window_start = torch.zeros((), device=world.device), 0, time.perf_counter()
+        dist.barrier()
+        progress.measured_seconds = time.perf_counter() - measured_start
+
+    def _comm(self) -> dict[str, Any]:
+        """Counted bytes: every rank's sent + received (all tables, and inter-node), their maximum, and the history
+        table's bytes sent by all ranks together (each byte on the wire once); None where nothing counts."""
+        if self.stats is None:
+            return {k: None for k in ("comm_bytes", "inter_node_bytes", "comm_bytes_by_rank", "history_bytes")}
+        t = self.stats.totals()
+        history = self.stats.by("table").get(HISTORY, {"sent": 0})
+        every = _gather(
+            [t["sent"] + t["received"], t["sent_inter"] + t["received_inter"], history["sent"]], self.world.device
+        )
+        return {
+            "comm_bytes": max(e[0] for e in every),
+            "inter_node_bytes": max(e[1] for e in every),
+            "comm_bytes_by_rank": [e[0] for e in every],
+            "history_bytes": sum(e[2] for e in every),
+        }
+
+    def finish(self) -> None:
+        args, world, progress = self.args, self.world, self.progress
+        comm = self._comm()
+        if world.rank == 0:
+            samples = progress.measured_steps * args.batch_size * world.world_size
+            steps = max(args.steps, 1)
+            per_step = {
+                k: (v // steps if isinstance(v, int) else None) for k, v in comm.items() if k != "comm_bytes_by_rank"
+            }
+            result = {
+                "planner": args.planner,
+                "history_layout": args.history_layout if args.planner == "embark" else None,
+                "history_sharding": self.plan.plan[EC_PATH][HISTORY].sharding_type,
+                "world_size": world.world_size,
+                "local_world_size": world.local_world_size,
+                "device": world.device.type,
+                "batch_size": args.batch_size,
+                "steps": args.steps,
+                "samples_per_s": round(samples / progress.measured_seconds, 1) if samples else None,
+                "first_loss": progress.first_loss,
+                "final_loss": progress.last_loss,
+                **comm,
+                **{f"{k}_per_step": v for k, v in per_step.items()},
+            }
+            print("RESULT " + json.dumps(result), flush=True)
+        dist.destroy_process_group()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    trainer = Trainer(parse_args(argv))
+    trainer.train()
+    trainer.finish()
+
+
+if __name__ == "__main__":
+    main()
+    # After a clean run, torch 2.13's gloo threads sometimes abort interpreter teardown (SIGABRT after the RESULT
+    # line); the process group is destroyed by now, so flush and leave without the teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
