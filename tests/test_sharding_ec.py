@@ -2,13 +2,13 @@
 an unsharded EmbeddingCollection: per feature, each ID's vector in sequence order (and the lengths), at both steps, and
 every weight after two fused-optimizer steps.
 
-One spawn per world size (2, and 4 as 2 nodes x 2). Each model holds a table for every layout kind: TorchRec's
-table-wise and row-wise, a 2 x 2 grid with uneven rows (two features), row splits with uneven slices, several cells of
-one table on one rank, column slices (as our grid: TorchRec's sequence column-wise needs one width for every table),
-and unique-based tables (grid, row split). The grid holders see one cell width and several; at 4 ranks one rank holds
-no grid cell and two hold no UB cell. Batches have empty sequences; configurations cover fused SGD and Adagrad, uniform
-and Zipf IDs (repeats: UB sums gradients per distinct ID), and a rank that sends no IDs. The same spawns check wire
-precision per cluster, bad IDs, and byte counting.
+One spawn per world size (2; 3 on one node; 4 as 2 nodes x 2). Each model holds a table for every layout kind:
+TorchRec's table-wise and row-wise, a 2 x 2 grid with uneven rows (two features), row splits with uneven slices,
+several cells of one table on one rank, column slices (as our grid: TorchRec's sequence column-wise needs one width for
+every table), and unique-based tables (grid, row split). The grid holders see one cell width and several; at 3 ranks
+one rank holds no UB cell, at 4 one holds no grid cell and two hold no UB cell. Batches have empty sequences;
+configurations cover fused SGD and Adagrad, uniform and Zipf IDs (repeats: UB sums gradients per distinct ID), and a
+rank that sends no IDs. The same spawns check wire precision per cluster, bad IDs, and byte counting.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from embark_torchrec.testing.sequence import compare_sharded_sequence_training, 
 
 ATOL = 1e-5
 DIM = 8
-WORLDS = {2: 2, 4: 2}  # world size -> local world size (4 ranks as 2 nodes x 2)
+WORLDS = {2: 2, 3: 3, 4: 2}  # world size -> local world size (3 ranks on one node; 4 as 2 nodes x 2)
 # (optimizer, ids, silent rank?)
 CONFIGS = [("sgd", "uniform", False), ("adagrad", "zipf", True), ("sgd", "zipf", True)]
 FP16, FP8 = WirePrecision("fp16", "fp16"), WirePrecision("fp8", "fp8")
@@ -51,7 +51,7 @@ def _layouts(ws: int) -> dict[str, tuple[int, int, str, TableLayout]]:
             "embark_rb",
             TableLayout("rb", (0, 3, 37), (0, DIM), ((1,), (0,)))
             if ws == 2
-            else TableLayout("rb", (0, 3, 20, 37), (0, DIM), ((0,), (3,), (1,))),
+            else TableLayout("rb", (0, 3, 20, 37), (0, DIM), ((0,), (last,), (1,))),
         ),
         "multi": (33, 1, "embark_rb", TableLayout("rb", (0, 7, 20, 33), (0, 4, DIM), ((0, 0), (last, 0), (0, 1)))),
         "cw": (18, 1, "embark_rb", TableLayout("rb", (0, 18), (0, 4, DIM), ((1, 0),))),

@@ -59,7 +59,9 @@ def module_sharding_plan(
 
 def sequence_sharding_plan(plan: Plan, collection: Any, compute_device: str = "cuda") -> Any:
     """module_sharding_plan for a TorchRec EmbeddingCollection (sequence tables: one vector per ID),
-    whose tables ModelSpec.from_module does not read."""
+    whose tables ModelSpec.from_module does not read; the plan is validated against the collection
+    first (every table covered once, no rank holding cells of one table in two widths), so a
+    hand-made plan fails here by name rather than inside TorchRec."""
     tables = tuple(
         TableSpec(
             name=c.name, rows=c.num_embeddings, dim=c.embedding_dim, pooling=1.0, feature_names=tuple(c.feature_names)
@@ -67,4 +69,5 @@ def sequence_sharding_plan(plan: Plan, collection: Any, compute_device: str = "c
         for c in collection.embedding_configs()
     )
     spec = ModelSpec(name="sequence", batch_size=plan.world_size, tables=tables)
+    plan.validate(spec)
     return module_sharding_plan(plan, spec, compute_device, SEQUENCE_BUILTIN_TYPES)
