@@ -67,6 +67,39 @@ def key_tables(configs: List[Any]) -> Dict[str, str]:
     return keys
 
 
+def load_cells(module: Any, state_dict: Dict[str, Any], table_prefix: str) -> None:
+    """Copies each of the module's local cells from its own region of the incoming weight (a
+    ShardedTensor from any plan, matched by offsets, or a full tensor) and takes the weight out of
+    `state_dict`. TorchRec's load hooks view a rank's shards of a table as rows of the first shard's
+    width, which our cells of other rows and widths break. Virtual tables stay with TorchRec."""
+    for table, local_shards in local_shards_by_table(module).items():
+        key = f"{table_prefix}{table}.weight"
+        value = state_dict.get(key)
+        if is_virtual_table(module, table) or not isinstance(value, torch.Tensor):
+            continue
+        incoming = (
+            {tuple(s.metadata.shard_offsets): s.tensor for s in value.local_shards()}
+            if isinstance(value, ShardedTensor)
+            else None
+        )
+        with torch.no_grad():
+            for shard in local_shards:
+                offsets, sizes = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                if incoming is None:
+                    source = value[offsets[0] : offsets[0] + sizes[0], offsets[1] : offsets[1] + sizes[1]]
+                else:
+                    source = incoming.get(tuple(offsets))
+                if source is None or tuple(source.shape) != tuple(sizes):
+                    raise ValueError(
+                        f"table {table!r}: the state dict has no shard of shape {list(sizes)} "
+                        f"at offsets {list(offsets)} "
+                        "for this rank; was it saved with another plan? load it with torch.distributed.checkpoint"
+                    )
+                shard.tensor.copy_(source)
+        del state_dict[key]
+        skip_missing_weight(module, key)
+
+
 class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     """torchrec builds one EmbeddingSharding per distinct sharding-type string, so each EMBark
     cluster variant (one string) gets its own dists; built-in strings go to torchrec.
@@ -219,30 +252,5 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def _pre_load_state_dict_hook(
         self: "EmbarkShardedEmbeddingBagCollection", state_dict: Dict[str, Any], prefix: str, *args: Any
     ) -> None:
-        for table, local_shards in local_shards_by_table(self).items():
-            key = f"{prefix}embedding_bags.{table}.weight"
-            value = state_dict.get(key)
-            if is_virtual_table(self, table) or not isinstance(value, torch.Tensor):
-                continue
-            incoming = (
-                {tuple(s.metadata.shard_offsets): s.tensor for s in value.local_shards()}
-                if isinstance(value, ShardedTensor)
-                else None
-            )
-            with torch.no_grad():
-                for shard in local_shards:
-                    offsets, sizes = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-                    if incoming is None:
-                        source = value[offsets[0] : offsets[0] + sizes[0], offsets[1] : offsets[1] + sizes[1]]
-                    else:
-                        source = incoming.get(tuple(offsets))
-                    if source is None or tuple(source.shape) != tuple(sizes):
-                        raise ValueError(
-                            f"table {table!r}: the state dict has no shard of shape {list(sizes)} "
-                            f"at offsets {list(offsets)} "
-                            "for this rank; was it saved with another plan? load it with torch.distributed.checkpoint"
-                        )
-                    shard.tensor.copy_(source)
-            del state_dict[key]
-            skip_missing_weight(self, key)
+        load_cells(self, state_dict, f"{prefix}embedding_bags.")
         ShardedEmbeddingBagCollection._pre_load_state_dict_hook(self, state_dict, prefix, *args)

@@ -18,7 +18,6 @@ from torchrec.distributed.embedding import (
 )
 from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo, KJTList
 from torchrec.distributed.fbgemm_qcomm_codec import CommOp
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.types import Awaitable, ParameterSharding, QuantizedCommCodecs, ShardingEnv
 from torchrec.modules.embedding_modules import EmbeddingCollection
@@ -33,7 +32,7 @@ from .sequence import (
     GridSequenceFeaturesDist,
     UniqueSequenceEmbeddingSharding,
 )
-from .sharded_ebc import key_tables, qcomms_precision
+from .sharded_ebc import key_tables, load_cells, qcomms_precision
 from .torchrec_compat import (
     is_virtual_table,
     local_shards_by_table,
@@ -44,7 +43,6 @@ from .torchrec_compat import (
     sequence_configs,
     sequence_sharding_types,
     sequence_shardings,
-    skip_missing_weight,
     uses_index_dedup,
 )
 from .torchrec_counting import KJTCounter, count_borrowed_dists
@@ -155,34 +153,10 @@ class EmbarkShardedEmbeddingCollection(ShardedEmbeddingCollection):
         """Loads each local cell from its own region of the incoming weight. TorchRec's hook views a rank's
         shards of a table as rows of the table's first shard's width, which breaks on any cell of another width
         (our uneven column slices, e.g. after dcp.load from another plan); virtual tables stay with TorchRec's."""
-        shards_by_table = local_shards_by_table(self)
-        if any(is_virtual_table(self, table) for table in shards_by_table):
+        if any(is_virtual_table(self, table) for table in local_shards_by_table(self)):
             ShardedEmbeddingCollection._pre_load_state_dict_hook(self, state_dict, prefix, *args)
             return
-        for table, local_shards in shards_by_table.items():
-            key = f"{prefix}embeddings.{table}.weight"
-            value = state_dict[key]
-            incoming = (
-                {tuple(s.metadata.shard_offsets): s.tensor for s in value.local_shards()}
-                if isinstance(value, ShardedTensor)
-                else None
-            )
-            with torch.no_grad():
-                for shard in local_shards:
-                    offsets, sizes = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-                    if incoming is None:
-                        source = value[offsets[0] : offsets[0] + sizes[0], offsets[1] : offsets[1] + sizes[1]]
-                    else:
-                        source = incoming.get(tuple(offsets))
-                    if source is None or tuple(source.shape) != tuple(sizes):
-                        raise ValueError(
-                            f"table {table!r}: the state dict has no shard of shape {list(sizes)} at offsets "
-                            f"{list(offsets)} for this rank; was it saved with another plan? load it with "
-                            "torch.distributed.checkpoint"
-                        )
-                    shard.tensor.copy_(source)
-            del state_dict[key]
-            skip_missing_weight(self, key)
+        load_cells(self, state_dict, f"{prefix}embeddings.")
         for lookup in module_lookups(self):  # as TorchRec's hook ends: drop what caches hold of the old weights
             while isinstance(lookup, DistributedDataParallel):
                 lookup = lookup.module

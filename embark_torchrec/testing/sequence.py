@@ -12,7 +12,6 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingConfig
@@ -24,7 +23,7 @@ from ..sharding.parameter_sharding import sequence_sharding_plan
 from ..sharding.sharded_ec import EmbarkEmbeddingCollectionSharder
 from .batches import global_kjt_batch
 from .equality import copy_global_weights
-from .training import ADAGRAD_EPS, OPTIMIZERS, _reference_optimizer
+from .training import ADAGRAD_EPS, OPTIMIZERS, _reference_optimizer, weight_diffs
 
 
 class SequenceArch(nn.Module):
@@ -130,16 +129,5 @@ def compare_sharded_sequence_training(
             diffs[f"step{step}/{k}"] = (
                 worst if same_lengths and got.values().shape == want.values().shape else float("inf")
             )
-    state = reference.state_dict()
-    for key, value in model.state_dict().items():
-        if isinstance(value, ShardedTensor):
-            worst = 0.0
-            for shard in value.local_shards():
-                region = state[key]
-                for d, (off, size) in enumerate(zip(shard.metadata.shard_offsets, shard.metadata.shard_sizes)):
-                    region = region.narrow(d, off, size)
-                worst = max(worst, float((shard.tensor - region).abs().max()) if shard.tensor.numel() else 0.0)
-            diffs[f"weight/{key}"] = worst
-        else:
-            diffs[f"weight/{key}"] = float((value - state[key]).abs().max())
+    diffs.update(weight_diffs(model, reference.state_dict()))
     return diffs

@@ -223,16 +223,23 @@ def compare_sharded_training(
             dense_opt.step()
         for k, v in out.items():
             diffs[f"step{step}/{k}"] = max(diffs.get(f"step{step}/{k}", 0.0), _max_abs(v.detach() - ref_out_here[k]))
-    state = reference.state_dict()
+    diffs.update(weight_diffs(model, reference.state_dict()))
+    return diffs
+
+
+def weight_diffs(model: nn.Module, reference: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """Max |weight - reference| per state_dict key ("weight/<key>"), over this rank's local shards of
+    sharded tables (the region of the global reference each covers) and whole plain tensors."""
+    diffs: dict[str, float] = {}
     for key, value in model.state_dict().items():
         if isinstance(value, ShardedTensor):
             worst = 0.0
             for shard in value.local_shards():
-                region = state[key]
+                region = reference[key]
                 for dim, (off, size) in enumerate(zip(shard.metadata.shard_offsets, shard.metadata.shard_sizes)):
                     region = region.narrow(dim, off, size)
-                worst = max(worst, float((shard.tensor - region).abs().max()) if shard.tensor.numel() else 0.0)
+                worst = max(worst, _max_abs(shard.tensor - region))
             diffs[f"weight/{key}"] = worst
         else:
-            diffs[f"weight/{key}"] = float((value - state[key]).abs().max())
+            diffs[f"weight/{key}"] = _max_abs(value - reference[key])
     return diffs
