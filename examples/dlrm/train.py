@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +40,8 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from tqdm import tqdm
 
-from embark_torchrec import EmbarkEmbeddingBagCollectionSharder, EmbarkPlanner, load_plan, simulate_nodes
+from embark_torchrec.jobs import Progress, World, exit_after_clean_run, init_distributed, mean_over_ranks
+from embark_torchrec import EmbarkEmbeddingBagCollectionSharder, EmbarkPlanner, load_plan
 from embark_torchrec import calibrate as calibration
 from embark_torchrec import checkpoint
 from embark_torchrec.plan.baselines import table_row_wise_plan
@@ -164,42 +163,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------- processes and devices
-
-
-@dataclass(frozen=True)
-class World:
-    rank: int
-    world_size: int
-    local_world_size: int
-    device: torch.device
-
-
-def init_distributed(local_world_size: int | None, timeout_s: float) -> World:
-    """Join the job: CUDA + NCCL where there is a GPU, else CPU + gloo. --local-world-size regroups the
-    ranks into simulated nodes before torchrec reads LOCAL_WORLD_SIZE for its intra/cross-node groups."""
-    if "RANK" not in os.environ:
-        raise SystemExit("start me with torchrun, e.g. torchrun --standalone --nproc_per_node 2 examples/dlrm/train.py")
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device_index = int(os.environ.get("LOCAL_RANK", "0"))  # the real one, before any regrouping
-    if local_world_size is not None:
-        try:
-            simulate_nodes(local_world_size)
-        except ValueError as e:
-            raise SystemExit(f"--local-world-size: {e}") from None
-    if torch.cuda.is_available():
-        if device_index >= torch.cuda.device_count():
-            raise SystemExit(
-                f"local rank {device_index} needs cuda:{device_index}, this node has {torch.cuda.device_count()} GPUs"
-            )
-        device = torch.device("cuda", device_index)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device = torch.device("cpu")
-        backend = "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    lws = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
-    return World(rank, world_size, lws, device)
 
 
 # ---------------------------------------------------------------- model spec, data and model
@@ -345,22 +308,6 @@ def save_checkpoint(directory: Path, model: torch.nn.Module, optimizer: Combined
 # ---------------------------------------------------------------- training and evaluation
 
 
-@dataclass
-class Progress:
-    """Loss and throughput bookkeeping for the log lines and the RESULT line."""
-
-    first_loss: float | None = None
-    last_loss: float | None = None
-    measured_seconds: float = 0.0  # after the warm-up steps
-    measured_steps: int = 0
-
-
-def _mean_over_ranks(value: float, device: torch.device) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return float(t) / dist.get_world_size()
-
-
 def train(
     args: argparse.Namespace,
     model: torch.nn.Module,
@@ -407,7 +354,7 @@ def train(
         window_steps += 1
         bar.update(1)
         if window_steps == args.log_every or step + 1 == args.steps:
-            mean_loss = _mean_over_ranks(float(window_loss) / window_steps, world.device)
+            mean_loss = mean_over_ranks(float(window_loss) / window_steps, world.device)
             rate = window_steps * samples_per_step / (time.perf_counter() - window_start)
             if progress.first_loss is None:
                 progress.first_loss = mean_loss
@@ -465,7 +412,7 @@ class Trainer:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.world = world = init_distributed(args.local_world_size, args.pg_timeout_s)
+        self.world = world = init_distributed(args.local_world_size, args.pg_timeout_s, "examples/dlrm/train.py")
         torch.manual_seed(args.seed)  # the same dense initial weights on every rank and for every planner
         spec = load_spec(args.model, CriteoData.columns(args.data) if args.data else None).with_batch_size(
             args.batch_size * world.world_size
@@ -586,9 +533,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-    # After a clean run, torch 2.13's gloo threads sometimes abort interpreter teardown ("terminate
-    # called without an active exception", SIGABRT), failing the job after its RESULT line; all is
-    # saved and the process group destroyed by now, so flush and leave without the teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_after_clean_run()

@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -44,8 +41,8 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
+from embark_torchrec.jobs import Progress, World, exit_after_clean_run, init_distributed, mean_over_ranks
 from embark_torchrec import EmbarkEmbeddingBagCollectionSharder, EmbarkEmbeddingCollectionSharder, EmbarkPlanner
-from embark_torchrec import simulate_nodes
 from embark_torchrec.plan.layout import Plan, TableLayout, ceil_row_bounds, sharding_type_name
 from embark_torchrec.plan.topology import Topology, hardware_preset
 from embark_torchrec.sharding.comm_stats import enable_comm_stats
@@ -122,39 +119,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------- processes
-
-
-@dataclass(frozen=True)
-class World:
-    rank: int
-    world_size: int
-    local_world_size: int
-    device: torch.device
-
-
-def init_distributed(local_world_size: int | None, timeout_s: float) -> World:
-    """Join the job (CUDA + NCCL where there is a GPU, else CPU + gloo); --local-world-size regroups the ranks into
-    simulated nodes before TorchRec reads LOCAL_WORLD_SIZE for its intra/cross-node groups."""
-    if "RANK" not in os.environ:
-        raise SystemExit(
-            "start me with torchrun, e.g. torchrun --standalone --nproc_per_node 2 examples/sequence/train.py"
-        )
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device_index = int(os.environ.get("LOCAL_RANK", "0"))
-    if local_world_size is not None:
-        try:
-            simulate_nodes(local_world_size)
-        except ValueError as e:
-            raise SystemExit(f"--local-world-size: {e}") from None
-    if torch.cuda.is_available():
-        device = torch.device("cuda", device_index)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    lws = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
-    return World(rank, world_size, lws, device)
 
 
 # ---------------------------------------------------------------- model
@@ -275,22 +239,6 @@ def sharders_for(planner: str, args: argparse.Namespace) -> list[Any]:
 # ---------------------------------------------------------------- training
 
 
-@dataclass
-class Progress:
-    """Loss and throughput bookkeeping for the log lines and the RESULT line."""
-
-    first_loss: float | None = None
-    last_loss: float | None = None
-    measured_seconds: float = 0.0  # after the warm-up steps
-    measured_steps: int = 0
-
-
-def _mean_over_ranks(value: float, device: torch.device) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return float(t) / dist.get_world_size()
-
-
 def _gather(values: list[int], device: torch.device) -> list[list[int]]:
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
@@ -304,7 +252,7 @@ class Trainer:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.world = world = init_distributed(args.local_world_size, args.pg_timeout_s)
+        self.world = world = init_distributed(args.local_world_size, args.pg_timeout_s, "examples/sequence/train.py")
         torch.manual_seed(args.seed)  # the same dense initial weights on every rank and for every planner
         d = DEFAULTS
         self.data = SequenceData(
@@ -362,7 +310,7 @@ class Trainer:
             window_loss += loss.detach()
             window_steps += 1
             if window_steps == args.log_every or step + 1 == args.steps:
-                mean_loss = _mean_over_ranks(float(window_loss) / window_steps, world.device)
+                mean_loss = mean_over_ranks(float(window_loss) / window_steps, world.device)
                 rate = window_steps * samples_per_step / (time.perf_counter() - window_start)
                 if progress.first_loss is None:
                     progress.first_loss = mean_loss
@@ -426,8 +374,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-    # After a clean run, torch 2.13's gloo threads sometimes abort interpreter teardown (SIGABRT after the RESULT
-    # line); the process group is destroyed by now, so flush and leave without the teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_after_clean_run()

@@ -1,0 +1,83 @@
+"""What a torchrun training script needs around the library: join the job (device, backend,
+simulated nodes), average a value over ranks, keep step bookkeeping, and leave after a clean run.
+
+The examples (examples/dlrm, examples/sequence) use it; so can a user's own script.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .sharding.nodes import simulate_nodes
+
+__all__ = ["Progress", "World", "exit_after_clean_run", "init_distributed", "mean_over_ranks"]
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the job."""
+
+    rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+
+
+def init_distributed(local_world_size: int | None, timeout_s: float, script: str) -> World:
+    """Join the job: CUDA + NCCL where there is a GPU, else CPU + gloo. `local_world_size` regroups the
+    ranks into simulated nodes before TorchRec reads LOCAL_WORLD_SIZE for its intra/cross-node groups.
+    Misuse (no torchrun, a bad local world size, too few GPUs) ends the script with one line naming it."""
+    if "RANK" not in os.environ:
+        raise SystemExit(f"start me with torchrun, e.g. torchrun --standalone --nproc_per_node 2 {script}")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device_index = int(os.environ.get("LOCAL_RANK", "0"))  # the real one, before any regrouping
+    if local_world_size is not None:
+        try:
+            simulate_nodes(local_world_size)
+        except ValueError as e:
+            raise SystemExit(f"--local-world-size: {e}") from None
+    if torch.cuda.is_available():
+        if device_index >= torch.cuda.device_count():
+            raise SystemExit(
+                f"local rank {device_index} needs cuda:{device_index}, this node has {torch.cuda.device_count()} GPUs"
+            )
+        device = torch.device("cuda", device_index)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    lws = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    return World(rank, world_size, lws, device)
+
+
+def mean_over_ranks(value: float, device: torch.device) -> float:
+    """The mean of `value` over every rank (one all-reduce; for log lines, not the hot path)."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
+
+
+@dataclass
+class Progress:
+    """Loss and throughput bookkeeping for log lines and a RESULT line."""
+
+    first_loss: float | None = None
+    last_loss: float | None = None
+    measured_seconds: float = 0.0  # after the warm-up steps
+    measured_steps: int = 0
+
+
+def exit_after_clean_run() -> None:
+    """Flush and leave without interpreter teardown: after a clean run, torch 2.13's gloo threads
+    sometimes abort it ("terminate called without an active exception", SIGABRT), failing the job
+    after its last line; call it once the process group is destroyed and everything is saved."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
