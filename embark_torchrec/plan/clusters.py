@@ -18,7 +18,10 @@ from .constraints import TableConstraints
 from .cost import CostModel
 from .groups import sharding_type
 from .layout import TableLayout
+from .report import Progress
 from .spec import TableSpec
+
+_FREE = TableConstraints()
 
 
 def mean_rank_ms(cost: CostModel, name: str, layout: TableLayout) -> float:
@@ -31,26 +34,30 @@ def assign_clusters(
     cost: CostModel,
     constraints: Mapping[str, TableConstraints],
     dp_memory_fraction: float = 0.05,
+    progress: Progress | None = None,
 ) -> dict[str, str]:
     clusters: dict[str, str] = {}
     free: list[TableSpec] = []
     for t in cost.spec.tables:
-        c = constraints.get(t.name, TableConstraints())
+        c = constraints.get(t.name, _FREE)
         if c.layout is not None:
             clusters[t.name] = c.layout.cluster
         elif c.cluster is not None:
             clusters[t.name] = c.cluster
         else:
             free.append(t)
-    clusters.update(_model_parallel_clusters(cost, free, set(clusters.values())))
+    own_ms = _table_wise_ms(cost, free, progress)
+    clusters.update(_model_parallel_clusters(cost, free, own_ms, set(clusters.values())))
     for t in free:  # a table constrained to TorchRec's (reduction-based) sharding types stays RB
-        if not constraints.get(t.name, TableConstraints()).unique_based:
+        if not constraints.get(t.name, _FREE).unique_based:
             clusters[t.name] = "rb"
     dp_candidates: list[tuple[float, str]] = []
-    for t in free:
-        if constraints.get(t.name, TableConstraints()).ranks is None:
+    for i, t in enumerate(free):
+        if progress is not None:
+            progress("data-parallel tables", i, len(free), "")
+        if constraints.get(t.name, _FREE).ranks is None:
             dp_ms = mean_rank_ms(cost, t.name, TableLayout.data_parallel())
-            if dp_ms < mean_rank_ms(cost, t.name, _table_wise(t, clusters[t.name])):
+            if dp_ms < own_ms[t.name][clusters[t.name]]:
                 dp_candidates.append((t.rows * cost.row_memory(t.name, t.dim), t.name))
     budget = dp_memory_fraction * cost.topology.hbm_cap_bytes
     used = sum(cost.table(n).rows * cost.row_memory(n, cost.table(n).dim) for n, c in clusters.items() if c == "dp")
@@ -65,10 +72,23 @@ def _table_wise(t: TableSpec, cluster: str) -> TableLayout:
     return TableLayout.table_wise(t.rows, t.dim, 0, cluster)
 
 
-def _model_parallel_clusters(cost: CostModel, tables: list[TableSpec], forced: set[str]) -> dict[str, str]:
-    """RB or UB for each table: per table, all RB or all UB, whichever costs least with each sharding
-    group used paying its collectives once (groups that `forced` tables open anyway are free)."""
-    ms = {t.name: {k: mean_rank_ms(cost, t.name, _table_wise(t, k)) for k in ("rb", "ub")} for t in tables}
+def _table_wise_ms(cost: CostModel, tables: list[TableSpec], progress: Progress | None) -> dict[str, dict[str, float]]:
+    """mean_rank_ms of each table table-wise as RB and as UB, priced once: a model may have 50,000
+    tables, more than the cost model's cache keeps."""
+    ms: dict[str, dict[str, float]] = {}
+    for i, t in enumerate(tables):
+        if progress is not None:
+            progress("clusters", i, len(tables), "")
+        ms[t.name] = {k: mean_rank_ms(cost, t.name, _table_wise(t, k)) for k in ("rb", "ub")}
+    return ms
+
+
+def _model_parallel_clusters(
+    cost: CostModel, tables: list[TableSpec], ms: Mapping[str, Mapping[str, float]], forced: set[str]
+) -> dict[str, str]:
+    """RB or UB for each table: per table, all RB or all UB, whichever costs least (`ms`: each
+    table's mean_rank_ms in each) with each sharding group used paying its collectives once (groups
+    that `forced` tables open anyway are free)."""
     group = {k: 0.0 if k in forced else _group_ms(cost, tables, k) for k in ("rb", "ub")}
 
     def total(choice: dict[str, str]) -> float:

@@ -47,7 +47,7 @@ ranks / host_cores: there, balancing the ranks does not shorten the step, less t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import numpy as np
 
@@ -68,6 +68,10 @@ class OptimizerMemory:
 
     bytes_per_element: float = 0.0
     bytes_per_row: float = 4.0
+
+
+def _to_ms(nbytes: np.ndarray | float, gbps: float) -> np.ndarray | float:
+    return nbytes / (gbps * 1e6)
 
 
 _ROWS = ("lookup_bytes", "send_intra", "recv_intra", "send_inter", "recv_inter", "memory", "dedup_ms", "lookup_ids")
@@ -104,19 +108,13 @@ class RankLoad:
         return cls(np.zeros((len(_ROWS), world_size)))
 
     @classmethod
-    def total(cls, loads: "list[RankLoad]", world_size: int) -> "RankLoad":
-        if not loads:
-            return cls.zeros(world_size)
-        groups: dict[str, int] = {}
+    def total(cls, loads: "Iterable[RankLoad]", world_size: int) -> "RankLoad":
+        """The sum, added one load at a time in the given order (the order the search adds tables
+        in, so that its running totals equal this to the last bit), without holding them all."""
+        total = cls.zeros(world_size)
         for load in loads:
-            for kind, n in load.groups.items():
-                groups[kind] = groups.get(kind, 0) + n
-        return cls(
-            np.sum([load.rows for load in loads], axis=0),
-            sum(load.dp_intra for load in loads),
-            sum(load.dp_inter for load in loads),
-            groups,
-        )
+            total.add(load)
+        return total
 
     lookup_bytes = property(*_row_accessors(0))
     send_intra = property(*_row_accessors(1))
@@ -195,6 +193,8 @@ class CostModel:
         w, lws = topology.world_size, topology.local_world_size
         self._node = np.arange(w) // lws
         self._local = np.arange(w) % lws
+        self._shifts: dict[int, np.ndarray] = {}
+        self.computed = 0  # per-table loads computed in full (cache misses): work the scale tests count
 
     # ---- per-table building blocks -------------------------------------------------------
 
@@ -264,19 +264,38 @@ class CostModel:
             cached = self._loads[key] = self._single_cell_load(name, layout) or self._table_load(name, layout)
         return cached
 
+    def shifted_ranks(self, k: int) -> np.ndarray:
+        """For a one-cell table on rank k: the rank whose load under the same table on rank 0 each
+        rank takes (nodes and local ranks shifted, which keeps the node structure); memoised."""
+        source = self._shifts.get(k)
+        if source is None:
+            lws, nodes = self.topology.local_world_size, self.topology.num_nodes
+            source = self._shifts[k] = ((self._node - k // lws) % nodes) * lws + (self._local - k % lws) % lws
+        return source
+
+    def add_one_cell(self, rows: np.ndarray, base: RankLoad, k: int) -> None:
+        """rows += the load of a one-cell table on rank k whose load on rank 0 is `base`, to the same
+        bits as adding base's rows renumbered by shifted_ranks(k), in O(local world size) gathers:
+        such a table loads every rank of the other nodes alike, so they take one addition of a
+        constant, and only the holder's node is renumbered."""
+        lws = self.topology.local_world_size
+        here = slice(k - k % lws, k - k % lws + lws)
+        node = rows[:, here] + base.rows[:, self.shifted_ranks(k)[here]]
+        if self.topology.num_nodes > 1:
+            rows += base.rows[:, lws : lws + 1]
+        rows[:, here] = node
+
     def _single_cell_load(self, name: str, layout: TableLayout) -> RankLoad | None:
-        """A one-cell table on rank k loads the ranks as the same table on rank 0 does, with ranks
-        renumbered by shifting nodes and local ranks (which keeps the node structure): one gather
-        instead of the whole computation. The search prices thousands of such placements."""
+        """A one-cell table on rank k loads the ranks as the same table on rank 0 does, renumbered
+        by shifted_ranks: one gather instead of the whole computation. The search prices thousands
+        of such placements."""
         if layout.cluster == "dp" or layout.num_row_slices * layout.num_col_slices != 1 or layout.ranks[0][0] == 0:
             return None
-        k = layout.ranks[0][0]
         base = self.table_load(name, layout.with_ranks(((0,),)))
-        lws, nodes = self.topology.local_world_size, self.topology.num_nodes
-        source = ((self._node - k // lws) % nodes) * lws + (self._local - k % lws) % lws
-        return RankLoad(base.rows[:, source], base.dp_intra, base.dp_inter, base.groups)
+        return RankLoad(base.rows[:, self.shifted_ranks(layout.ranks[0][0])], base.dp_intra, base.dp_inter, base.groups)
 
     def _table_load(self, name: str, layout: TableLayout) -> RankLoad:
+        self.computed += 1
         t = self._tables[name]
         w = self.topology.world_size
         load = RankLoad.zeros(w)
@@ -371,18 +390,31 @@ class CostModel:
 
     def rank_load(self, plan: Plan | Mapping[str, TableLayout]) -> RankLoad:
         tables = plan.tables if isinstance(plan, Plan) else plan
-        return RankLoad.total([self.table_load(n, layout) for n, layout in tables.items()], self.topology.world_size)
+        return RankLoad.total((self.table_load(n, layout) for n, layout in tables.items()), self.topology.world_size)
+
+    def rank_times(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Lookup, intra-node and inter-node ms of each column of RankLoad rows ([8, W], or any
+        columns of such arrays stacked): elementwise, so a column costs the same bits here as in
+        the whole array (the search prices single ranks of many tables at once)."""
+        hw = self.topology.hardware
+        lookup_bytes, send_intra, recv_intra, send_inter, recv_inter, _, dedup_ms, lookup_ids = rows  # as _ROWS
+        lookup = _to_ms(lookup_bytes, hw.hbm_bw_gbps) + lookup_ids * hw.lookup_ns_per_id / 1e6 + dedup_ms
+        intra = _to_ms(np.maximum(send_intra, recv_intra), hw.intra_node_bw_gbps)
+        inter = _to_ms(np.maximum(send_inter, recv_inter), hw.inter_node_bw_gbps)
+        return lookup, intra, inter
+
+    def rank_load_ms(self, rows: np.ndarray) -> np.ndarray:
+        """StepCost.rank_load_ms of RankLoad rows (or stacked columns of them), without the rest."""
+        lookup, intra, inter = self.rank_times(rows)
+        return lookup + intra + inter
 
     def step_cost(self, load: RankLoad) -> StepCost:
         hw = self.topology.hardware
-        to_ms = lambda nbytes, gbps: nbytes / (gbps * 1e6)  # noqa: E731
-        lookup = to_ms(load.lookup_bytes, hw.hbm_bw_gbps) + load.lookup_ids * hw.lookup_ns_per_id / 1e6 + load.dedup_ms
-        intra = to_ms(np.maximum(load.send_intra, load.recv_intra), hw.intra_node_bw_gbps)
-        inter = to_ms(np.maximum(load.send_inter, load.recv_inter), hw.inter_node_bw_gbps)
-        dp = to_ms(load.dp_intra, hw.intra_node_bw_gbps) + to_ms(load.dp_inter, hw.inter_node_bw_gbps)
+        lookup, intra, inter = self.rank_times(load.rows)
+        dp = _to_ms(load.dp_intra, hw.intra_node_bw_gbps) + _to_ms(load.dp_inter, hw.inter_node_bw_gbps)
         dense_grad = hw.dense_params_mb * 1e6
         lws, nodes = self.topology.local_world_size, self.topology.num_nodes
-        dense_ar = to_ms(2.0 * (lws - 1) / lws * dense_grad, hw.intra_node_bw_gbps) + to_ms(
+        dense_ar = _to_ms(2.0 * (lws - 1) / lws * dense_grad, hw.intra_node_bw_gbps) + _to_ms(
             2.0 * (nodes - 1) / nodes * dense_grad / lws, hw.inter_node_bw_gbps
         )
         slowest = float(lookup.max())

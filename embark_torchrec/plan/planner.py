@@ -135,7 +135,10 @@ class EmbarkPlanner(ShardingPlanner):
     preset follows the device in use: cpu-gloo on CPU, the preset matching the GPU's name on CUDA
     (dgx-h100 with a warning naming the GPU when none matches).
     `plans` keeps the Plan of every planned module (by its path) for report() and the plan file.
-    Each EmbeddingBagCollection is planned on its own.
+    Each EmbeddingBagCollection is planned on its own. `progress`: a line on stderr while a plan
+    takes more than a few seconds; None (default) on rank 0 when its stderr is a terminal (under
+    torchrun, collective_plan plans on rank 0 alone: one line), True on every rank that plans,
+    False never.
     """
 
     def __init__(
@@ -152,6 +155,7 @@ class EmbarkPlanner(ShardingPlanner):
         config: SearchConfig | None = None,
         optimizer: OptimizerMemory | None = None,
         measured: ModelSpec | None = None,
+        progress: bool | None = None,
     ) -> None:
         if isinstance(topology, Topology):  # ours: its hardware is the plan's, unless given
             hardware = hardware if hardware is not None else topology.hardware
@@ -171,6 +175,7 @@ class EmbarkPlanner(ShardingPlanner):
         self.config = config or SearchConfig()
         self.optimizer = optimizer
         self.measured = measured
+        self.progress = progress
         self.plans: dict[str, PlannedModel] = {}
 
     def _topology(self) -> Topology:
@@ -181,6 +186,15 @@ class EmbarkPlanner(ShardingPlanner):
         )
         lws = self.local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", str(ws)))
         return Topology(ws, lws, self.hardware)
+
+    def _progress(self) -> bool | None:
+        """plan_model's progress: as asked, or by default on rank 0 only (None: when its stderr is a terminal)."""
+        if self.progress is not None:
+            return self.progress
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        return None if rank == 0 else False
 
     def plan(self, module: Any, sharders: list[Any]) -> ShardingPlan:
         from ..sharding.parameter_sharding import module_sharding_plan  # the TorchRec adapter lives with the runtime
@@ -214,7 +228,7 @@ class EmbarkPlanner(ShardingPlanner):
                 here = {
                     t.name: TableConstraints(layout=_row_wise(t.rows, t.dim, topology.world_size)) for t in spec.tables
                 }
-            planned = plan_model(spec, topology, here, self.config, self.optimizer)
+            planned = plan_model(spec, topology, here, self.config, self.optimizer, self._progress())
             self.plans[path] = planned
             result.plan[path] = module_sharding_plan(planned.plan, spec, self.compute_device)
         if not result.plan:

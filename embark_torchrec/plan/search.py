@@ -17,6 +17,13 @@ rank, or move the cell), each applied only if it lowers the estimated step time.
 
 Ties on step time are broken by the sum of squared per-rank loads. Every loop runs in a fixed
 order, so the result is deterministic.
+
+Each round's work is linear in the tables, so that models of 50,000 tables plan in minutes: the
+cells of tables whose shape did not change keep their order (the few others are merged in); a
+placement keeps each table's cell ranks, and a one-cell table's load is its load on rank 0
+renumbered (CostModel.add_one_cell), added into the plan's total in table order, so that the total
+is CostModel.rank_load's to the last bit; the costliest rank's tables come from the placement and
+twins from groups built once. Phase 2 keeps, per rank, the tables with a cell there.
 """
 
 from __future__ import annotations
@@ -30,9 +37,13 @@ import numpy as np
 from .constraints import TableConstraints
 from .cost import CostModel, RankLoad, StepCost
 from .layout import Plan, PlanError, TableLayout, WirePrecision
+from .report import Progress
 
 Objective = tuple[float, float]
 Shape = tuple[int, int]  # (row slices, column slices)
+Grid = tuple[tuple[int, ...], ...]  # the rank of each cell, [row slice][column slice]
+Cell = tuple[float, int, int, int, str, float, int, bool]  # see GreedySearch._cells
+_FREE = TableConstraints()
 
 
 @dataclass(frozen=True)
@@ -48,10 +59,40 @@ class SearchConfig:
 
 @dataclass
 class SearchStats:
+    """What the search did. The work counters are what tests/test_plan_scale.py bounds per table and
+    round, so that planning stays linear in the tables."""
+
     rounds: int = 0
     moves: int = 0
     evaluations: int = 0
     initial_step_ms: float = 0.0
+    placements: int = 0  # placements of every movable cell (phase 1)
+    cells_placed: int = 0
+    rank_probes: int = 0  # ranks taken off the heap to place those cells
+    tables_summed: int = 0  # per-table loads added into whole-plan totals
+    tables_scanned: int = 0  # tables looked at for the costliest table or the heaviest cells of a rank
+    loads_computed: int = 0  # per-table loads the cost model computed in full (CostModel.computed)
+
+
+@dataclass
+class _Cells:
+    """A table's unplaced grid (every cell on rank 0) and its cells; a one-cell grid also keeps its
+    load on rank 0, which the load on any other rank is a renumbering of."""
+
+    grid: TableLayout
+    cells: list[Cell]
+    base: RankLoad | None = None
+
+
+@dataclass
+class _Placement:
+    """A phase-1 plan: each movable table's shape and the rank of each of its cells, the movable
+    tables with a cell on each rank, and the layouts, built when asked for."""
+
+    shapes: dict[str, Shape]
+    grids: dict[str, Grid]
+    holders: dict[int, list[str]]
+    layouts: dict[str, TableLayout] = field(default_factory=dict)
 
 
 class GreedySearch:
@@ -63,48 +104,79 @@ class GreedySearch:
         clusters: Mapping[str, str],
         constraints: Mapping[str, TableConstraints],
         config: SearchConfig,
+        progress: Progress | None = None,
     ) -> None:
         self.cost = cost
         self.clusters = dict(clusters)
         self.constraints = constraints
         self.config = config
+        self.progress = progress
         self.world_size = cost.topology.world_size
         self.cap = cost.topology.hbm_cap_bytes
         self.stats = SearchStats()
         self._shapes: dict[str, Shape] = {}
+        self._con = {t.name: constraints.get(t.name, _FREE) for t in cost.spec.tables}
+        self._precisions = {
+            n: c.precision or config.precision.get(self.clusters[n], WirePrecision()) for n, c in self._con.items()
+        }
         self.fixed: dict[str, TableLayout] = {}
         self.movable: list[str] = []
         for t in cost.spec.tables:
-            c = self.constraints.get(t.name, TableConstraints())
+            c = self._con[t.name]
             if c.layout is not None:
                 self.fixed[t.name] = c.layout
             elif self.clusters[t.name] == "dp":
                 self.fixed[t.name] = TableLayout.data_parallel(self._precision(t.name))
             else:
                 self.movable.append(t.name)
+        # shared by the tables every rank is allowed for: 50,000 tables need no 50,000 rank lists
+        everyone = np.arange(self.world_size)
+        everyone_key = tuple(range(self.world_size))
+        self._allowed_ranks: dict[str, np.ndarray] = {}
+        self._allowed_set: dict[str, set[int] | None] = {}  # None: every rank
+        self._twin_groups: dict[tuple, list[str]] = {}
+        self._twin_key: dict[str, tuple] = {}
+        for n in self.movable:
+            c = self._con[n]
+            ranks = sorted(set(c.ranks)) if c.ranks is not None else None
+            self._allowed_ranks[n] = everyone if ranks is None else np.array(ranks, dtype=np.int64)
+            self._allowed_set[n] = None if ranks is None else set(ranks)
+            key = (
+                self.cost.signature[n],
+                self.clusters[n],
+                everyone_key if ranks is None else tuple(ranks),
+                self._precision(n),
+                (c.row_cuts, c.column_cuts, c.grid_cuts, c.min_column_width),
+            )
+            self._twin_key[n] = key
+            self._twin_groups.setdefault(key, []).append(n)
         self._hier_cache: dict[TableLayout, bool] = {}
-        self._allowed_set = {n: set(self._allowed(n)) for n in self.movable}
         self._lws = cost.topology.local_world_size
         self._order = {n: i for i, n in enumerate(self.movable)}
-        self._cell_cache: dict[tuple[str, Shape], tuple[TableLayout, list]] = {}
+        self._cell_cache: dict[tuple[str, Shape], _Cells] = {}
+        self._last_sorted: tuple[dict[str, Shape], list[Cell]] = ({}, [])
+        fixed_loads = [cost.table_load(name, layout) for name, layout in self.fixed.items()]
         self._fixed_memory = np.zeros(self.world_size)
-        for name, layout in self.fixed.items():
-            self._fixed_memory += cost.table_load(name, layout).memory
+        for load in fixed_loads:
+            self._fixed_memory += load.memory
+        self._fixed_total = RankLoad.total(fixed_loads, self.world_size)
         self.unplaced: list[str] = []
         # state of the plan under construction (phase 2 updates it one table at a time)
         self.layouts: dict[str, TableLayout] = {}
-        self.loads: dict[str, RankLoad] = {}
+        self.loads: dict[str, RankLoad] = {}  # of the movable tables' current layouts, filled when needed
         self.total = RankLoad.zeros(self.world_size)
+        self._holders: dict[int, set[str]] = {}  # phase 2: rank -> movable tables with a cell there
+        self._cell_ms: dict[tuple[str, TableLayout], np.ndarray] = {}
+        self._rank_ms = np.zeros(self.world_size)  # phase 2: per-rank load of self.total
 
     # ---- helpers ----------------------------------------------------------------------------
 
-    def _allowed(self, name: str) -> list[int]:
-        ranks = self.constraints.get(name, TableConstraints()).ranks
-        return sorted(set(ranks)) if ranks is not None else list(range(self.world_size))
-
     def _precision(self, name: str) -> WirePrecision:
-        c = self.constraints.get(name, TableConstraints())
-        return c.precision or self.config.precision.get(self.clusters[name], WirePrecision())
+        return self._precisions[name]
+
+    def _report(self, stage: str, done: int, total: int | None, note: str = "") -> None:
+        if self.progress is not None:
+            self.progress(stage, done, total, note)
 
     def _objective(self, step: StepCost) -> Objective:
         loads = step.rank_load_ms
@@ -119,22 +191,25 @@ class GreedySearch:
         cols = tuple(4 * round(i * quads / n_c) for i in range(n_c + 1))
         return TableLayout(self.clusters[name], rows, cols, ((0,) * n_c,) * n_r, self._precision(name))
 
-    def _cells(self, name: str, shape: Shape) -> tuple[TableLayout, list[tuple[float, int, int, int, str, float]]]:
-        """The unplaced grid of a table and its cells as (-cost ms, table order, r, c, name, bytes),
-        memoised: a round re-places every table but changes the shape of few."""
+    def _cells(self, name: str, shape: Shape) -> _Cells:
+        """The unplaced grid of a table and its cells as (-cost ms, table order, r, c, name, bytes,
+        width, one cell?): sorted, longest first, by the first four, which no two cells share.
+        Memoised: a round re-places every table but changes the shape of few."""
         key = (name, shape)
-        if key not in self._cell_cache:
+        entry = self._cell_cache.get(key)
+        if entry is None:
             grid = self._grid(name, shape)
             ms = self.cost.cell_ms(name, grid)
             order = self._order[name]
+            single = grid.num_row_slices * grid.num_col_slices == 1
             cells = []
             for r in range(grid.num_row_slices):
                 for c in range(grid.num_col_slices):
                     width = grid.col_bounds[c + 1] - grid.col_bounds[c]
                     need = (grid.row_bounds[r + 1] - grid.row_bounds[r]) * self.cost.row_memory(name, width)
-                    cells.append((-float(ms[r, c]), order, r, c, name, need))
-            self._cell_cache[key] = (grid, cells)
-        return self._cell_cache[key]
+                    cells.append((-float(ms[r, c]), order, r, c, name, need, width, single))
+            entry = self._cell_cache[key] = _Cells(grid, cells)
+        return entry
 
     def _hierarchy(self, name: str, layout: TableLayout) -> TableLayout:
         """Row-split RB tables reduce inside the node first when that lowers the table's own
@@ -148,69 +223,140 @@ class GreedySearch:
             self._hier_cache[layout] = ms[1] < ms[0]
         return replace(layout, hierarchical=self._hier_cache[layout])
 
-    def _score(self, layouts: Mapping[str, TableLayout]) -> tuple[Objective, dict[str, RankLoad], RankLoad]:
+    def _layout(self, placement: _Placement, name: str) -> TableLayout:
+        layout = placement.layouts.get(name)
+        if layout is None:
+            grid = self._cells(name, placement.shapes[name]).grid
+            layout = placement.layouts[name] = self._hierarchy(name, grid.with_ranks(placement.grids[name]))
+        return layout
+
+    def _table_load(self, placement: _Placement, name: str) -> tuple[RankLoad, int | None]:
+        """A movable table's load as placed, CostModel.table_load's, or for a one-cell table its
+        load on rank 0 and the rank its cell is on (CostModel.add_one_cell renumbers it)."""
+        entry = self._cells(name, placement.shapes[name])
+        if not entry.cells[0][-1]:
+            return self.cost.table_load(name, self._layout(placement, name)), None
+        if entry.base is None:
+            entry.base = self.cost.table_load(name, entry.grid)
+        return entry.base, placement.grids[name][0][0]
+
+    def _score(self, placement: _Placement) -> tuple[Objective, RankLoad]:
+        """The placement's objective and per-rank total: the fixed tables' sum, then each movable
+        table's load added in table order, as CostModel.rank_load adds them."""
         self.stats.evaluations += 1
-        loads = {n: self.cost.table_load(n, lay) for n, lay in layouts.items()}
-        total = RankLoad.total(list(loads.values()), self.world_size)
-        return self._objective(self.cost.step_cost(total)), loads, total
+        self.stats.tables_summed += len(self.movable)
+        total = self._fixed_total.copy()
+        rows, groups = total.rows, total.groups
+        for name in self.movable:
+            load, k = self._table_load(placement, name)
+            if k is None:
+                rows += load.rows
+            else:
+                self.cost.add_one_cell(rows, load, k)
+            for kind, n in load.groups.items():
+                groups[kind] = groups.get(kind, 0) + n
+        return self._objective(self.cost.step_cost(total)), total
 
     # ---- phase 1: split and re-place ----------------------------------------------------------
 
-    def _place(self, shapes: Mapping[str, Shape], local_first: bool = False) -> dict[str, TableLayout] | None:
+    def _sorted_cells(self, shapes: Mapping[str, Shape]) -> list[Cell]:
+        """Every movable cell, longest first. Shapes differ from the last ones sorted in a few
+        tables: their cells are dropped and the new ones merged in (Timsort merges the two sorted
+        runs in linear time) rather than sorting every cell again."""
+        last_shapes, last_cells = self._last_sorted
+        changed = [n for n in self.movable if shapes[n] != last_shapes.get(n)]
+        if 2 * len(changed) > len(self.movable):
+            cells = sorted(c for n in self.movable for c in self._cells(n, shapes[n]).cells)
+        else:
+            gone = set(changed)
+            cells = [c for c in last_cells if c[4] not in gone]
+            cells += sorted(c for n in changed for c in self._cells(n, shapes[n]).cells)
+            cells.sort()
+        self._last_sorted = (dict(shapes), cells)
+        return cells
+
+    def _place(self, shapes: Mapping[str, Shape], local_first: bool = False) -> _Placement | None:
         """Longest-cell-first placement of every movable cell; None when memory runs out.
 
         local_first puts a table's further cells on the nodes that already hold one, where a
         hierarchical reduction keeps their partial sums off the network."""
+        cells = self._sorted_cells(shapes)
         memory = self._fixed_memory.tolist()
-        grids = {name: self._cells(name, shapes[name])[0] for name in self.movable}
-        cells = sorted(c for name in self.movable for c in self._cells(name, shapes[name])[1])
-        placed = {n: [[0] * g.num_col_slices for _ in range(g.num_row_slices)] for n, g in grids.items()}
-        holds: dict[str, set[int]] = {n: set() for n in grids}
-        width_on: dict[str, dict[int, int]] = {n: {} for n in grids}  # one cell width per table on a rank
+        cap, lws = self.cap, self._lws
+        one_cell: dict[str, int] = {}  # rank of each one-cell table
+        grids: dict[str, list[list[int]]] = {}  # ranks of the cells of the others
+        holds: dict[str, set[int]] = {}
+        width_on: dict[str, dict[int, int]] = {}  # one cell width per table on a rank
+        holders: dict[int, list[str]] = {k: [] for k in range(self.world_size)}
         heap = [(0.0, k) for k in range(self.world_size)]  # (estimated load, rank): least loaded first
+        probes = 0
         self.unplaced = []
-        for neg_ms, _, r, c, name, need in cells:
-            allowed, held = self._allowed_set[name], holds[name]
-            bounds = grids[name].col_bounds
-            width, widths = bounds[c + 1] - bounds[c], width_on[name]
-            nodes = {k // self._lws for k in held} if local_first and held else None
-            popped, best = [], [None, None, None]  # least loaded rank at each preference level
-            while heap:
-                load, k = heapq.heappop(heap)
-                popped.append((load, k))
-                if k not in allowed or memory[k] + need > self.cap or widths.get(k, width) != width:
-                    continue
-                level = 2 if k in held else 0 if nodes is None or k // self._lws in nodes else 1
-                if best[level] is None:
-                    best[level] = (load, k)
-                if level == 0:
-                    break
-            choice = next((b for b in best if b is not None), None)
+        for neg_ms, _, r, c, name, need, width, single in cells:
+            allowed = self._allowed_set[name]
+            popped = []
+            choice = None
+            if single:  # the least loaded allowed rank with room
+                while heap:
+                    entry = heapq.heappop(heap)
+                    k = entry[1]
+                    if (allowed is None or k in allowed) and memory[k] + need <= cap:
+                        choice = entry
+                        break
+                    popped.append(entry)
+                probes += len(popped) + (choice is not None)
+            else:
+                held = holds.setdefault(name, set())
+                widths = width_on.setdefault(name, {})
+                nodes = {k // lws for k in held} if local_first and held else None
+                best = [None, None, None]  # least loaded rank at each preference level
+                while heap:
+                    entry = heapq.heappop(heap)
+                    popped.append(entry)
+                    k = entry[1]
+                    if (allowed is not None and k not in allowed) or memory[k] + need > cap:
+                        continue
+                    if widths.get(k, width) != width:
+                        continue
+                    level = 2 if k in held else 0 if nodes is None or k // lws in nodes else 1
+                    if best[level] is None:
+                        best[level] = entry
+                    if level == 0:
+                        break
+                probes += len(popped)
+                choice = next((b for b in best if b is not None), None)
             for entry in popped:
-                if entry != choice:
+                if entry is not choice:
                     heapq.heappush(heap, entry)
             if choice is None:
                 self.unplaced.append(name)
                 continue
             load, k = choice
             heapq.heappush(heap, (load - neg_ms, k))
-            placed[name][r][c] = k
-            held.add(k)
-            widths[k] = width
+            if single:
+                one_cell[name] = k
+            else:
+                grid = grids.get(name)
+                if grid is None:
+                    n_r, n_c = shapes[name]
+                    grid = grids[name] = [[0] * n_c for _ in range(n_r)]
+                grid[r][c] = k
+                held.add(k)
+                widths[k] = width
+            holders[k].append(name)
             memory[k] += need
+        self.stats.placements += 1
+        self.stats.cells_placed += len(cells)
+        self.stats.rank_probes += probes
         if self.unplaced:
             return None
-        layouts = dict(self.fixed)
-        for name in self.movable:
-            grid = grids[name].with_ranks(tuple(map(tuple, placed[name])))
-            layouts[name] = self._hierarchy(name, grid)
-        return layouts
+        placed = {n: ((one_cell[n],),) if n in one_cell else tuple(map(tuple, grids[n])) for n in self.movable}
+        return _Placement(dict(shapes), placed, holders)
 
     def _splits(self, name: str, shape: Shape) -> Iterator[Shape]:
         t = self.cost.table(name)
-        c = self.constraints.get(name, TableConstraints())
+        c = self._con[name]
         n_r, n_c = shape
-        limit = min(self.world_size, len(self._allowed(name)))
+        limit = min(self.world_size, len(self._allowed_ranks[name]))
         if c.row_cuts and (n_c == 1 or c.grid_cuts) and 2 * n_r <= t.rows and 2 * n_r * n_c <= limit:
             yield (2 * n_r, n_c)
         if (
@@ -221,44 +367,36 @@ class GreedySearch:
         ):
             yield (n_r, 2 * n_c)
 
-    def _costliest_table(
-        self, layouts: Mapping[str, TableLayout], loads: Mapping[str, RankLoad], total: RankLoad
-    ) -> str | None:
-        """The splittable movable table that loads the costliest rank most."""
+    def _costliest_table(self, placement: _Placement, total: RankLoad) -> str | None:
+        """The splittable movable table that loads the costliest rank most (its tables' loads on that
+        rank priced together: CostModel.rank_load_ms is elementwise)."""
         rank = int(np.argmax(self.cost.step_cost(total).rank_load_ms))
-        on_rank = [
-            (float(self.cost.step_cost(loads[n]).rank_load_ms[rank]), -i, n)
-            for i, n in enumerate(self.movable)
-            if rank in layouts[n].used_ranks() and next(self._splits(n, self._shapes[n]), None)
-        ]
-        return max(on_rank)[2] if on_rank else None
+        on_rank = dict.fromkeys(placement.holders[rank])
+        self.stats.tables_scanned += len(on_rank)
+        names = [n for n in on_rank if next(self._splits(n, placement.shapes[n]), None)]
+        if not names:
+            return None
+        columns = []
+        for n in names:
+            load, k = self._table_load(placement, n)
+            columns.append(load.rows[:, rank if k is None else self.cost.shifted_ranks(k)[rank]])
+        loads = self.cost.rank_load_ms(np.stack(columns, axis=1))
+        return max((float(ms), -self._order[n], n) for ms, n in zip(loads, names))[2]
 
     def _twins(self, name: str) -> list[str]:
         """Movable tables identical to `name` for the cost model (same sizes, traffic, cluster,
         shape, allowed ranks and cuts allowed): models repeat tables, and twins tie on a plateau, so
         a round also tries cutting them all at once."""
-
-        def signature(n: str) -> tuple:
-            c = self.constraints.get(n, TableConstraints())
-            return (
-                self.cost.signature[n],
-                self.clusters[n],
-                self._shapes[n],
-                tuple(self._allowed(n)),
-                self._precision(n),
-                (c.row_cuts, c.column_cuts, c.grid_cuts, c.min_column_width),
-            )
-
-        key = signature(name)
-        return [n for n in self.movable if signature(n) == key]
+        shape = self._shapes[name]
+        return [n for n in self._twin_groups[self._twin_key[name]] if self._shapes[n] == shape]
 
     def _least_shape(self, name: str) -> Shape:
         """The fewest (row, column) slices the table's constraints ask for; refused by name when the
         table or its allowed ranks cannot hold them."""
-        c = self.constraints.get(name, TableConstraints())
+        c = self._con[name]
         n_r, n_c = c.min_cuts
         t = self.cost.table(name)
-        ranks = min(self.world_size, len(self._allowed(name)))
+        ranks = min(self.world_size, len(self._allowed_ranks[name]))
         if n_r > t.rows or n_c > t.dim // c.min_column_width or n_r * n_c > ranks:
             raise PlanError(
                 f"table {name!r}: its constraints ask for at least {n_r} x {n_c} slices (columns at least "
@@ -266,7 +404,7 @@ class GreedySearch:
             )
         return (n_r, n_c)
 
-    def _initial_shapes(self) -> tuple[dict[str, Shape], dict[str, TableLayout]]:
+    def _initial_shapes(self) -> tuple[dict[str, Shape], _Placement]:
         """Table-wise; while some cells find no rank with memory, row-split the tables they belong
         to (or, when those cannot be cut further, the table with the largest slices)."""
         shapes = self._shapes = {n: self._least_shape(n) for n in self.movable}
@@ -275,9 +413,10 @@ class GreedySearch:
             return (2 * shapes[n][0], shapes[n][1]) in set(self._splits(n, shapes[n]))
 
         while True:
-            layouts = self._place(shapes)
-            if layouts is not None:
-                return shapes, layouts
+            self._report("placing", self.stats.placements, None)
+            placement = self._place(shapes)
+            if placement is not None:
+                return shapes, placement
             unplaced = list(dict.fromkeys(self.unplaced))
             growing = [n for n in unplaced if can_grow(n)]
             if not growing:
@@ -297,13 +436,14 @@ class GreedySearch:
                 shapes[n] = (2 * shapes[n][0], shapes[n][1])
 
     def _split_rounds(self) -> None:
-        self._shapes, layouts = self._initial_shapes()
-        current = self._score(layouts)
-        self.stats.initial_step_ms = self.cost.step_cost(current[2]).step_ms
-        best = (current[0], layouts, current[1], current[2])
+        self._shapes, placement = self._initial_shapes()
+        objective, total = self._score(placement)
+        self.stats.initial_step_ms = self.cost.step_cost(total).step_ms
+        best = current = (objective, placement, total)
         stalled = 0
         while stalled < self.config.patience and self.stats.rounds < self.config.max_rounds:
-            name = self._costliest_table(layouts, current[1], current[2])
+            self._report("split rounds", self.stats.rounds, None, f"best {best[0][0]:.3f} ms")
+            name = self._costliest_table(current[1], current[2])
             if name is None:
                 break
             self.stats.rounds += 1
@@ -318,27 +458,38 @@ class GreedySearch:
                             options.append((self._score(placed), trial, placed))
             if not options:
                 break
-            current, self._shapes, layouts = min(options, key=lambda o: o[0][0])
-            if _better(current[0], best[0]):
-                best = (current[0], layouts, current[1], current[2])
+            (objective, total), self._shapes, placement = min(options, key=lambda o: o[0][0])
+            current = (objective, placement, total)
+            if _better(objective, best[0]):
+                best = current
                 stalled = 0
             else:
                 stalled += 1
-        _, self.layouts, self.loads, self.total = best
+        _, placement, self.total = best
+        self.layouts = dict(self.fixed)
+        for name in self.movable:
+            self.layouts[name] = self._layout(placement, name)
 
     # ---- phase 2: polish -------------------------------------------------------------------------
 
+    def _load(self, name: str) -> RankLoad:
+        load = self.loads.get(name)
+        if load is None:
+            load = self.loads[name] = self.cost.table_load(name, self.layouts[name])
+        return load
+
     def _least_loaded(self, name: str, exclude: int) -> list[int]:
-        loads = self.cost.step_cost(self.total).rank_load_ms
-        allowed = [k for k in self._allowed(name) if k != exclude]
-        allowed.sort(key=lambda k: (loads[k], k))
-        return allowed[: self.config.placement_candidates]
+        """The allowed ranks but `exclude` with the least load, ties to the lower rank."""
+        ranks = self._allowed_ranks[name]
+        ranks = ranks[ranks != exclude]
+        order = np.lexsort((ranks, self._rank_ms[ranks]))[: self.config.placement_candidates]
+        return ranks[order].tolist()
 
     def _moves(self, name: str, r: int, c: int, rank: int) -> Iterator[TableLayout]:
         """Cut the cell's row or column slice with the new half on a light rank q (where the table's
         constraints allow that cut), or move it to q."""
         layout = self.layouts[name]
-        con = self.constraints.get(name, TableConstraints())
+        con = self._con[name]
         r0, r1 = layout.row_bounds[r], layout.row_bounds[r + 1]
         c0, c1 = layout.col_bounds[c], layout.col_bounds[c + 1]
         half = (c1 - c0) // 8 * 4
@@ -358,11 +509,14 @@ class GreedySearch:
 
     def _heaviest_cells(self, rank: int) -> list[tuple[str, int, int]]:
         scored = []
-        for order, name in enumerate(self.movable):
+        names = self._holders.get(rank, set())
+        self.stats.tables_scanned += len(names)
+        for name in names:
             layout = self.layouts[name]
-            if rank not in layout.used_ranks():
-                continue
-            ms = self.cost.cell_ms(name, layout)
+            ms = self._cell_ms.get((name, layout))
+            if ms is None:
+                ms = self._cell_ms[(name, layout)] = self.cost.cell_ms(name, layout)
+            order = self._order[name]
             scored += [
                 (-float(ms[r, c]), order, r, c)
                 for r, row in enumerate(layout.ranks)
@@ -379,16 +533,28 @@ class GreedySearch:
         layout = self._hierarchy(name, layout)
         new = self.cost.table_load(name, layout)
         total = self.total.copy()
-        total.add(self.loads[name], -1.0)
+        total.add(self._load(name), -1.0)
         total.add(new)
         if total.memory.max() > self.cap:
             return None
         return self._objective(self.cost.step_cost(total)), layout, new, total
 
+    def _hold(self, name: str, layout: TableLayout, holds: bool) -> None:
+        """Records (or forgets) the ranks the table's layout has cells on."""
+        for k in layout.used_ranks():
+            if holds:
+                self._holders.setdefault(k, set()).add(name)
+            else:
+                self._holders[k].discard(name)
+
     def _polish(self) -> None:
+        for name in self.movable:
+            self._hold(name, self.layouts[name], True)
         current = self._objective(self.cost.step_cost(self.total))
-        for _ in range(self.config.polish_moves):
+        for move in range(self.config.polish_moves):
+            self._report("polishing", move, self.config.polish_moves, f"best {current[0]:.3f} ms")
             step = self.cost.step_cost(self.total)
+            self._rank_ms = step.rank_load_ms
             comm = step.rank_intra_ms + step.rank_inter_ms
             worst = dict.fromkeys(int(np.argmax(a)) for a in (step.rank_load_ms, step.rank_lookup_ms, comm))
             best = None
@@ -400,6 +566,8 @@ class GreedySearch:
             if best is None or not _better(best[1], current):
                 return
             name, current, layout, new, total = best
+            self._hold(name, self.layouts[name], False)
+            self._hold(name, layout, True)
             self.layouts[name], self.loads[name], self.total = layout, new, total
             self.stats.moves += 1
 
@@ -409,6 +577,7 @@ class GreedySearch:
             self._polish()
         else:
             self.layouts = dict(self.fixed)
+        self.stats.loads_computed = self.cost.computed
         topo = self.cost.topology
         order = [t.name for t in self.cost.spec.tables]
         return Plan(topo.world_size, topo.local_world_size, {n: self.layouts[n] for n in order})

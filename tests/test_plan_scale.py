@@ -1,0 +1,171 @@
+"""Planning at scale: the search's work grows near-linearly with the tables and the ranks, counted (not
+timed) on benchmarks/plan_time.py's synthetic models; the shortcuts that make it so price exactly
+what the cost model does; and the progress line shows only where it should."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import sys
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+from embark_torchrec.plan.clusters import assign_clusters
+from embark_torchrec.plan.cost import CostModel
+from embark_torchrec.plan.layout import TableLayout
+from embark_torchrec.plan.plan_model import PlannedModel, plan_model
+from embark_torchrec.plan.report import ProgressLine, progress_line
+from embark_torchrec.plan.search import GreedySearch, SearchConfig
+from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec
+from embark_torchrec.plan.topology import PRESETS, Topology
+
+ROOT = Path(__file__).resolve().parent.parent
+# (tables, ranks): 16x the tables at 16 ranks, 16x the ranks at 200 tables
+SWEEPS = {"tables": ((100, 16), (1600, 16)), "ranks": ((200, 8), (200, 128))}
+WORK_PER_TABLE_AND_PLACEMENT = 5.0
+NEAR_LINEAR = 1.5  # work may grow at most this much faster than the tables or the ranks
+
+
+@lru_cache(maxsize=None)
+def _plan_time() -> ModuleType:
+    """benchmarks/plan_time.py as a module, for its synthetic models."""
+    spec = importlib.util.spec_from_file_location("plan_time", ROOT / "benchmarks" / "plan_time.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["plan_time"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@lru_cache(maxsize=None)
+def _planned(tables: int, ranks: int) -> PlannedModel:
+    bench = _plan_time()
+    return plan_model(bench.synthetic_spec(tables), bench.topology(ranks), progress=False)
+
+
+def _work(tables: int, ranks: int) -> int:
+    """Cells placed, ranks probed to place them, per-table loads summed into totals, tables scanned
+    for the costliest ones, and per-table loads computed in full: each a bounded amount of work."""
+    s = _planned(tables, ranks).stats
+    return s.cells_placed + s.rank_probes + s.tables_summed + s.tables_scanned + s.loads_computed
+
+
+def _per_table_and_placement(tables: int, ranks: int) -> float:
+    return _work(tables, ranks) / (tables * _planned(tables, ranks).stats.placements)
+
+
+@pytest.mark.parametrize("tables,ranks", [case for cases in SWEEPS.values() for case in cases])
+def test_each_placement_does_bounded_work_per_table(tables: int, ranks: int) -> None:
+    """A placement and its score touch each table a bounded number of times, however many tables and
+    ranks there are: no scan of every rank per cell, no table-by-table pass inside a per-table loop, and
+    no full recomputation of every table's load to score a plan (one-cell tables are renumbered)."""
+    assert _per_table_and_placement(tables, ranks) <= WORK_PER_TABLE_AND_PLACEMENT
+    assert _planned(tables, ranks).stats.loads_computed <= 0.5 * tables * _planned(tables, ranks).stats.placements
+
+
+@pytest.mark.parametrize("sweep", SWEEPS)
+def test_work_grows_near_linearly(sweep: str) -> None:
+    """16x the tables (at 16 ranks) or the ranks (at 200 tables) costs at most 1.5 x 16x the work: the
+    work per table and placement does not grow, and neither do the rounds that need placements."""
+    small, large = SWEEPS[sweep]
+    growth = (large[0] * large[1]) / (small[0] * small[1])
+    assert _work(*large) / _work(*small) <= NEAR_LINEAR * growth
+    assert _per_table_and_placement(*large) <= NEAR_LINEAR * _per_table_and_placement(*small)
+
+
+def _mixed(world: int, local: int, hbm_gb: float) -> tuple[ModelSpec, Topology]:
+    """Tables that go data-parallel, stay one cell, and (in little memory) must be cut, over several nodes."""
+    tables = (
+        TableSpec("huge", 2_000_000, 64, 4.0),
+        TableSpec("wide", 200_000, 256, 1.0),
+        TableSpec("ub", 50_000, 32, 10.0, unique_ratio=0.05),
+        TableSpec("hot", 10_000, 128, 50.0),
+        TableSpec("tiny", 10, 16, 1.0),
+        *(TableSpec(f"t{i}", 30_000 + 1000 * i, 36, 2.0 + i) for i in range(6)),
+    )
+    hardware = PRESETS["dgx-h100"].with_overrides(hbm_gb=hbm_gb, hbm_reserve_gb=0.0)
+    return ModelSpec("mixed", 3 * 8192, tables, IdDistribution("zipf", 1.1)), Topology(world, local, hardware)
+
+
+@pytest.mark.parametrize("world,local,hbm_gb", [(8, 4, 80.0), (8, 4, 0.1), (12, 3, 0.2), (4, 1, 80.0)])
+def test_a_placements_score_is_the_cost_models_to_the_last_bit(world: int, local: int, hbm_gb: float) -> None:
+    """The search adds one-cell tables into its totals by renumbering their rank-0 load
+    (CostModel.add_one_cell) and never builds their layouts; the total it scores equals
+    CostModel.rank_load of the same layouts bit for bit, so the plans it picks are those a full
+    evaluation of every candidate would pick."""
+    spec, topology = _mixed(world, local, hbm_gb)
+    cost = CostModel(spec, topology)
+    search = GreedySearch(cost, assign_clusters(cost, {}), {}, SearchConfig())
+    _, placement = search._initial_shapes()
+    _, total = search._score(placement)
+    layouts = {**search.fixed, **{n: search._layout(placement, n) for n in search.movable}}
+    expected = cost.rank_load(layouts)
+    assert any(layouts[n].num_row_slices * layouts[n].num_col_slices == 1 for n in search.movable)
+    assert np.array_equal(total.rows, expected.rows)
+    assert (total.dp_intra, total.dp_inter, total.groups) == (expected.dp_intra, expected.dp_inter, expected.groups)
+
+
+@pytest.mark.parametrize("cluster", ["rb", "ub"])
+def test_one_cell_loads_renumber_exactly(cluster: str) -> None:
+    """add_one_cell adds what the table's full load on each rank adds, to the last bit."""
+    spec, topology = _mixed(24, 4, 80.0)
+    cost = CostModel(spec, topology)
+    t = spec.tables[3]
+    base = cost.table_load(t.name, TableLayout.table_wise(t.rows, t.dim, 0, cluster))
+    start = np.random.default_rng(0).standard_normal((8, topology.world_size)) * 1e6
+    for k in range(topology.world_size):
+        full = cost.table_load(t.name, TableLayout.table_wise(t.rows, t.dim, k, cluster))
+        renumbered = start.copy()
+        cost.add_one_cell(renumbered, base, k)
+        assert np.array_equal(renumbered, start + full.rows), k
+
+
+def test_progress_line_waits_then_draws_one_line() -> None:
+    """Nothing before the delay (quick plans print nothing); after it, one line redrawn in place with
+    the stage and a bar when the total is known; close() ends it with the time taken."""
+    out = io.StringIO()
+    line = ProgressLine("planning m", out, delay_s=60.0)
+    line("clusters", 1, 10)
+    line.close()
+    assert out.getvalue() == ""
+    line = ProgressLine("planning m", out, delay_s=0.0, interval_s=0.0)
+    line("clusters", 5, 10)
+    line("split rounds", 3, None, "best 1.234 ms")
+    line.close()
+    text = out.getvalue()
+    assert text.count("\n") == 1 and text.endswith("\n")
+    assert "clusters [##########..........] 5/10" in text and "split rounds 3, best 1.234 ms" in text
+    assert "planning m: done in" in text
+
+
+def test_progress_only_where_asked() -> None:
+    """progress_line draws on a terminal by default, never when told not to, always when asked; a
+    Progress given to plan_model hears every stage, and plan_model(progress=False) prints nothing."""
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    assert progress_line(None, stream=io.StringIO()) is None
+    assert isinstance(progress_line(None, stream=Terminal()), ProgressLine)
+    assert progress_line(False, stream=Terminal()) is None
+    assert isinstance(progress_line(True, stream=io.StringIO()), ProgressLine)
+    stages: list[str] = []
+    spec, topology = _mixed(8, 4, 0.1)
+    plan_model(spec, topology, progress=lambda stage, done, total, note: stages.append(stage))
+    assert {"clusters", "placing", "split rounds", "polishing", "scoring"} <= set(stages)
+
+
+def test_planner_shows_progress_on_rank_zero_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """EmbarkPlanner's default: rank 0 decides by its terminal, other ranks draw nothing; asked for
+    (True) or not (False), every rank does as told."""
+    from embark_torchrec.plan.planner import EmbarkPlanner
+
+    for rank, expected in (("0", None), ("3", False)):
+        monkeypatch.setenv("RANK", rank)
+        assert EmbarkPlanner(world_size=8, local_world_size=4)._progress() is expected
+        for asked in (True, False):
+            assert EmbarkPlanner(world_size=8, local_world_size=4, progress=asked)._progress() is asked
