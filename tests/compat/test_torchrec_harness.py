@@ -89,12 +89,12 @@ TORCHREC_FAILS = {
 }
 #: of those, where ours passes all the same (it corrects TorchRec's MEAN fix-up): it must keep passing
 OURS_PASS_WHERE_TORCHREC_FAILS = {("mixed", "mean")}
-#: our gaps, strict: each flips to a failure once fixed. The 3 known ones (features read by several tables on our
-#: types, VBE on our types, row-wise Adagrad on grids with several cells of a table on a rank) pass: not listed
+#: our gaps, strict: each flips to a failure once fixed (shared features, VBE and row-wise Adagrad on grids, which
+#: failed here before, pass now)
 GAPS: dict[tuple[str, str], str] = {
     ("rw_tw", "mean"): (
-        "not one of the 3 known gaps: with a row-wise MEAN table in the collection, our correction of TorchRec's MEAN "
-        "fix-up misses shared features: the second table-wise table of each (feature_0@table_4, feature_1@table_5) "
+        "TorchRec's MEAN fix-up divides per feature: with a row-wise MEAN table in the collection, our correction "
+        "misses shared features: the second table-wise table of each (feature_0@table_4, feature_1@table_5) "
         "comes out divided by its bag length again (TorchRec's own sharder fails here too, on every other table)"
     ),
 }
