@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -100,7 +100,31 @@ def load_cells(module: Any, state_dict: Dict[str, Any], table_prefix: str) -> No
         skip_missing_weight(module, key)
 
 
-class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+class CountedModule:
+    """What our sharded EBC and EC share for byte counting (comm_stats.enable_comm_stats): a CommStats
+    for the module's process group, and counting its dists into one (each class's `_count_dists`
+    says how)."""
+
+    comm_stats: Optional[CommStats]
+    _count_dists: Callable[[Any], None]
+
+    def new_comm_stats(self) -> CommStats:
+        pg = module_env(self).process_group
+        world = dist.get_world_size(pg)
+        return CommStats(dist.get_rank(pg), world, get_local_size(world))
+
+    def count_comm(self, stats: CommStats) -> None:
+        """Counts this module's collectives into `stats` (see comm_stats.enable_comm_stats)."""
+        if self.comm_stats is not None:
+            if self.comm_stats is not stats:
+                raise ValueError("this module already counts into another CommStats")
+            return
+        self.comm_stats = stats
+        self._count_dists(module_output_dists(self))
+        self._count_dists(module_input_dists(self))  # empty until the first batch: see _create_input_dist
+
+
+class EmbarkShardedEmbeddingBagCollection(CountedModule, ShardedEmbeddingBagCollection):
     """torchrec builds one EmbeddingSharding per distinct sharding-type string, so each EMBark
     cluster variant (one string) gets its own dists; built-in strings go to torchrec.
 
@@ -192,21 +216,6 @@ class EmbarkShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                     unique=input_dist.take_state(),
                 )
         return awaitable
-
-    def new_comm_stats(self) -> CommStats:
-        pg = module_env(self).process_group
-        world = dist.get_world_size(pg)
-        return CommStats(dist.get_rank(pg), world, get_local_size(world))
-
-    def count_comm(self, stats: CommStats) -> None:
-        """Counts this module's collectives into `stats` (see comm_stats.enable_comm_stats)."""
-        if self.comm_stats is not None:
-            if self.comm_stats is not stats:
-                raise ValueError("this module already counts into another CommStats")
-            return
-        self.comm_stats = stats
-        self._count_dists(module_output_dists(self))
-        self._count_dists(module_input_dists(self))  # empty until the first batch: see _create_input_dist
 
     def _create_input_dist(self, input_feature_names: List[str]) -> None:
         super()._create_input_dist(input_feature_names)

@@ -9,8 +9,6 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Type, Union
 
 import torch
-import torch.distributed as dist
-from torchrec.distributed.comm import get_local_size
 from torchrec.distributed.embedding import (
     EmbeddingCollectionContext,
     EmbeddingCollectionSharder,
@@ -32,14 +30,13 @@ from .sequence import (
     GridSequenceFeaturesDist,
     UniqueSequenceEmbeddingSharding,
 )
-from .sharded_ebc import key_tables, load_cells, qcomms_precision
+from .sharded_ebc import CountedModule, key_tables, load_cells, qcomms_precision
 from .torchrec_compat import (
     is_virtual_table,
     local_shards_by_table,
     module_env,
     module_input_dists,
     module_lookups,
-    module_output_dists,
     sequence_configs,
     sequence_sharding_types,
     sequence_shardings,
@@ -57,10 +54,11 @@ def sequence_qcomms_precision(registry: Optional[Dict[str, QuantizedCommCodecs]]
     return qcomms_precision({CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name: codecs} if codecs is not None else None)
 
 
-class EmbarkShardedEmbeddingCollection(ShardedEmbeddingCollection):
+class EmbarkShardedEmbeddingCollection(CountedModule, ShardedEmbeddingCollection):
     """TorchRec builds one EmbeddingSharding per distinct sharding-type string, so each EMBark
     cluster variant gets its own dists; built-in strings go to TorchRec. Every batch is checked
-    first (validation.py), for every sharding type."""
+    first (validation.py), for every sharding type. Byte counting covers our types' input KJT
+    all-to-alls and embedding all-to-alls; TorchRec's own EC types are not counted."""
 
     def __init__(self, *args: Any, invalid_ids: str = "raise", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -161,22 +159,6 @@ class EmbarkShardedEmbeddingCollection(ShardedEmbeddingCollection):
             while isinstance(lookup, DistributedDataParallel):
                 lookup = lookup.module
             lookup.purge()
-
-    def new_comm_stats(self) -> CommStats:
-        pg = module_env(self).process_group
-        world = dist.get_world_size(pg)
-        return CommStats(dist.get_rank(pg), world, get_local_size(world))
-
-    def count_comm(self, stats: CommStats) -> None:
-        """Counts the collectives of this module's embark sharding types into `stats` (their input KJT
-        all-to-alls and embedding all-to-alls; TorchRec's own EC types are not counted)."""
-        if self.comm_stats is not None:
-            if self.comm_stats is not stats:
-                raise ValueError("this module already counts into another CommStats")
-            return
-        self.comm_stats = stats
-        self._count_dists(module_output_dists(self))
-        self._count_dists(module_input_dists(self))  # empty until the first batch: see _create_input_dist
 
     def _create_input_dist(
         self, input_feature_names: List[str], ctx: Optional[EmbeddingCollectionContext] = None
