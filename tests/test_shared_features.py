@@ -73,15 +73,15 @@ CONFIGS = [("sum", "sgd"), ("mean", "adagrad"), ("weighted", "sgd")]
 
 
 def _tables(ws: int, pooling: str) -> tuple[list[EmbeddingBagConfig], dict[str, TableLayout]]:
-    """The model; under "mean", every table but TorchRec's row-wise pools by MEAN (its MEAN fix-up is checked
-    elsewhere, alone in its collection)."""
+    """The model; under "mean", every table pools by MEAN, TorchRec's row-wise too, whose MEAN fix-up divides per
+    feature: f0 also feeds the grid and UB tables, which must not be divided again."""
     configs = [
         EmbeddingBagConfig(
             name=name,
             num_embeddings=rows,
             embedding_dim=dim,
             feature_names=list(features),
-            pooling=PoolingType.MEAN if pooling == "mean" and name != "rw" else PoolingType.SUM,
+            pooling=PoolingType.MEAN if pooling == "mean" else PoolingType.SUM,
         )
         for name, (rows, dim, features, _) in TABLES.items()
     ]

@@ -136,6 +136,7 @@ def test_sharded_ebc_and_sharding_state_our_subclasses_read() -> None:
         "_model_parallel_name_to_local_shards",
         "_table_name_to_config",
         "_skip_missing_weight_key",
+        "_device",
     ):
         assert f"self.{attr} =" in ebc_source or f"self.{attr}:" in ebc_source, attr
     sharding_source = inspect.getsource(EmbeddingSharding) + inspect.getsource(BaseTwEmbeddingSharding)

@@ -14,7 +14,7 @@ from torchrec.distributed.fbgemm_qcomm_codec import CommOp
 from torchrec.distributed.types import Awaitable, QuantizedCommCodecs, ShardingEnv
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from ..plan.layout import PRECISIONS, SHARDING_TYPE_PREFIX, WirePrecision, parse_sharding_type
 from .codecs import wire_codecs
@@ -25,6 +25,7 @@ from .torchrec_compat import (
     local_shards_by_table,
     mean_fixup_features,
     module_configs,
+    module_device,
     module_env,
     module_input_dists,
     module_lookups,
@@ -130,7 +131,8 @@ class EmbarkShardedEmbeddingBagCollection(CountedModule, ShardedEmbeddingBagColl
 
     Two torchrec 1.8 behaviours are corrected here:
     - its MEAN fix-up for row-wise / table-row-wise tables divides every other feature of the
-      collection by its bag length too; we mark all other features as SUM for that fix-up;
+      collection by its bag length too; we mark all other features as SUM for that fix-up, and
+      multiply back the columns of a shared feature's other tables, which it divides per feature;
     - its load_state_dict merges a rank's local shards as equal-width column slices; ours may
       differ in rows and widths, so weights are loaded shard by shard, matched by offsets.
     """
@@ -158,10 +160,39 @@ class EmbarkShardedEmbeddingBagCollection(CountedModule, ShardedEmbeddingBagColl
             if isinstance(sharding, UniquePooledEmbeddingSharding)
         ]
         fixup = mean_fixup_features(self)
+        self._undivide: Optional[torch.Tensor] = None
         if fixup is not None:
             divided = set(fixup[PoolingType.MEAN.value])
             features = [f for sharding in module_shardings(self) for f in sharding.feature_names()]
             fixup[PoolingType.SUM.value] = [f for f in dict.fromkeys(features) if f not in divided]
+            self._undivide = self._wrongly_divided_columns(divided)
+
+    def _wrongly_divided_columns(self, divided: set[str]) -> Optional[torch.Tensor]:
+        """The output columns TorchRec's MEAN fix-up divides but must not. It keeps the bag lengths of
+        every KJT key (a shared feature once per table, in the output's order) and sets them to 1 only
+        at the first occurrence of each SUM-marked feature: so a feature of a row-wise / table-row-wise
+        MEAN table is divided in every table reading it, and a shared feature's later copies are
+        divided whatever they are. None when no column is wrong."""
+        table_of = {
+            name: config.name
+            for config, names in zip(module_configs(self), get_embedding_names_by_table(module_configs(self)))
+            for name in names
+        }
+        mean_tables = {c.name for c in module_configs(self) if c.pooling == PoolingType.MEAN}
+        wrong: List[bool] = []
+        seen: set[str] = set()
+        for kind, sharding in zip(module_sharding_types(self), module_shardings(self)):
+            row_split = kind in ("row_wise", "table_row_wise")
+            for feature, name, dim in zip(
+                sharding.feature_names(), sharding.embedding_names(), sharding.embedding_dims()
+            ):
+                is_divided = feature in divided or feature in seen
+                seen.add(feature)
+                should = row_split and table_of[name] in mean_tables
+                wrong += [is_divided and not should] * int(dim)
+        if not any(wrong):
+            return None
+        return torch.tensor(wrong, device=module_device(self))
 
     @classmethod
     def create_embedding_bag_sharding(
@@ -255,7 +286,15 @@ class EmbarkShardedEmbeddingBagCollection(CountedModule, ShardedEmbeddingBagColl
                     features[i], module_lookups(self)[i], self._unique_lookup
                 )
             input = KJTList(features)
-        return super().compute_and_output_dist(ctx, input)
+        awaitable = super().compute_and_output_dist(ctx, input)
+        if self._undivide is not None and ctx.divisor is not None:
+            undivide = torch.where(self._undivide, ctx.divisor, torch.ones_like(ctx.divisor))
+            awaitable.callbacks.append(
+                lambda kt: KeyedTensor(
+                    keys=kt.keys(), values=kt.values() * undivide, length_per_key=kt.length_per_key(), key_dim=1
+                )
+            )
+        return awaitable
 
     @staticmethod
     def _pre_load_state_dict_hook(

@@ -164,6 +164,11 @@ def uses_index_dedup(sharder: Any) -> bool:
     return bool(sharder._use_index_dedup)
 
 
+def module_device(module: Any) -> Any:
+    """The device the sharded module was built for (`_device`)."""
+    return module._device
+
+
 def module_shardings(module: Any) -> List[Any]:
     """One EmbeddingSharding per sharding type, in the module's order (`_embedding_shardings`)."""
     return module._embedding_shardings

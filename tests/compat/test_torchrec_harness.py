@@ -87,17 +87,12 @@ TORCHREC_FAILS = {
     ("mixed", "mean"): _MEAN,
     ("rw_tw", "mean"): _MEAN,
 }
-#: of those, where ours passes all the same (it corrects TorchRec's MEAN fix-up): it must keep passing
-OURS_PASS_WHERE_TORCHREC_FAILS = {("mixed", "mean")}
-#: our gaps, strict: each flips to a failure once fixed (shared features, VBE and row-wise Adagrad on grids, which
-#: failed here before, pass now)
-GAPS: dict[tuple[str, str], str] = {
-    ("rw_tw", "mean"): (
-        "TorchRec's MEAN fix-up divides per feature: with a row-wise MEAN table in the collection, our correction "
-        "misses shared features: the second table-wise table of each (feature_0@table_4, feature_1@table_5) "
-        "comes out divided by its bag length again (TorchRec's own sharder fails here too, on every other table)"
-    ),
-}
+#: of those, where ours passes all the same (it corrects TorchRec's MEAN fix-up, also for shared features): it must
+#: keep passing
+OURS_PASS_WHERE_TORCHREC_FAILS = {("mixed", "mean"), ("rw_tw", "mean")}
+#: our gaps, strict: each flips to a failure once fixed (shared features, VBE and row-wise Adagrad on grids, and
+#: TorchRec's MEAN fix-up on shared features, failed here before and pass now)
+GAPS: dict[tuple[str, str], str] = {}
 #: our deliberate refusals: a row x column grid under row-wise Adagrad (TorchRec's fused optimizer cannot lay out
 #: its per-row state), refused by name when the model is sharded
 REFUSALS = {("grid", "rowwise"): r"table 'table_2': a 2 x 2 grid cannot keep exact_row_wise_adagrad's per-row state"}
