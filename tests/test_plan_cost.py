@@ -80,19 +80,24 @@ def test_table_wise_hand_computed() -> None:
 
 
 def test_dp_allreduce_and_step_parts() -> None:
-    """DP: no forward bytes, a hierarchical all-reduce of the gradient, memory on every rank."""
+    """DP: no forward bytes, a ring all-reduce of the gradient (2 (W-1)/W of it per rank, 1/L of that
+    through the rank's NIC when there are several nodes; the slower link sets the time), memory on
+    every rank."""
     spec = ModelSpec("m", 64, (TableSpec("t", rows=10, dim=8, pooling=1.0),))
     hw = PRESETS["dgx-h100"]
     cost = CostModel(spec, Topology(16, 8, hw))
     load = cost.table_load("t", TableLayout.data_parallel())
     grad = 10 * 8 * 4
-    assert load.dp_intra == pytest.approx(2 * 7 / 8 * grad)
-    assert load.dp_inter == pytest.approx(2 * 1 / 2 * grad / 8)
+    ring = 2 * 15 / 16 * grad
+    assert load.dp_inter == pytest.approx(ring / 8)
+    assert load.dp_intra == pytest.approx(ring * 7 / 8)
     assert load.send_intra.sum() == 0 and load.send_inter.sum() == 0
     step = cost.step_cost(load)
     assert step.dp_allreduce_ms == pytest.approx(
-        load.dp_intra / (hw.intra_node_bw_gbps * 1e6) + load.dp_inter / (hw.inter_node_bw_gbps * 1e6)
+        max(load.dp_intra / (hw.intra_node_bw_gbps * 1e6), load.dp_inter / (hw.inter_node_bw_gbps * 1e6))
     )
+    one_node = CostModel(spec, Topology(8, 8, hw)).table_load("t", TableLayout.data_parallel())
+    assert (one_node.dp_intra, one_node.dp_inter) == (pytest.approx(2 * 7 / 8 * grad), 0.0)
     assert step.dense_ms == pytest.approx(4 / 1000 * hw.dense_ms_per_ksample)
     assert step.step_ms == pytest.approx(step.lookup_ms + step.comm_ms + step.dp_allreduce_ms + step.dense_ms)
 

@@ -17,8 +17,12 @@ same traffic message by message, and the runtime's dists send exactly that):
 - UB: IDs are de-duplicated per destination: F x (U_r x 4 + 4) bytes in to each distinct holder
   of row slice r (IDs and one int32 count per feature), F x U_r x w_c x e_fwd bytes back from each
   cell (one vector per distinct ID), and the same back in backward at e_bwd.
-- DP: no forward traffic; the gradient (rows x dim x e_bwd bytes) is all-reduced hierarchically:
-  2 (L-1)/L of it over NVLink and 2 (N-1)/N / L of it across nodes, per rank.
+- DP: no forward traffic; the gradient (rows x dim x e_bwd bytes) is all-reduced as NCCL's ring
+  all-reduce runs (its algorithm for large messages; tree and NVLS are not modelled): each rank sends
+  2 (W-1)/W of it to its ring neighbour; with N > 1 nodes, 1/L of that crosses nodes (each ring
+  channel leaves a node through a different GPU's NIC, so the node's L NICs share the inter-node
+  hops) and the rest goes over NVLink. The hops are pipelined, so the all-reduce takes the slower of
+  its NVLink and network times. The dense part's gradients (Hardware.dense_params_mb) alike.
 - Lookup work (bytes through HBM): RB cell: B F p m_r x w_c x 4 bytes forward; UB cell:
   W F U_r x w_c x 4 on its owner, plus b F p x dim x 4 on every rank to expand the unique vectors
   back into its samples' bags; DP: b F p x dim x 4. Backward costs BACKWARD_COMPUTE_MULTIPLIER x forward.
@@ -309,10 +313,7 @@ class CostModel:
             load.lookup_bytes += b * feats * t.pooling * t.dim * lookup_factor
             load.lookup_ids += b * feats * t.pooling
             load.memory += t.rows * self.row_memory(name, t.dim)
-            grad = t.rows * vector_bytes(t.dim, bwd)
-            lws, nodes = self.topology.local_world_size, self.topology.num_nodes
-            load.dp_intra = 2.0 * (lws - 1) / lws * grad
-            load.dp_inter = 2.0 * (nodes - 1) / nodes * grad / lws
+            load.dp_intra, load.dp_inter = self.ring_allreduce_bytes(t.rows * vector_bytes(t.dim, bwd))
             return load
         rows = layout.row_bounds
         mass = self.row_mass(name, rows)
@@ -403,6 +404,23 @@ class CostModel:
         inter = _to_ms(np.maximum(send_inter, recv_inter), hw.inter_node_bw_gbps)
         return lookup, intra, inter
 
+    def ring_allreduce_bytes(self, nbytes: float) -> tuple[float, float]:
+        """(intra-node, inter-node) bytes one rank sends to all-reduce `nbytes` as NCCL's ring does.
+
+        Every rank sends 2 (W-1)/W x nbytes to its ring neighbour, in channels that each cross every
+        node boundary once; with several nodes, each channel leaves a node through a different GPU's
+        NIC, so a rank sends 1/L of its ring bytes across nodes (N of a channel's W hops, spread over
+        the node's L NICs) and the rest over NVLink. One node: every hop is intra-node."""
+        w, lws = self.topology.world_size, self.topology.local_world_size
+        ring = 2.0 * (w - 1) / w * nbytes
+        inter = ring / lws if self.topology.num_nodes > 1 else 0.0
+        return ring - inter, inter
+
+    def ring_allreduce_ms(self, intra: float, inter: float) -> float:
+        """A ring's hops run at once, pipelined chunk by chunk: its time is its slowest link's."""
+        hw = self.topology.hardware
+        return max(_to_ms(intra, hw.intra_node_bw_gbps), _to_ms(inter, hw.inter_node_bw_gbps))
+
     def rank_load_ms(self, rows: np.ndarray) -> np.ndarray:
         """StepCost.rank_load_ms of RankLoad rows (or stacked columns of them), without the rest."""
         lookup, intra, inter = self.rank_times(rows)
@@ -411,12 +429,8 @@ class CostModel:
     def step_cost(self, load: RankLoad) -> StepCost:
         hw = self.topology.hardware
         lookup, intra, inter = self.rank_times(load.rows)
-        dp = _to_ms(load.dp_intra, hw.intra_node_bw_gbps) + _to_ms(load.dp_inter, hw.inter_node_bw_gbps)
-        dense_grad = hw.dense_params_mb * 1e6
-        lws, nodes = self.topology.local_world_size, self.topology.num_nodes
-        dense_ar = _to_ms(2.0 * (lws - 1) / lws * dense_grad, hw.intra_node_bw_gbps) + _to_ms(
-            2.0 * (nodes - 1) / nodes * dense_grad / lws, hw.inter_node_bw_gbps
-        )
+        dp = self.ring_allreduce_ms(load.dp_intra, load.dp_inter)
+        dense_ar = self.ring_allreduce_ms(*self.ring_allreduce_bytes(hw.dense_params_mb * 1e6))
         slowest = float(lookup.max())
         return StepCost(
             lookup_ms=max(slowest, float(lookup.sum()) / hw.host_cores) if hw.host_cores else slowest,
