@@ -11,7 +11,12 @@ plan_quality.py) and, with --plot, a PNG of each plan's per-rank estimated load 
 
     PYTHONPATH=. .venv/bin/python benchmarks/e2e.py [--model benchmarks/models/dlrm_main.json]
         [--world-size 4] [--local-world-size 2] [--planners embark,embark-no-ub,torchrec]
-        [--rounds 3] [--steps 100] [--plot benchmarks/e2e.png]
+        [--rounds 3] [--steps 100] [--plot benchmarks/e2e.png] [--calibrate | --hardware FILE]
+
+--calibrate first runs the example once with its --calibrate (python -m embark_torchrec.calibrate's figures plus
+this model's dense part, measured on the same ranks) and plans every run with that hardware file; --hardware
+plans every run with a given one. Each run's estimated step (the cost model's, for the plan that ran) is set
+against its measured step less the time its ranks spent making batches, which no plan changes.
 """
 
 from __future__ import annotations
@@ -60,11 +65,15 @@ EMBARK = ("embark", "embark-fp16")
 BASELINES = ("torchrec", "trw")
 HARDWARE = "cpu-gloo"  # what train.py plans with on CPU
 RATE_TARGET = 0.97  # embark's samples/s against torchrec's (issue 12's acceptance)
+ESTIMATE_TARGET = 0.25  # |estimated / measured step - 1| of embark's plan on calibrated hardware (issue 16)
 INTER_TARGET = 0.7  # embark-fp16's inter-node bytes against torchrec's (issue 6)
 
 
-def run_example(planner: str, args: argparse.Namespace, plan_out: Path, plan_in: Path | None = None) -> dict[str, Any]:
-    """One torchrun job of the example; its RESULT as a dict (raises with the output's tail on failure)."""
+def run_example(
+    planner: str, args: argparse.Namespace, plan_out: Path, plan_in: Path | None = None, extra: Sequence[str] = ()
+) -> dict[str, Any]:
+    """One torchrun job of the example (`extra`: more of its flags); its RESULT as a dict (raises with the output's
+    tail on failure)."""
     model = (
         []
         if args.model is None
@@ -76,6 +85,7 @@ def run_example(planner: str, args: argparse.Namespace, plan_out: Path, plan_in:
         "--steps", str(args.steps),
         "--batch-size", str(args.batch_size), "--log-every", str(args.steps), "--plan-out", str(plan_out),
     ] + (["--plan-in", str(plan_in)] if plan_in else []) + (["--no-pipeline"] if args.no_pipeline else [])  # fmt: skip
+    cmd += [*extra, "--hardware", str(args.hardware)] if args.hardware else list(extra)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=args.timeout_s, env=env, cwd=ROOT)
     results = [line[len("RESULT ") :] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -83,6 +93,22 @@ def run_example(planner: str, args: argparse.Namespace, plan_out: Path, plan_in:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
         raise RuntimeError(f"{planner}: exit {proc.returncode}, {len(results)} RESULT lines\n{tail}")
     return json.loads(results[0])
+
+
+def calibrate(args: argparse.Namespace, tmp: Path) -> Path:
+    """The hardware file of one calibration job of the example on the runs' ranks (python -m
+    embark_torchrec.calibrate's figures and the model's dense part), kept next to --out."""
+    once = argparse.Namespace(**{**vars(args), "hardware": None, "steps": 2})
+    run_example("embark", once, tmp / "calibration.json", extra=("--calibrate",))
+    kept = args.out.with_suffix(".hardware.json")
+    kept.write_text((tmp / "calibration.hardware.json").read_text())
+    return kept
+
+
+def hardware_note(args: argparse.Namespace) -> str:
+    """Which hardware file the runs planned with, and where it came from."""
+    where = "measured by the example's --calibrate before the rounds" if args.calibrate else "given"
+    return f"`{args.hardware}` ({where})"
 
 
 def without_ub(plan_file: Path, out: Path) -> None:
@@ -146,6 +172,7 @@ def markdown(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, sp
     inter = medians(runs, "inter_node_bytes_per_step")
     auc = medians(runs, "auc")
     est = medians(runs, "estimated_step_ms")
+    measured = {p: float(statistics.median(r["step_ms"] - r["data_ms_per_step"] for r in rs)) for p, rs in runs.items()}
     ws, lws = args.world_size, args.local_world_size
     title = f"# End to end: the DLRM example on {ws} CPU ranks as {ws // lws} nodes x {lws} (gloo)"
     setup = (
@@ -158,11 +185,14 @@ def markdown(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, sp
             if NO_UB in planners
             else ""
         )
+        + (f"Every run planned with the hardware file {hardware_note(args)}. " if args.hardware else "")
         + "samples/s: median over rounds (each run leaves its warm-up steps out); bytes: per training step, the "
         "maximum over ranks of what a rank sent + received (all embedding collectives; data-parallel tables' "
         "all-reduce runs in DDP with the dense part and is not counted), "
         "counted by embark_torchrec.sharding.comm_stats; "
-        "clusters: tables per cluster of the plan that ran."
+        "clusters: tables per cluster of the plan that ran; measured step ms: median over rounds of the step "
+        "less the time the slowest rank spent making a batch (no plan changes it), against the cost model's "
+        "estimated step for the plan that ran."
     )
     lines = [
         title,
@@ -170,15 +200,15 @@ def markdown(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, sp
         setup,
         "",
         "| plan | clusters | samples/s | samples/s per round | bytes / step | inter-node bytes / step | held-out AUROC "
-        "| estimated step ms |",
-        "|---|---|---:|---|---:|---:|---:|---:|",
+        "| estimated step ms | measured step ms | estimated / measured |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for p in planners:
         clusters = " / ".join(dict.fromkeys(", ".join(f"{c} {n}" for c, n in r["clusters"].items()) for r in runs[p]))
         per_round = ", ".join(f"{r['samples_per_s']:,.0f}" for r in runs[p])
         lines.append(
             f"| {p} | {clusters} | {rate[p]:,.0f} | {per_round} | {total[p]:,.0f} | {inter[p]:,.0f} "
-            f"| {auc[p]:.4f} | {est[p]:.2f} |"
+            f"| {auc[p]:.4f} | {est[p]:.2f} | {measured[p]:.2f} | {ratio(est[p], measured[p])} |"
         )
     pairs = [(e, b) for e in EMBARK for b in BASELINES if e in planners and b in planners]
     pairs += [("embark", NO_UB)] if NO_UB in planners else []
@@ -203,6 +233,12 @@ def markdown(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, sp
         met = inter["embark-fp16"] <= INTER_TARGET * inter["torchrec"]
         targets.append(
             f"Target, embark-fp16 against torchrec: inter-node bytes <= {INTER_TARGET}x: {'met' if met else 'not met'}."
+        )
+    if "embark" in planners and args.hardware:
+        off = est["embark"] / measured["embark"] - 1
+        targets.append(
+            f"Target, embark's estimated step within {ESTIMATE_TARGET:.0%} of its measured step on calibrated "
+            f"hardware: {off:+.0%}, {'met' if abs(off) <= ESTIMATE_TARGET else 'not met'}."
         )
     lines += ["", *targets] if targets else []
     lines += [
@@ -274,6 +310,7 @@ def command(args: argparse.Namespace) -> str:
     ]
     flags += [f"--timeout-s {args.timeout_s:g}"] if args.timeout_s != TIMEOUT_S else []
     flags += ["--no-pipeline"] if args.no_pipeline else []
+    flags += ["--calibrate"] if args.calibrate else [f"--hardware {args.hardware}"] if args.hardware else []
     flags += [f"--out {args.out}"] if args.out != OUT else []
     flags += [f"--plot {args.plot}"] if args.plot else []
     return f"PYTHONPATH=. .venv/bin/python benchmarks/e2e.py {' '.join(flags)}"
@@ -299,6 +336,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-pipeline", action="store_true", help="run the example without TrainPipelineSparseDist")
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--plot", type=Path, help="PNG of per-rank estimated load and measured bytes of each plan")
+    hardware = p.add_mutually_exclusive_group()
+    hardware.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="calibrate with the example's --calibrate first; plan every run so",
+    )
+    hardware.add_argument("--hardware", type=Path, help="plan every run with this hardware file")
     args = p.parse_args(argv)
     given = args.planners.split(",")
     unknown = sorted(set(given) - set(RUNS))
@@ -320,6 +364,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     runs: dict[str, list[dict[str, Any]]] = {p: [] for p in args.planners}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
+        if args.calibrate:
+            args.hardware = calibrate(args, Path(tmp))
         plan_files = {p: Path(tmp) / f"{p}.json" for p in args.planners}
         no_ub_in = Path(tmp) / f"{NO_UB}-in.json"
         for i in range(args.rounds):

@@ -8,8 +8,8 @@ accepted (EmbarkPlanner(hardware="hardware.json"), python -m embark_torchrec.pla
 examples/dlrm/train.py --hardware hardware.json). What it measures, each `repeats` times (median, quartiles,
 min and max go into the file):
 
-- collective_us: a tiny all_to_all_single (16 floats per peer) over every rank, a few back to back per sample,
-  slowest rank;
+- alltoall_latency_us (not a field): a tiny all_to_all_single (16 floats per peer) over every rank, a few back to
+  back per sample, slowest rank;
 - intra/inter_node_bw_gbps: all-to-all inside each node and between the ranks of equal local rank on
   different nodes (every group at once, as in training), bytes each rank sends to its peers / (time of a
   large all-to-all - time of a tiny one in the same groups);
@@ -23,12 +23,21 @@ min and max go into the file):
   runs it;
 - unique_ns_per_id: a unique-based table's own host work per ID (de-duplication, routing, expansion), as the
   cost model prices it: one-hot tables trained table-wise and unique-based in interleaved rounds on IDs that
-  never repeat (so UB saves no bytes), the step time's difference per ID; at least the de-duplication alone.
+  never repeat (so UB saves no bytes), the step time's difference per ID; at least the de-duplication alone;
+- collective_us: what a sharding group costs a real training step per collective it issues: the table-wise step
+  of those rounds less the cost model's lookups and bytes for it (priced with the figures above), divided by the
+  group's collectives; at least alltoall_latency_us. It holds the host work TorchRec's dists do around each
+  collective (KJT splits and permutes, output copies, autograd), which a bare all-to-all does not;
+- dense_ms_per_ksample and dense_params_mb, only when the caller hands calibrate() its model's dense part
+  (a DenseStep; the DLRM example's --calibrate does): forward, backward and optimizer step of the dense
+  modules on one rank's batch, every rank at once as in training (on one CPU host they share its cores as
+  they will then), the slowest rank; the dense parameters' bytes, which the step all-reduces.
 
 On one CPU host (the ranks share its cores: host_cores) lookups and de-duplication are measured on rank 0
 alone, since the cost model shares the cores among ranks itself; elsewhere every rank measures at once.
-Figures that cannot be measured (memory reserve, dense model, a bandwidth when there is one node or one rank
-per node, GPU memory on CPUs) come from the base preset and are marked "preset" in the file's "sources".
+Figures that cannot be measured (memory reserve, the dense model when no DenseStep is given, a bandwidth when
+there is one node or one rank per node, GPU memory on CPUs) come from the base preset and are marked "preset" in
+the file's "sources".
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ import os
 import socket
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -93,6 +102,16 @@ GPU_SETTINGS = Settings(
 def quick(settings: Settings) -> Settings:
     """The same sizes with few repeats and steps: seconds, for tests and a first look (wider spreads)."""
     return replace(settings, quick=True, repeats=8, ub_steps=3, ub_rounds=3)
+
+
+@dataclass(frozen=True)
+class DenseStep:
+    """A model's dense part, which every plan runs alike: `step()` trains it (forward, backward, optimizer) on
+    `samples` samples, as one rank does per training step; `params` dense parameters are all-reduced per step."""
+
+    step: Callable[[], object]
+    samples: int
+    params: int
 
 
 class CalibrationError(RuntimeError):
@@ -235,11 +254,11 @@ def _node_groups(job: Job) -> tuple[Any, Any]:
 def measure_collectives(job: Job, s: Settings) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     (tiny,) = _times([_all_to_all(s.tiny_floats, job.device)], s.repeats, job.device, calls=TINY_CALLS)
-    out["collective_us"] = stats(
+    out["alltoall_latency_us"] = stats(
         [t * 1e6 for t in tiny],
         "us",
         f"all_to_all_single of {s.tiny_floats} floats per peer over all {job.world_size} ranks, {TINY_CALLS} calls "
-        "back to back per sample, slowest rank",
+        "back to back per sample, slowest rank (not a Hardware field: collective_us is at least this)",
     )
     intra, cross = _node_groups(job)
     if intra is not None:
@@ -380,6 +399,35 @@ def _dedup_times(s: Settings, device: torch.device) -> list[float]:
     return out
 
 
+def _reference_plan(job: Job, s: Settings, cluster: str) -> Any:
+    """The reference step's plan: ub_tables one-hot tables, each whole on rank i % world size."""
+    from .plan.layout import Plan, TableLayout
+
+    world, rows, dim = job.world_size, s.ub_rows, s.ub_dim
+    layouts = {f"t{i}": TableLayout(cluster, (0, rows), (0, dim), ((i % world,),)) for i in range(s.ub_tables)}
+    return Plan(world, job.local_world_size, layouts)
+
+
+def _reference_estimate_ms(job: Job, s: Settings, hardware: Hardware) -> tuple[float, int]:
+    """The cost model's lookups + communication of the table-wise reference step on `hardware` (IDs never
+    repeat), and the collectives its one sharding group issues per step."""
+    from .plan.cost import CostModel
+    from .plan.groups import collectives_per_step
+    from .plan.spec import ModelSpec, TableSpec
+    from .plan.topology import Topology
+
+    tables = tuple(
+        TableSpec(f"t{i}", rows=s.ub_rows, dim=s.ub_dim, pooling=1.0, feature_names=(f"f{i}",), unique_ratio=1.0)
+        for i in range(s.ub_tables)
+    )
+    spec = ModelSpec("calibration-reference", job.world_size * s.ub_batch, tables)
+    model = CostModel(spec, Topology(job.world_size, job.local_world_size, hardware))
+    load = model.rank_load(_reference_plan(job, s, "rb"))
+    (kind,) = load.groups
+    cost = model.step_cost(load)
+    return cost.lookup_ms + cost.comm_ms, collectives_per_step(kind)
+
+
 def _ub_round_times(job: Job, s: Settings, optimizer: str) -> tuple[list[float], list[float]]:
     """Per round, seconds per step (slowest rank) of ub_tables one-hot tables trained table-wise, then
     unique-based, on IDs that never repeat within a rank's batch; the first round is a warm-up."""
@@ -388,7 +436,6 @@ def _ub_round_times(job: Job, s: Settings, optimizer: str) -> tuple[list[float],
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from .plan.layout import Plan, TableLayout
     from .plan.spec import ModelSpec
     from .sharding.parameter_sharding import module_sharding_plan
     from .sharding.sharder import EmbarkEmbeddingBagCollectionSharder
@@ -408,11 +455,8 @@ def _ub_round_times(job: Job, s: Settings, optimizer: str) -> tuple[list[float],
 
     def build(cluster: str) -> torch.nn.Module:
         meta = SparseArch(tables, False, torch.device("meta"))
-        layouts = {c.name: TableLayout(cluster, (0, rows), (0, dim), ((i % world,),)) for i, c in enumerate(tables)}
         spec = ModelSpec.from_module(meta.ebc, batch_size=world)
-        plan = ShardingPlan(
-            {"ebc": module_sharding_plan(Plan(world, job.local_world_size, layouts), spec, job.device.type)}
-        )
+        plan = ShardingPlan({"ebc": module_sharding_plan(_reference_plan(job, s, cluster), spec, job.device.type)})
         env = ShardingEnv.from_process_group(dist.group.WORLD)
         return DistributedModelParallel(meta, env=env, plan=plan, sharders=[sharder], device=job.device)
 
@@ -447,9 +491,12 @@ def _ub_round_times(job: Job, s: Settings, optimizer: str) -> tuple[list[float],
     return times["rb"][1:], times["ub"][1:]
 
 
-def measure_unique(job: Job, s: Settings, optimizer: str) -> dict[str, dict[str, Any]]:
-    """dedup_ns_per_id (torch.unique alone) and unique_ns_per_id (UB against table-wise, per ID, at least
-    the de-duplication alone)."""
+def measure_sharded_steps(job: Job, s: Settings, optimizer: str, hardware: Hardware) -> dict[str, dict[str, Any]]:
+    """From real DMP training steps of the reference tables: collective_us as a sharding group costs in a
+    step (table-wise step - the cost model's lookups and bytes on `hardware`, the figures measured so far,
+    per collective of the group: TorchRec's dists' host work around each collective included), and
+    dedup_ns_per_id (torch.unique alone) and unique_ns_per_id (UB against table-wise, per ID, at least the
+    de-duplication alone)."""
     dedup = [x * 1e9 for x in _alone_or_all(job, lambda: _dedup_times(s, job.device))]
     where = "rank 0 alone" if job.shared_host_cores else "every rank at once"
     out = {
@@ -461,6 +508,14 @@ def measure_unique(job: Job, s: Settings, optimizer: str) -> dict[str, dict[str,
         )
     }
     table_wise, unique = _ub_round_times(job, s, optimizer)
+    estimate_ms, collectives = _reference_estimate_ms(job, s, hardware)
+    out["collective_us"] = stats(
+        [(t * 1e3 - estimate_ms) * 1e3 / collectives for t in table_wise],
+        "us",
+        f"{s.ub_tables} one-hot tables x {s.ub_batch} samples per rank trained table-wise in DMP: step - the cost "
+        f"model's lookups and bytes ({estimate_ms:.3g} ms), per collective of its sharding group ({collectives}); "
+        "at least alltoall_latency_us",
+    )
     ids = s.ub_tables * s.ub_batch  # per rank and step
     cores = job.shared_host_cores
     # on one shared host the extra work of every rank shares its cores, as the cost model prices it
@@ -474,6 +529,19 @@ def measure_unique(job: Job, s: Settings, optimizer: str) -> dict[str, dict[str,
         "the figure is at least dedup_ns_per_id",
     )
     return out
+
+
+def measure_dense(job: Job, s: Settings, dense: DenseStep) -> dict[str, dict[str, Any]]:
+    """dense_ms_per_ksample: every rank steps its dense part at once, as in training, the slowest rank."""
+    (seconds,) = _times([dense.step], s.repeats, job.device)
+    return {
+        "dense_ms_per_ksample": stats(
+            [x * 1e3 * 1000 / dense.samples for x in seconds],
+            "ms",
+            f"the model's dense forward + backward + optimizer on {dense.samples} samples per rank, every rank at "
+            "once, slowest rank, per 1000 samples",
+        )
+    }
 
 
 # ---------------------------------------------------------------- the hardware document
@@ -499,23 +567,66 @@ def _versions() -> dict[str, str]:
 
 
 def calibrate(
-    settings: Settings, base: str | Hardware, optimizer: str = OPTIMIZERS[0], name: str | None = None
+    settings: Settings,
+    base: str | Hardware,
+    optimizer: str = OPTIMIZERS[0],
+    name: str | None = None,
+    dense: DenseStep | None = None,
 ) -> dict[str, Any]:
     """Runs every measurement on the job's ranks (the default process group must be initialised;
-    every rank calls this) and returns the hardware document on every rank."""
+    every rank calls this) and returns the hardware document on every rank; with `dense`, the model's
+    dense figures too."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     base_hw = resolve_hardware(base)
     job = _job()
     measured = measure_collectives(job, settings)
     measured |= measure_lookups(job, settings, optimizer)
-    measured |= measure_unique(job, settings, optimizer)
+    so_far = _hardware(base_hw, measured, job)
+    measured |= measure_sharded_steps(job, settings, optimizer, replace(so_far, collective_us=0.0))
+    if dense is not None:
+        measured |= measure_dense(job, settings, dense)
     memory = _device_memory_gb(job)
     document: list[Any] = [None]
     if job.rank == 0:
-        document[0] = _document(job, settings, base, base_hw, measured, memory, optimizer, name)
+        document[0] = _document(job, settings, base, base_hw, measured, memory, optimizer, name, dense)
     dist.broadcast_object_list(document, src=0)
     return document[0]
+
+
+def _hardware(
+    base: Hardware,
+    measured: dict[str, dict[str, Any]],
+    job: Job,
+    dense: DenseStep | None = None,
+    memory_gb: float | None = None,
+) -> Hardware:
+    """`base` with every figure measured so far (medians), the machine's and the model's."""
+    figures: dict[str, Any] = {f: measured[f]["median"] for f in _MEASURED_FIELDS if f in measured}
+    if "lookup_ns_per_id" in figures:
+        figures["lookup_ns_per_id"] = max(0.0, figures["lookup_ns_per_id"])  # noise around a zero cost
+    if "collective_us" in figures:
+        figures["collective_us"] = max(figures["collective_us"], measured["alltoall_latency_us"]["median"])
+    if "unique_ns_per_id" in measured:
+        figures["unique_ns_per_id"] = max(measured["unique_ns_per_id"]["median"], measured["dedup_ns_per_id"]["median"])
+    figures["host_cores"] = job.shared_host_cores
+    if dense is not None:
+        figures["dense_params_mb"] = dense.params * 4 / 1e6  # fp32 gradients
+    if memory_gb is not None:
+        figures["hbm_gb"] = memory_gb
+        figures["hbm_reserve_gb"] = min(base.hbm_reserve_gb, memory_gb / 2)
+    return replace(base, **figures)
+
+
+# Hardware fields set to their measurement's median when it was taken
+_MEASURED_FIELDS = (
+    "collective_us",
+    "intra_node_bw_gbps",
+    "inter_node_bw_gbps",
+    "hbm_bw_gbps",
+    "lookup_ns_per_id",
+    "dense_ms_per_ksample",
+)
 
 
 def _document(
@@ -527,24 +638,18 @@ def _document(
     memory_gb: float | None,
     optimizer: str,
     name: str | None,
+    dense: DenseStep | None = None,
 ) -> dict[str, Any]:
-    hardware = hardware_to_dict(base_hw)
-    sources = {field: "preset" for field in hardware}
-    for field in ("collective_us", "intra_node_bw_gbps", "inter_node_bw_gbps", "hbm_bw_gbps", "lookup_ns_per_id"):
-        if field in measured:
-            hardware[field] = measured[field]["median"]
-            sources[field] = "measured"
-    hardware["lookup_ns_per_id"] = max(0.0, hardware["lookup_ns_per_id"])  # noise around a zero cost
-    hardware["unique_ns_per_id"] = max(measured["unique_ns_per_id"]["median"], measured["dedup_ns_per_id"]["median"])
-    sources["unique_ns_per_id"] = "measured"
-    hardware["host_cores"] = job.shared_host_cores
+    sources = {field.name: "preset" for field in fields(Hardware)}
+    sources |= {field: "measured" for field in (*_MEASURED_FIELDS, "unique_ns_per_id") if field in measured}
     sources["host_cores"] = "machine"
+    if dense is not None:
+        sources["dense_params_mb"] = "model"
     if memory_gb is not None:
-        hardware["hbm_gb"] = memory_gb
-        hardware["hbm_reserve_gb"] = min(base_hw.hbm_reserve_gb, memory_gb / 2)
         sources["hbm_gb"] = "machine"
     host = job.hosts[0]
-    hardware["name"] = name or f"calibrated-{host}"
+    hw = _hardware(base_hw, measured, job, dense, memory_gb)
+    hardware = hardware_to_dict(replace(hw, name=name or f"calibrated-{host}"))
     return {
         "format": FORMAT,
         "version": VERSION,

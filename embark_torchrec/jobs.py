@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import os
 import sys
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -64,6 +67,13 @@ def mean_over_ranks(value: float, device: torch.device) -> float:
     return float(t) / dist.get_world_size()
 
 
+def max_over_ranks(value: float, device: torch.device) -> float:
+    """The largest `value` of any rank (one all-reduce; not the hot path)."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
 @dataclass
 class Progress:
     """Loss and throughput bookkeeping for log lines and a RESULT line."""
@@ -72,6 +82,20 @@ class Progress:
     last_loss: float | None = None
     measured_seconds: float = 0.0  # after the warm-up steps
     measured_steps: int = 0
+    data_seconds: float = 0.0  # making the batches (synthetic data, file reads), on this rank
+    batches_made: int = 0
+
+    def timed(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """`batches`, adding the time spent making each to data_seconds: the part of a step no plan changes."""
+        while True:
+            start = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            self.data_seconds += time.perf_counter() - start
+            self.batches_made += 1
+            yield batch
 
 
 def exit_after_clean_run() -> None:

@@ -79,6 +79,9 @@ def test_quick_calibration_measures_every_figure_it_can_with_its_spread(calibrat
         assert spread["samples"] >= 2 and spread["min"] <= spread["p25"] <= spread["median"] <= spread["p75"]
         assert spread["p75"] <= spread["max"] and spread["unit"] and spread["what"]
     assert hardware.unique_ns_per_id >= document["measurements"]["dedup_ns_per_id"]["median"] > 0
+    # a group's collective in a real training step costs at least a bare all-to-all
+    assert hardware.collective_us >= document["measurements"]["alltoall_latency_us"]["median"] > 0
+    assert "trained table-wise in DMP" in document["measurements"]["collective_us"]["what"]
     assert hardware.host_cores == len(os.sched_getaffinity(0)) and document["sources"]["host_cores"] == "machine"
     for field, source in document["sources"].items():
         if source == "preset" and field != "name":
@@ -226,3 +229,34 @@ def test_example_calibrate_flag_and_its_conflict_with_plan_in() -> None:
     assert train.parse_args(["--calibrate", "quick", "--hardware", "box.json"]).hardware == "box.json"
     with pytest.raises(SystemExit):
         train.parse_args(["--calibrate", "--plan-in", "plan.json"])
+
+
+def test_example_dense_step_is_timed_per_ksample_and_its_parameters_counted(tmp_path: Path) -> None:
+    """--calibrate times the example's dense part (a copy: the model's own weights do not move) on every rank,
+    per 1000 samples, and counts its parameters' fp32 gradient bytes (dense_params_mb, the model's figure)."""
+    import torch.distributed as dist
+
+    from embark_torchrec import calibrate
+
+    sys.path.insert(0, str(ROOT / "examples" / "dlrm"))
+    import train
+
+    model = train.build_model(train.default_spec(), 13, torch.device("cpu"))
+    before = {name: p.detach().clone() for name, p in model.named_parameters() if p.device.type != "meta"}
+    dense = train.dense_step(model, 64, 13, torch.device("cpu"))
+    expected = sum(p.numel() for name, p in model.named_parameters() if "sparse_arch" not in name)
+    assert dense.samples == 64 and dense.params == expected
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        job = calibrate._job()
+        settings = calibrate.quick(calibrate.CPU_SETTINGS)
+        measured = calibrate.measure_dense(job, settings, dense)
+        hardware = calibrate._hardware(PRESETS["cpu-gloo"], measured, job, dense)
+    finally:
+        dist.destroy_process_group()
+    spread = measured["dense_ms_per_ksample"]
+    assert spread["samples"] == settings.repeats and 0 < spread["min"] <= spread["median"]
+    assert hardware.dense_ms_per_ksample == spread["median"] and hardware.dense_params_mb == expected * 4 / 1e6
+    for name, p in model.named_parameters():
+        if name in before:
+            assert torch.equal(p, before[name]), name

@@ -6,7 +6,7 @@ write them by hand. The format (README "Hardware files"):
     {"format": "embark-hardware", "version": 1,
      "hardware": {every Hardware field by name: "name", "hbm_gb", ..., "host_cores"},
      "base"?: the preset the fields not measured came from,
-     "sources"?: {field: "measured" | "machine" | "preset"},
+     "sources"?: {field: "measured" | "machine" | "model" | "preset"},
      "measurements"?: {name: {"median", "p25", "p75", "min", "max", "samples", "unit", "what"?}},
      "run"?: {"date", "host", "hosts", "backend", "device", "world_size", "local_world_size", ...}}
 
@@ -42,7 +42,8 @@ from .topology import PRESETS, Hardware, hardware_preset
 
 FORMAT = "embark-hardware"
 VERSION = 1
-SOURCES = ("measured", "machine", "preset")  # measured here; read off the machine (memory, cores); from `base`
+# measured here; read off the machine (memory, cores); counted in the model (dense parameters); from `base`
+SOURCES = ("measured", "machine", "model", "preset")
 
 # figures the cost model divides by: zero would be a division by zero, not a free resource
 _POSITIVE = frozenset({"hbm_gb", "hbm_bw_gbps", "intra_node_bw_gbps", "inter_node_bw_gbps"})

@@ -14,6 +14,7 @@ line `RESULT {json}` (README "DLRM example" lists its keys).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import tempfile
@@ -40,7 +41,14 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from tqdm import tqdm
 
-from embark_torchrec.jobs import Progress, World, exit_after_clean_run, init_distributed, mean_over_ranks
+from embark_torchrec.jobs import (
+    Progress,
+    World,
+    exit_after_clean_run,
+    init_distributed,
+    max_over_ranks,
+    mean_over_ranks,
+)
 from embark_torchrec import EmbarkEmbeddingBagCollectionSharder, EmbarkPlanner, load_plan
 from embark_torchrec import calibrate as calibration
 from embark_torchrec import checkpoint
@@ -227,9 +235,34 @@ def build_model(spec: ModelSpec, dense_features: int, device: torch.device) -> D
 # ---------------------------------------------------------------- plans
 
 
-def job_hardware(args: argparse.Namespace, world: World) -> Hardware:
-    """--hardware (a preset or a hardware file) or, with --calibrate, what every rank of this job measures
-    (rank 0 writes the hardware file next to --plan-out, else in a temporary directory)."""
+def dense_step(model: DLRMTrain, batch_size: int, dense_features: int, device: torch.device) -> calibration.DenseStep:
+    """One rank's training step of the model's dense part (a copy: bottom MLP, DCN interaction, top MLP, the dense
+    optimizer) on random inputs and embeddings, for --calibrate to time: every plan runs it alike."""
+    dlrm = model.model
+    dense = torch.nn.ModuleDict(
+        {"dense_arch": dlrm.dense_arch, "inter_arch": dlrm.inter_arch, "over_arch": dlrm.over_arch}
+    )
+    dense = copy.deepcopy(dense).to(device)
+    optimizer = torch.optim.Adagrad(dense.parameters(), lr=DEFAULTS.dense_lr, eps=DEFAULTS.adagrad_eps)
+    tables = dlrm.sparse_arch.embedding_bag_collection.embedding_bag_configs()
+    inputs = torch.randn(batch_size, dense_features, device=device)
+    embeddings = torch.randn(batch_size, len(tables), tables[0].embedding_dim, device=device)
+    labels = torch.randint(0, 2, (batch_size,), device=device).float()
+
+    def step() -> None:
+        d = dense["dense_arch"](inputs)
+        logits = dense["over_arch"](dense["inter_arch"](dense_features=d, sparse_features=embeddings)).squeeze(-1)
+        torch.nn.functional.binary_cross_entropy_with_logits(logits, labels).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return calibration.DenseStep(step=step, samples=batch_size, params=sum(p.numel() for p in dense.parameters()))
+
+
+def job_hardware(args: argparse.Namespace, world: World, dense: calibration.DenseStep | None) -> Hardware:
+    """--hardware (a preset or a hardware file) or, with --calibrate, what every rank of this job measures,
+    this model's dense part included (rank 0 writes the hardware file next to --plan-out, else in a temporary
+    directory)."""
     chosen = args.hardware or (GPU_HARDWARE if world.device.type == "cuda" else CPU_HARDWARE)
     try:
         base = resolve_hardware(chosen)
@@ -238,7 +271,8 @@ def job_hardware(args: argparse.Namespace, world: World) -> Hardware:
     if not args.calibrate:
         return base
     settings = calibration.GPU_SETTINGS if world.device.type == "cuda" else calibration.CPU_SETTINGS
-    document = calibration.calibrate(calibration.quick(settings) if args.calibrate == "quick" else settings, chosen)
+    settings = calibration.quick(settings) if args.calibrate == "quick" else settings
+    document = calibration.calibrate(settings, chosen, dense=dense)
     if world.rank == 0:
         out = (
             args.plan_out.with_name(args.plan_out.stem + ".hardware.json")
@@ -318,11 +352,11 @@ def train(
 ) -> tuple[torch.nn.Module, Progress]:
     """Steps start_step..args.steps-1; the data iterator yields exactly those batches, so the pipeline
     (which reads up to two batches ahead) trains on each once and never past the end."""
-    batches: Iterator[Batch] = (data.batch(step, world.rank) for step in range(start_step, args.steps))
+    progress = Progress()
+    batches: Iterator[Batch] = progress.timed(data.batch(step, world.rank) for step in range(start_step, args.steps))
     pipeline = (
         None if args.no_pipeline else TrainPipelineSparseDist(model, optimizer, world.device, execute_all_batches=True)
     )
-    progress = Progress()
     samples_per_step = args.batch_size * world.world_size
     warmup = min(args.warmup_steps, args.steps - start_step - 1)
     # the bar on rank 0's terminal only (None: off when stdout is not a TTY, so logs get just the log lines)
@@ -425,7 +459,9 @@ class Trainer:
         # plan on what the data really holds: each table's pooling and unique ratio in rank 0's first batches
         profiled = (self.data.batch(step, 0).sparse_features for step in range(DEFAULTS.profile_batches))
         spec = profile_features(profiled, spec, world_size=world.world_size).spec
-        hardware = job_hardware(args, world)
+        model = build_model(spec, self.data.dense_features, world.device)
+        dense = dense_step(model, args.batch_size, self.data.dense_features, world.device) if args.calibrate else None
+        hardware = job_hardware(args, world, dense)
         topology = Topology(world.world_size, world.local_world_size, hardware)
         sharder = EmbarkEmbeddingBagCollectionSharder(
             fused_params={
@@ -434,7 +470,6 @@ class Trainer:
                 "eps": DEFAULTS.adagrad_eps,
             }
         )
-        model = build_model(spec, self.data.dense_features, world.device)
         self.planner_name = "file" if args.plan_in else args.planner
         sharding_plan, plan, plan_s = make_plan(args, model, spec, topology, world, sharder)
         self.estimated_step_ms = self._report(plan, plan_s, spec, topology)
@@ -497,6 +532,8 @@ class Trainer:
         if args.checkpoint_dir and steps_run > 0:
             save_checkpoint(args.checkpoint_dir, self.model, self.optimizer, args.steps)
         auc = heldout_auroc(self.model, self.data, args.eval_batches, world)
+        # making one batch on the slowest rank: part of the measured step, no part of the estimate
+        data_ms = max_over_ranks(progress.data_seconds / max(progress.batches_made, 1) * 1e3, world.device)
         if world.rank == 0:
             assert self.estimated_step_ms is not None
             samples = progress.measured_steps * args.batch_size * world.world_size
@@ -510,6 +547,8 @@ class Trainer:
                 "steps": args.steps,
                 "steps_run": steps_run,
                 "samples_per_s": round(samples / progress.measured_seconds, 1) if samples else None,
+                "step_ms": round(progress.measured_seconds / progress.measured_steps * 1e3, 3) if samples else None,
+                "data_ms_per_step": round(data_ms, 3),
                 "first_loss": progress.first_loss,
                 "final_loss": progress.last_loss,
                 "auc": round(auc, 5),
