@@ -1,5 +1,6 @@
 """The sequence example (examples/sequence/train.py) runs as users run it, under torchrun on 2 gloo ranks, for a few
-steps: the history table unique-based on our sharders, with the pooled tables planned by EmbarkPlanner."""
+steps: EmbarkPlanner plans the history (sequence) table and the pooled tables together, and picks unique-based for
+the Zipf history."""
 
 from __future__ import annotations
 
@@ -30,9 +31,10 @@ def _torchrun(*flags: str, timeout_s: float = 120.0) -> tuple[dict[str, Any], st
 
 
 def test_example_trains_ub_history_and_prints_progress_and_one_result_line() -> None:
-    """Rank 0 prints the plan (the history table on embark_ub over both ranks), a progress line every --log-every
-    steps and exactly one RESULT line with every documented key; the loss falls; counted bytes cover both ranks,
-    the history table's among them (UB bytes, both directions), and nothing crosses nodes on one node."""
+    """Rank 0 prints the plan (the planner put the history table on embark_ub over both ranks), a progress line
+    every --log-every steps and exactly one RESULT line with every documented key; the loss falls; counted bytes
+    cover both ranks, the history table's among them (UB bytes, both directions), and nothing crosses nodes on one
+    node."""
     result, out = _torchrun(
         "--steps", "30", "--batch-size", "64", "--log-every", "10", "--warmup-steps", "5", "--history-rows", "100000"
     )
@@ -41,7 +43,11 @@ def test_example_trains_ub_history_and_prints_progress_and_one_result_line() -> 
     assert [line.split(":")[0] for line in steps] == ["step 10", "step 20", "step 30"], steps
     assert all(line.endswith("samples/s") for line in steps), steps
     assert RESULT_KEYS <= set(result), RESULT_KEYS - set(result)
-    assert (result["planner"], result["history_layout"], result["history_sharding"]) == ("embark", "ub", "embark_ub")
+    assert (result["planner"], result["history_layout"], result["history_sharding"]) == (
+        "embark",
+        "planned",
+        "embark_ub",
+    )
     assert (result["world_size"], result["local_world_size"], result["steps"]) == (2, 2, 30)
     assert result["samples_per_s"] > 0
     assert result["final_loss"] < result["first_loss"], result

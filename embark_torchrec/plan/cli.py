@@ -137,13 +137,14 @@ def _run(args: argparse.Namespace) -> int:
     topology = Topology(args.world_size, args.local_world_size, hardware)
     planned = plan_model(spec, topology)
     cost = CostModel(spec, topology)
-    plans = [ScoredPlan("embark", planned.plan, planned.cost, planned.seconds)]
+    plan = planned.plan.with_kinds(spec)  # the plan file says which tables are sequence tables
+    plans = [ScoredPlan("embark", plan, planned.cost, planned.seconds)]
     for name in compare:
         start = time.perf_counter()
-        baseline = BASELINES[name](spec, topology)
+        baseline = BASELINES[name](spec, topology).with_kinds(spec)
         plans.append(ScoredPlan(name, baseline, cost.evaluate(baseline), time.perf_counter() - start))
     if args.out:
-        planned.plan.save(args.out)
+        plan.save(args.out)
     if args.plot:
         plot_rank_loads(plans, args.plot)
     if args.json:

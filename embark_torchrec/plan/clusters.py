@@ -47,7 +47,8 @@ def assign_clusters(
         else:
             free.append(t)
     own_ms = _table_wise_ms(cost, free, progress)
-    clusters.update(_model_parallel_clusters(cost, free, own_ms, set(clusters.values())))
+    forced = {(k, cost.table(n).is_sequence) for n, k in clusters.items()}
+    clusters.update(_model_parallel_clusters(cost, free, own_ms, forced))
     for t in free:  # a table constrained to TorchRec's (reduction-based) sharding types stays RB
         if not constraints.get(t.name, _FREE).unique_based:
             clusters[t.name] = "rb"
@@ -84,15 +85,22 @@ def _table_wise_ms(cost: CostModel, tables: list[TableSpec], progress: Progress 
 
 
 def _model_parallel_clusters(
-    cost: CostModel, tables: list[TableSpec], ms: Mapping[str, Mapping[str, float]], forced: set[str]
+    cost: CostModel, tables: list[TableSpec], ms: Mapping[str, Mapping[str, float]], forced: set[tuple[str, bool]]
 ) -> dict[str, str]:
     """RB or UB for each table: per table, all RB or all UB, whichever costs least (`ms`: each
     table's mean_rank_ms in each) with each sharding group used paying its collectives once (groups
-    that `forced` tables open anyway are free)."""
-    group = {k: 0.0 if k in forced else _group_ms(cost, tables, k) for k in ("rb", "ub")}
+    that `forced` tables open anyway are free). Pooled and sequence tables run in different modules,
+    so in different groups: a group is a (cluster, sequence?) pair."""
+    sequence = {t.name: t.is_sequence for t in tables}
+    group = {
+        (k, seq): 0.0 if (k, seq) in forced else _group_ms(cost, [t for t in tables if t.is_sequence == seq], k)
+        for k in ("rb", "ub")
+        for seq in (False, True)
+    }
 
     def total(choice: dict[str, str]) -> float:
-        return sum(ms[n][k] for n, k in choice.items()) + sum(group[k] for k in set(choice.values()))
+        used = {(k, sequence[n]) for n, k in choice.items()}
+        return sum(ms[n][k] for n, k in choice.items()) + sum(group[g] for g in used)
 
     own = {n: "ub" if m["ub"] < m["rb"] else "rb" for n, m in ms.items()}
     options = [own, dict.fromkeys(ms, "rb"), dict.fromkeys(ms, "ub")]
@@ -103,6 +111,6 @@ def _group_ms(cost: CostModel, tables: list[TableSpec], cluster: str) -> float:
     if not tables:
         return 0.0
     t = tables[0]
-    return cost.group_ms(
-        sharding_type(_table_wise(t, cluster), t.rows, cost.topology.world_size, cost.topology.local_world_size)
-    )
+    topology = cost.topology
+    layout = _table_wise(t, cluster)
+    return cost.group_ms(sharding_type(layout, t.rows, topology.world_size, topology.local_world_size, t.is_sequence))

@@ -32,6 +32,17 @@ same traffic message by message, and the runtime's dists send exactly that):
   ID a cell looks up (the same counts, without the width) also costs lookup_ns_per_id: indexing and
   optimizer bookkeeping per ID, whatever its width, which is why a column split is not free on a CPU
   (zero in the GPU presets).
+- Sequence tables (one vector per ID, not per bag; sharding/sequence.py): inputs as above; nothing
+  is summed, so an RB cell (r, c) sends each other rank F x b x p x m_r x w_c x e_fwd bytes, one
+  vector of its columns per ID of that rank in row slice r (m_r-weighted: a row split does not
+  reduce), directly (a hierarchical layout runs flat); UB sends what it sends for pooled tables,
+  and its expansion back into sequence order costs what the pooled one's into bags does; DP has no
+  output traffic. An RB sequence table's sender works per ID as UB's does: it routes every ID and
+  gathers each returning vector into its place (b F p x dim x 4 bytes, and b F p x unique_ns_per_id
+  of host work, the same passes over the IDs as UB's de-duplication and expansion), so between RB
+  and UB only the repeats differ: UB looks up, sends and updates each distinct ID once. Their
+  sharding groups are other modules' than the pooled tables' (an EmbeddingCollection's), so they
+  pay their collectives apart (group keys SEQUENCE_GROUP + type).
 - Memory per rank: per row of a cell, w_c x (4 + optimizer bytes per element) + optimizer bytes
   per row; DP tables in full on every rank.
 
@@ -62,6 +73,7 @@ from .topology import Topology
 from .wire import LENGTH_BYTES, vector_bytes
 
 WEIGHT_BYTES = 4  # an fp32 weight in the table (lookup work, not wire)
+SEQUENCE_GROUP = "sequence/"  # prefixes the sharding groups of sequence tables in RankLoad.groups
 BACKWARD_COMPUTE_MULTIPLIER = 2.0
 _LOAD_CACHE_SIZE = 16384
 
@@ -191,7 +203,7 @@ class CostModel:
         self._loads: dict[tuple[tuple, TableLayout], RankLoad] = {}
         # what a table's cost depends on: tables with equal signatures cost the same in any layout
         self.signature = {
-            t.name: (t.rows, t.dim, t.pooling, len(t.feature_names), spec.distribution(t), t.unique_ratio)
+            t.name: (t.rows, t.dim, t.pooling, len(t.feature_names), spec.distribution(t), t.unique_ratio, t.kind)
             for t in spec.tables
         }
         w, lws = topology.world_size, topology.local_world_size
@@ -303,8 +315,8 @@ class CostModel:
         t = self._tables[name]
         w = self.topology.world_size
         load = RankLoad.zeros(w)
-        kind = sharding_type(layout, t.rows, w, self.topology.local_world_size)
-        load.groups[kind] = 1
+        kind = sharding_type(layout, t.rows, w, self.topology.local_world_size, t.is_sequence)
+        load.groups[SEQUENCE_GROUP + kind if t.is_sequence else kind] = 1
         feats = len(t.feature_names)
         b = self.local_batch
         fwd, bwd = layout.precision.forward, layout.precision.backward
@@ -321,7 +333,9 @@ class CostModel:
         distinct = self.row_distinct(name, rows) if ub else None
         widths = np.diff(layout.col_bounds)
         to_all, from_all = np.zeros(w), np.zeros(w)
-        if ub:  # every rank de-duplicates its IDs and expands the unique vectors back into its bags
+        # every rank de-duplicates its IDs and expands the unique vectors back into its bags (UB), or
+        # routes each ID of a sequence table and gathers its returning vector into place (sequence RB)
+        if ub or t.is_sequence:
             load.lookup_bytes += b * feats * t.pooling * t.dim * lookup_factor
             load.lookup_ids += b * feats * t.pooling
             load.dedup_ms += b * feats * t.pooling * self.topology.hardware.unique_ns_per_id / 1e6
@@ -342,7 +356,13 @@ class CostModel:
                 else:
                     load.lookup_bytes[k] += self.spec.batch_size * feats * t.pooling * mass[r] * width * lookup_factor
                     load.lookup_ids[k] += self.spec.batch_size * feats * t.pooling * mass[r]
-        if not ub:
+        if not ub and t.is_sequence:  # one vector per ID, straight back to its sender (flat even if hierarchical)
+            for r in range(layout.num_row_slices):
+                for c, k in enumerate(layout.ranks[r]):
+                    vectors = feats * b * t.pooling * mass[r]
+                    to_all[k] += vectors * vector_bytes(int(widths[c]), fwd)
+                    from_all[k] += vectors * vector_bytes(int(widths[c]), bwd)
+        elif not ub:
             for c in range(layout.num_col_slices):
                 holders = [layout.ranks[r][c] for r in range(layout.num_row_slices)]
                 width = int(widths[c])
@@ -369,11 +389,11 @@ class CostModel:
         ub = layout.cluster == "ub"
         mass = self.row_mass(name, layout.row_bounds)
         ids = self.row_distinct(name, layout.row_bounds) if ub else b * t.pooling * mass
-        vectors = ids if ub else np.full_like(mass, float(b))
+        vectors = ids if ub or t.is_sequence else np.full_like(mass, float(b))
         widths = np.diff(np.asarray(layout.col_bounds))
         fwd, bwd = layout.precision.forward, layout.precision.backward
         wire = np.array([vector_bytes(int(x), fwd) + vector_bytes(int(x), bwd) for x in widths])
-        kind = sharding_type(layout, t.rows, w, lws)
+        kind = sharding_type(layout, t.rows, w, lws, t.is_sequence)
         per_peer = (
             feats * (ids * id_bytes(kind) + (0 if ub else b * LENGTH_BYTES))[:, None] + feats * vectors[:, None] * wire
         )
@@ -386,8 +406,9 @@ class CostModel:
     # ---- whole plans ----------------------------------------------------------------------
 
     def group_ms(self, kind: str) -> float:
-        """What one sharding group of this sharding type costs per step in collective launches."""
-        return collectives_per_step(kind) * self.topology.hardware.collective_us / 1e3
+        """What one sharding group of this sharding type (SEQUENCE_GROUP + type for sequence tables)
+        costs per step in collective launches."""
+        return collectives_per_step(kind.removeprefix(SEQUENCE_GROUP)) * self.topology.hardware.collective_us / 1e3
 
     def rank_load(self, plan: Plan | Mapping[str, TableLayout]) -> RankLoad:
         tables = plan.tables if isinstance(plan, Plan) else plan

@@ -233,6 +233,18 @@ def table_name(value: Any, field: str) -> str:
     return name
 
 
+POOLED, SEQUENCE = "pooled", "sequence"
+TABLE_KINDS = (POOLED, SEQUENCE)
+
+
+def table_kind(value: Any, field: str) -> str:
+    """A table's kind: "pooled" (an EmbeddingBagCollection's table: one vector per bag) or "sequence"
+    (an EmbeddingCollection's: one vector per ID); model specs and plan files both carry it."""
+    if not isinstance(value, str) or value not in TABLE_KINDS:
+        raise FieldError(f"unknown table kind {shown(value)}; known: {list(TABLE_KINDS)}", field)
+    return value
+
+
 def read_document(path: str | Path, error: type[FieldError], allow_yaml: bool) -> Any:
     """The parsed contents of a JSON file (YAML when allow_yaml and it ends in .yaml/.yml). An
     unreadable file, bytes that are not UTF-8, an empty file, invalid or too deeply nested JSON/YAML

@@ -12,6 +12,7 @@ features are weighted, so that one is not priced.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 
 from .layout import TableLayout, ceil_row_bounds, parse_sharding_type, sharding_type_name
@@ -25,6 +26,9 @@ DATA_PARALLEL = "data_parallel"
 FLAT_COLLECTIVES = 5
 HIERARCHICAL_COLLECTIVES = 7
 UNIQUE_COLLECTIVES = 5
+# TorchRec's EmbeddingCollection runs these built-in types exactly; every other layout of a sequence
+# table runs as ours (TorchRec's sequence column-wise needs one width for all its tables)
+SEQUENCE_BUILTIN_TYPES = (DATA_PARALLEL, "table_wise", "row_wise")
 _BUILTIN_COLLECTIVES = {
     DATA_PARALLEL: 0,  # its gradients are all-reduced with the dense ones, in DDP's buckets
     "table_wise": FLAT_COLLECTIVES,
@@ -60,9 +64,18 @@ def builtin_sharding_type(layout: TableLayout, rows: int, world_size: int, local
     return None
 
 
-def sharding_type(layout: TableLayout, rows: int, world_size: int, local_world_size: int) -> str:
-    """The sharding-type string the layout runs under: a built-in one where it exists, else ours."""
-    return builtin_sharding_type(layout, rows, world_size, local_world_size) or sharding_type_name(layout)
+def sharding_type(
+    layout: TableLayout, rows: int, world_size: int, local_world_size: int, sequence: bool = False
+) -> str:
+    """The sharding-type string the layout runs under: a built-in one where it exists (for a
+    sequence table, one of SEQUENCE_BUILTIN_TYPES), else ours; a sequence table's is never
+    hierarchical, as there are no partial sums to reduce (its grid runs flat)."""
+    builtin = builtin_sharding_type(layout, rows, world_size, local_world_size)
+    if not sequence:
+        return builtin or sharding_type_name(layout)
+    if builtin in SEQUENCE_BUILTIN_TYPES:
+        return builtin
+    return sharding_type_name(replace(layout, hierarchical=False))
 
 
 def id_bytes(kind: str) -> int:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from .fields import (
+    POOLED,
     FieldError,
     boolean,
     choice,
@@ -22,6 +23,7 @@ from .fields import (
     mapping,
     read_document,
     reading,
+    table_kind,
     table_name,
 )
 
@@ -31,7 +33,7 @@ PLAN_FORMAT = "embark-plan"
 PLAN_VERSION = 1
 SHARDING_TYPE_PREFIX = "embark_"
 _PLAN_KEYS = ("format", "version", "world_size", "local_world_size", "tables")
-_LAYOUT_KEYS = ("cluster", "precision", "shards", "hierarchical")
+_LAYOUT_KEYS = ("cluster", "kind", "precision", "shards", "hierarchical")
 _PRECISION_KEYS = ("forward", "backward")
 _SHARD_KEYS = ("rows", "cols", "rank")
 
@@ -171,17 +173,24 @@ class TableLayout:
 
 @dataclass(frozen=True)
 class Plan:
-    """{table: TableLayout} for a world of world_size ranks in nodes of local_world_size."""
+    """{table: TableLayout} for a world of world_size ranks in nodes of local_world_size; `kinds`:
+    the table kind (spec.py) of the tables it was planned for, where recorded (with_kinds): plan
+    files say which tables are sequence tables, and a table left out is pooled."""
 
     world_size: int
     local_world_size: int
     tables: Mapping[str, TableLayout]
+    kinds: Mapping[str, str] = field(default_factory=dict)
 
     def __getitem__(self, table: str) -> TableLayout:
         return self.tables[table]
 
     def replace_table(self, table: str, layout: TableLayout) -> "Plan":
         return replace(self, tables={**self.tables, table: layout})
+
+    def with_kinds(self, spec: Any) -> "Plan":
+        """This plan recording the kind of each of `spec`'s tables that is not pooled."""
+        return replace(self, kinds={t.name: t.kind for t in spec.tables if t.kind != POOLED})
 
     def validate(self, spec: Any, memory_per_rank: Any = None, cap_bytes: float | None = None) -> None:
         """Every table of `spec` laid out exactly once and tiled exactly; memory within the cap.
@@ -196,6 +205,9 @@ class Plan:
         if extra:
             raise PlanError(f"plan lays out tables {extra} that the model does not have")
         for t in spec.tables:
+            recorded = self.kinds.get(t.name, t.kind)
+            if recorded != t.kind:
+                raise PlanError(f"table {t.name!r}: the plan is for a {recorded} table, the model's is {t.kind}")
             self.tables[t.name].validate(t.name, t.rows, t.dim, self.world_size)
         if memory_per_rank is not None and cap_bytes is not None:
             for rank, used in enumerate(memory_per_rank):
@@ -210,6 +222,7 @@ class Plan:
         for name, t in self.tables.items():
             entry: dict[str, Any] = {
                 "cluster": t.cluster,
+                **({"kind": self.kinds[name]} if name in self.kinds else {}),
                 "precision": {"forward": t.precision.forward, "backward": t.precision.backward},
                 "shards": [{"rows": list(s.rows), "cols": list(s.cols), "rank": s.rank} for s in t.shards()],
             }
@@ -227,7 +240,7 @@ class Plan:
     @classmethod
     def from_dict(cls, d: Any) -> "Plan":
         """The plan file's format (README "plan file"), field by field: exactly what to_dict writes,
-        with `precision`, `hierarchical` and a dp table's empty `shards` optional."""
+        with `kind` (default pooled), `precision`, `hierarchical` and a dp table's empty `shards` optional."""
         with reading(PlanError):
             m = mapping(d, "")
             header = (m.get("format"), m.get("version"))
@@ -241,12 +254,15 @@ class Plan:
             if ws % lws:
                 raise FieldError(f"expected a divisor of world_size {ws}, got {lws}", "local_world_size")
             entries = mapping(m["tables"], "tables")
-        tables = {}
+        tables, kinds = {}, {}
         for name, entry in entries.items():
             with reading(PlanError, where=f"table {name!r}"):
                 table_name(name, "")
             tables[name] = _layout_from_dict(name, entry, ws)
-        return cls(ws, lws, tables)
+            if "kind" in entry:  # a mapping with known keys: _layout_from_dict checked it
+                with reading(PlanError, where=f"table {name!r}"):
+                    kinds[name] = table_kind(entry["kind"], "kind")
+        return cls(ws, lws, tables, kinds)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n")

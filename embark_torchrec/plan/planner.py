@@ -1,13 +1,15 @@
 """EmbarkPlanner: a torchrec ShardingPlanner that plans with EMBark's clusters and 3D search.
 
 It wraps `plan_model` (spec + topology -> Plan) for torchrec modules and turns the Plan into the
-ShardingPlan that DistributedModelParallel takes (sharding/parameter_sharding.py).
+ShardingPlan that DistributedModelParallel takes (sharding/parameter_sharding.py). Every
+EmbeddingBagCollection (pooled tables) and EmbeddingCollection (sequence tables) that a given sharder
+shards is planned in one search: their tables share the ranks' memory, lookups and links.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 import warnings
 from typing import Any, Mapping
 
@@ -15,8 +17,8 @@ import torch
 from torchrec.distributed.types import ShardingPlan, ShardingPlanner
 
 from .constraints import TableConstraints, from_torchrec
-from .cost import OptimizerMemory
-from .layout import SHARDING_TYPE_PREFIX, TableLayout, ceil_row_bounds
+from .cost import CostModel, OptimizerMemory
+from .layout import SHARDING_TYPE_PREFIX, Plan, TableLayout, ceil_row_bounds
 from .report import ScoredPlan, render
 from .plan_model import PlannedModel, plan_model
 from .search import SearchConfig
@@ -65,38 +67,72 @@ def hardware_from_torchrec(base: Hardware, topology: Any, storage_reservation: A
     return base.with_overrides(**overrides) if overrides else base
 
 
-def _check_sharders(result: Any, sharders: list[Any]) -> None:
-    """Refuses, before any module is sharded, a plan that uses our sharding types with sharders that
-    cannot run them (TorchRec's own would fail deep inside DistributedModelParallel)."""
+def _check_sharders(result: Any, modules: list["_Planned"], sharders: list[Any]) -> None:
+    """Refuses, before any module is sharded, a plan that uses our sharding types on a module whose
+    given sharders cannot run them (TorchRec's own would fail deep inside DistributedModelParallel)."""
+    from ..sharding.sharded_ec import EmbarkEmbeddingCollectionSharder
     from ..sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 
-    ours = [
-        f"{path or 'model'}.{table}"
-        for path, module_plan in result.plan.items()
-        for table, ps in module_plan.items()
-        if ps.sharding_type.startswith(SHARDING_TYPE_PREFIX)
-    ]
-    if ours and not any(isinstance(s, EmbarkEmbeddingBagCollectionSharder) for s in sharders):
-        raise ValueError(
-            f"the plan runs tables {ours[:5]}{' ...' if len(ours) > 5 else ''} on embark sharding types, which the "
-            "given sharders cannot run: pass EmbarkEmbeddingBagCollectionSharder() to the planner and to "
-            "DistributedModelParallel(sharders=[...])"
+    for m in modules:
+        needed = (
+            EmbarkEmbeddingCollectionSharder if m.spec.tables[0].is_sequence else EmbarkEmbeddingBagCollectionSharder
         )
+        if any(isinstance(s, needed) for s in sharders if isinstance(m.module, s.module_type)):
+            continue
+        ours = [
+            f"{m.path or 'model'}.{table}"
+            for table, ps in result.plan[m.path].items()
+            if ps.sharding_type.startswith(SHARDING_TYPE_PREFIX)
+        ]
+        if ours:
+            raise ValueError(
+                f"the plan runs tables {ours[:5]}{' ...' if len(ours) > 5 else ''} on embark sharding types, which "
+                f"the given sharders cannot run: pass {needed.__name__}() to the planner and to "
+                "DistributedModelParallel(sharders=[...])"
+            )
 
 
 def _sharders_accept(module: Any, sharders: list[Any]) -> bool:
     return any(isinstance(module, s.module_type) for s in sharders)
 
 
-def _embedding_bags(module: Any) -> Any:
-    """The EmbeddingBagCollection a module plans: itself, or the one inside a managed-collision EBC
-    (None for other modules)."""
+def _collection(module: Any) -> Any:
+    """The table collection a module plans: an EmbeddingBagCollection or EmbeddingCollection itself,
+    or the EmbeddingBagCollection inside a managed-collision one (None for other modules)."""
     from ..sharding.torchrec_compat import managed_collision_embedding_bags
 
     inner = managed_collision_embedding_bags(module)
     if inner is not None:
         return inner
-    return module if hasattr(module, "embedding_bag_configs") else None
+    return module if hasattr(module, "embedding_bag_configs") or hasattr(module, "embedding_configs") else None
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """One module the planner plans: its path, the module the sharder shards, its tables' spec, and
+    each table's name in the one spec all modules are planned in (unique across modules)."""
+
+    path: str
+    module: Any
+    spec: ModelSpec
+    names: Mapping[str, str]
+    managed_collisions: bool
+
+
+def _planned_names(specs: list[tuple[str, ModelSpec]]) -> list[dict[str, str]]:
+    """Each module's table names in the joint spec: its own, unless another planned module has a
+    table of that name, then prefixed by the module's path (dots as underscores)."""
+    counts: dict[str, int] = {}
+    for _, spec in specs:
+        for t in spec.tables:
+            counts[t.name] = counts.get(t.name, 0) + 1
+    return [
+        {
+            t.name: t.name if counts[t.name] == 1 else f"{path.replace('.', '_') or 'model'}__{t.name}"
+            for t in spec.tables
+        }
+        for path, spec in specs
+    ]
 
 
 def _row_wise(rows: int, dim: int, world_size: int) -> TableLayout:
@@ -134,8 +170,10 @@ class EmbarkPlanner(ShardingPlanner):
     HBM is kept free. batch_size is the per-rank batch, as in torchrec. Without `hardware`, the
     preset follows the device in use: cpu-gloo on CPU, the preset matching the GPU's name on CUDA
     (dgx-h100 with a warning naming the GPU when none matches).
-    `plans` keeps the Plan of every planned module (by its path) for report() and the plan file.
-    Each EmbeddingBagCollection is planned on its own. `progress`: a line on stderr while a plan
+    `plans` keeps the Plan of every planned module (by its path) for report() and the plan file,
+    each scored alone. Every EmbeddingBagCollection and EmbeddingCollection whose sharder is given
+    (as in TorchRec's planner: only those) is planned in one search; an EmbeddingCollection's
+    tables (sequence tables) run on EmbarkEmbeddingCollectionSharder. `progress`: a line on stderr while a plan
     takes more than a few seconds; None (default) on rank 0 when its stderr is a terminal (under
     torchrun, collective_plan plans on rank 0 alone: one line), True on every rank that plans,
     False never.
@@ -196,21 +234,16 @@ class EmbarkPlanner(ShardingPlanner):
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
         return None if rank == 0 else False
 
-    def plan(self, module: Any, sharders: list[Any]) -> ShardingPlan:
-        from ..sharding.parameter_sharding import module_sharding_plan  # the TorchRec adapter lives with the runtime
-
-        topology = self._topology()
-        constraints = from_torchrec(self.torchrec_constraints)
-        result = ShardingPlan(plan={})
-        planned_tables: set[str] = set()
-        planned_paths: list[str] = []
+    def _modules(self, module: Any, sharders: list[Any], topology: Topology) -> list[_Planned]:
+        """The collections the sharders shard (as TorchRec's planner, only those), outermost first,
+        each with its spec (measured values applied) and its tables' names in the joint spec."""
+        found: list[tuple[str, Any, ModelSpec, bool]] = []
         for path, sub in module.named_modules():
-            if any(path.startswith(f"{p}.") for p in planned_paths) or not _sharders_accept(sub, sharders):
+            if any(path.startswith(f"{p}.") for p, *_ in found) or not _sharders_accept(sub, sharders):
                 continue  # DistributedModelParallel shards a planned module whole, its children with it
-            collection = _embedding_bags(sub)
+            collection = _collection(sub)
             if collection is None:
                 continue
-            planned_paths.append(path)
             spec = ModelSpec.from_module(
                 collection,
                 self.torchrec_constraints,
@@ -221,19 +254,42 @@ class EmbarkPlanner(ShardingPlanner):
             )
             if self.measured is not None:
                 spec = spec.with_measured(self.measured)
-            names = {t.name for t in spec.tables}
-            planned_tables.update(names)
-            here = _without_grids(sub, sharders, names, constraints)
-            if collection is not sub:  # managed collisions: TorchRec runs them row-wise only
-                here = {
-                    t.name: TableConstraints(layout=_row_wise(t.rows, t.dim, topology.world_size)) for t in spec.tables
-                }
-            planned = plan_model(spec, topology, here, self.config, self.optimizer, self._progress())
-            self.plans[path] = planned
-            result.plan[path] = module_sharding_plan(planned.plan, spec, self.compute_device)
-        if not result.plan:
-            raise ValueError("no module in the model is an EmbeddingBagCollection that the given sharders shard")
-        _check_sharders(result, sharders)
+            found.append((path, sub, spec, collection is not sub))
+        names = _planned_names([(path, spec) for path, _, spec, _ in found])
+        return [_Planned(path, sub, spec, n, mc) for (path, sub, spec, mc), n in zip(found, names)]
+
+    def _constraints(
+        self, m: _Planned, sharders: list[Any], constraints: Mapping[str, TableConstraints], topology: Topology
+    ) -> dict[str, TableConstraints]:
+        """One module's tables' constraints, by their names in the joint spec: the user's (TorchRec's
+        keyed by table name), no grids under a row-wise optimizer, TorchRec's row-wise for managed
+        collisions, and no replicated sequence tables on CPU (TorchRec's dense sequence kernel there
+        ignores its pooling mode): their allowed ranks are all ranks, which rules out replication."""
+        own = {t.name for t in m.spec.tables}
+        here = _without_grids(m.module, sharders, own, constraints)
+        if m.managed_collisions:  # TorchRec runs them row-wise only
+            here = {
+                t.name: TableConstraints(layout=_row_wise(t.rows, t.dim, topology.world_size)) for t in m.spec.tables
+            }
+        if self.compute_device == "cpu":
+            for t in m.spec.tables:
+                if t.is_sequence:
+                    c = here.get(t.name, TableConstraints())
+                    here[t.name] = replace(c, ranks=c.ranks or tuple(range(topology.world_size)))
+        return {m.names[name]: c for name, c in here.items()}
+
+    def plan(self, module: Any, sharders: list[Any]) -> ShardingPlan:
+        from ..sharding.parameter_sharding import module_sharding_plan  # the TorchRec adapter lives with the runtime
+
+        topology = self._topology()
+        constraints = from_torchrec(self.torchrec_constraints)
+        modules = self._modules(module, sharders, topology)
+        if not modules:
+            raise ValueError(
+                "no module in the model is an EmbeddingBagCollection or EmbeddingCollection that the given sharders "
+                "shard"
+            )
+        planned_tables = {t.name for m in modules for t in m.spec.tables}
         misnamed = sorted(set(constraints) - planned_tables)
         if misnamed:
             raise ValueError(
@@ -244,6 +300,27 @@ class EmbarkPlanner(ShardingPlanner):
             raise ValueError(
                 f"measured tables {unknown} are not tables of the planned modules {sorted(planned_tables)}"
             )
+        joint = ModelSpec(
+            name=", ".join(m.path or "model" for m in modules),
+            batch_size=self.batch_size * topology.world_size,
+            tables=tuple(replace(t, name=m.names[t.name]) for m in modules for t in m.spec.tables),
+            id_distribution=modules[0].spec.id_distribution,
+        )
+        here = {n: c for m in modules for n, c in self._constraints(m, sharders, constraints, topology).items()}
+        planned = plan_model(joint, topology, here, self.config, self.optimizer, self._progress())
+        result = ShardingPlan(plan={})
+        for m in modules:
+            layouts = {t.name: planned.plan[m.names[t.name]] for t in m.spec.tables}
+            plan = Plan(topology.world_size, topology.local_world_size, layouts).with_kinds(m.spec)
+            self.plans[m.path] = replace(
+                planned,
+                spec=m.spec,
+                plan=plan,
+                cost=CostModel(m.spec, topology, self.optimizer).evaluate(plan),
+                clusters={t.name: planned.clusters[m.names[t.name]] for t in m.spec.tables},
+            )
+            result.plan[m.path] = module_sharding_plan(plan, m.spec, self.compute_device)
+        _check_sharders(result, modules, sharders)
         return result
 
     def report(self) -> str:

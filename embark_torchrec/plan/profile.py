@@ -5,6 +5,10 @@ ratio (distinct / total IDs in one rank's batch, per feature). Guessed values, o
 a guessed alpha, can be far off; `profile_features` counts them on batches as one rank sees them and
 returns a spec with the measured values filled in.
 
+Sequence features (an EmbeddingCollection's ID lists) are counted the same way: their pooling is the
+mean sequence length, their unique ratio one minus the rate at which IDs repeat within a rank's batch,
+which is what a unique-based sequence table's traffic scales with.
+
 Batches are duck-typed torchrec KeyedJaggedTensors (keys, values, length_per_key, stride_per_key),
 so this module needs neither torchrec nor torch.distributed. Weights do not change what is counted.
 """
@@ -18,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from .spec import ModelSpec, TableSpec
 
 if TYPE_CHECKING:
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 _SHOWN_BAD_IDS = 8
@@ -94,13 +98,14 @@ class _Counts:
 
 def profile_features(
     batches: Iterable[KeyedJaggedTensor],
-    model: ModelSpec | EmbeddingBagCollection,
+    model: ModelSpec | EmbeddingBagCollection | EmbeddingCollection,
     world_size: int | None = None,
 ) -> FeatureProfile:
     """Measure each table's pooling and unique ratio on one rank's batches; return the updated spec.
 
-    `model` is a ModelSpec or an EmbeddingBagCollection (via ModelSpec.from_module, whose batch_size
-    is 65536 unless `world_size` is given). Per table:
+    `model` is a ModelSpec, an EmbeddingBagCollection or an EmbeddingCollection (via
+    ModelSpec.from_module: its tables are sequence tables; batch_size is 65536 unless `world_size`
+    is given). Per table:
     - pooling = the mean over its seen features of (IDs / samples over all batches), the convention
       of ModelSpec.from_module (table pooling = mean of its features' pooling factors);
     - unique ratio = sum of distinct IDs / sum of IDs over every (feature, batch): the ratio of

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence, TextIO
 import numpy as np
 
 from .cost import StepCost
+from .fields import SEQUENCE
 from .layout import Plan, TableLayout
 from .topology import Topology
 
@@ -106,6 +107,7 @@ def summary(scored: ScoredPlan) -> dict[str, Any]:
         "kinds": dict(sorted(Counter(layout_kind(t) for t in tables).items())),
         "shards": sum(t.num_row_slices * t.num_col_slices for t in tables if t.cluster != "dp"),
         "hierarchical_tables": sum(t.hierarchical for t in tables),
+        "sequence_tables": sum(kind == SEQUENCE for kind in scored.plan.kinds.values()),
     }
 
 
@@ -167,7 +169,8 @@ def render(plans: Sequence[ScoredPlan], topology: Topology, model_name: str) -> 
         f"+ collectives {s['collective_ms']:.3f} + DP all-reduce {s['dp_allreduce_ms']:.3f} "
         f"+ dense {s['dense_ms']:.3f}",
         f"imbalance (max/mean load) {s['imbalance']:.2f}; clusters {s['clusters']}; tables by layout {s['kinds']}; "
-        f"{s['shards']} shards; {s['hierarchical_tables']} tables reduce inside nodes first",
+        f"{s['shards']} shards; {s['hierarchical_tables']} tables reduce inside nodes first"
+        + (f"; {s['sequence_tables']} sequence tables (one vector per ID)" if s["sequence_tables"] else ""),
         "",
         rank_table(main, topology),
     ]

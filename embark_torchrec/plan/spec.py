@@ -1,7 +1,10 @@
 """Model specs: what the planner needs to know about each embedding table.
 
 A spec comes from a JSON/YAML file (format in README "Model spec file") or from a torchrec
-EmbeddingBagCollection plus the pooling factors of its ParameterConstraints.
+EmbeddingBagCollection or EmbeddingCollection plus the pooling factors of its ParameterConstraints.
+
+A table is "pooled" (an EmbeddingBagCollection's: one vector per bag) or "sequence" (an
+EmbeddingCollection's: one vector per ID); the kind changes what its output sends (cost.py).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from .fields import (
+    POOLED,
+    SEQUENCE,
     FieldError,
     choice,
     integer,
@@ -27,13 +32,14 @@ from .fields import (
     reading,
     require,
     shown,
+    table_kind,
     table_name,
     text,
     texts,
 )
 
 _MODEL_KEYS = ("name", "description", "source", "batch_size", "id_distribution", "tables")
-_TABLE_KEYS = ("name", "rows", "dim", "pooling", "feature_names", "id_distribution", "unique_ratio")
+_TABLE_KEYS = ("name", "rows", "dim", "pooling", "kind", "feature_names", "id_distribution", "unique_ratio")
 _DIST_KEYS = ("kind", "alpha")
 _DIST_KINDS = ("zipf", "uniform")
 
@@ -103,7 +109,8 @@ class IdDistribution:
 
 @dataclass(frozen=True)
 class TableSpec:
-    """One embedding table: size, how many IDs a sample looks up, and how they repeat."""
+    """One embedding table: size, how many IDs a sample looks up, how they repeat, and whether its
+    output is one vector per bag ("pooled") or per ID ("sequence")."""
 
     name: str
     rows: int
@@ -112,6 +119,7 @@ class TableSpec:
     feature_names: tuple[str, ...] = ()
     id_distribution: IdDistribution | None = None
     unique_ratio: float | None = None
+    kind: str = POOLED
 
     def __post_init__(self) -> None:
         """Every field by type and value (files, dicts and TorchRec modules all come through here);
@@ -123,6 +131,7 @@ class TableSpec:
             if integer(self.dim, "dim", minimum=1) % 4:
                 raise FieldError(f"expected a multiple of 4, got {self.dim}", "dim")
             object.__setattr__(self, "pooling", number(self.pooling, "pooling"))
+            table_kind(self.kind, "kind")
             features = (self.name,) if self.feature_names == () else texts(self.feature_names, "feature_names")
             object.__setattr__(self, "feature_names", features)
             if self.id_distribution is not None and not isinstance(self.id_distribution, IdDistribution):
@@ -130,8 +139,14 @@ class TableSpec:
             if self.unique_ratio is not None:
                 object.__setattr__(self, "unique_ratio", number(self.unique_ratio, "unique_ratio", at_most=1.0))
 
+    @property
+    def is_sequence(self) -> bool:
+        return self.kind == SEQUENCE
+
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "rows": self.rows, "dim": self.dim, "pooling": self.pooling}
+        if self.kind != POOLED:
+            d["kind"] = self.kind
         if self.feature_names != (self.name,):
             d["feature_names"] = list(self.feature_names)
         if self.id_distribution is not None:
@@ -240,15 +255,17 @@ class ModelSpec:
         id_distribution: IdDistribution | None = None,
         rank_batch_size: int | None = None,
     ) -> "ModelSpec":
-        """From a torchrec EmbeddingBagCollection and its ParameterConstraints (pooling_factors,
-        num_poolings, batch_sizes: one per feature, as TorchRec's planner reads them).
+        """From a torchrec EmbeddingBagCollection (pooled tables) or EmbeddingCollection (sequence
+        tables) and its ParameterConstraints (pooling_factors, num_poolings, batch_sizes: one per
+        feature, as TorchRec's planner reads them; a sequence feature's pooling factor is its mean
+        sequence length).
 
         A feature looks up pooling_factor x num_poolings IDs per sample for batch_sizes[i] samples
         per rank (default: `rank_batch_size`, the planner's); a table's pooling is the mean over its
         features of those IDs per sample of the rank's batch. Without pooling factors it is 1.0, as
         in torchrec's planner.
         """
-        configs = module.embedding_bag_configs()
+        configs, kind = module_tables(module)
         constraints = constraints or {}
         tables = []
         for cfg in configs:
@@ -266,11 +283,22 @@ class ModelSpec:
                     dim=int(cfg.embedding_dim),
                     pooling=sum(p * k * r for p, k, r in zip(pf, poolings, share)) / n,
                     feature_names=tuple(cfg.feature_names),
+                    kind=kind,
                 )
             )
         return cls(
             name=name, batch_size=batch_size, tables=tuple(tables), id_distribution=id_distribution or IdDistribution()
         )
+
+
+def module_tables(module: Any) -> tuple[list[Any], str]:
+    """The table configs of a torchrec EmbeddingBagCollection (pooled) or EmbeddingCollection
+    (sequence), and that kind."""
+    if hasattr(module, "embedding_bag_configs"):
+        return list(module.embedding_bag_configs()), POOLED
+    if hasattr(module, "embedding_configs"):
+        return list(module.embedding_configs()), SEQUENCE
+    raise SpecError(f"expected a TorchRec EmbeddingBagCollection or EmbeddingCollection, got {type(module).__name__}")
 
 
 def _per_feature(constraint: Any, field: str, features: int, default: float) -> tuple[float, ...]:
@@ -300,7 +328,16 @@ def _table_from_dict(t: Any, index: int) -> TableSpec:
         if "id_distribution" in m:
             with reading(SpecError, parent="id_distribution"):
                 dist = IdDistribution.from_dict(m["id_distribution"])
-        return TableSpec(name, m["rows"], m["dim"], m["pooling"], features, dist, m.get("unique_ratio"))
+        return TableSpec(
+            name=name,
+            rows=m["rows"],
+            dim=m["dim"],
+            pooling=m["pooling"],
+            feature_names=features,
+            id_distribution=dist,
+            unique_ratio=m.get("unique_ratio"),
+            kind=m.get("kind", POOLED),
+        )
 
 
 def load_model_spec(path: str | Path) -> ModelSpec:

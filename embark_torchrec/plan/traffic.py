@@ -13,7 +13,9 @@ What each cluster sends (F features, b samples per rank, cell (r, c) of width w_
   Hierarchical: stage 1 sends a cell's partial sums for destination j to the rank of k's node with
   j's local rank (intra-node, unless that is k); stage 2 sends each node's sums of column slice c
   once to every destination on another node (from the rank with the destination's local rank).
-- UB: every rank s sends each distinct holder of row slice r one int32 count per feature and its
+- RB output of a sequence table: each cell sends s one vector of w_c per ID of s in its row slice,
+  directly (nothing is summed, so a hierarchical layout runs flat); gradients back.
+- UB (pooled or sequence): every rank s sends each distinct holder of row slice r one int32 count per feature and its
   distinct IDs of r (row-local int32); each cell sends s one vector of w_c per distinct ID of s; gradients
   back the same way.
 """
@@ -60,25 +62,26 @@ def table_messages(cost: CostModel, name: str, layout: TableLayout, ids: np.ndar
     b, feats = cost.local_batch, len(t.feature_names)
     widths = np.diff(layout.col_bounds)
     fwd, bwd = layout.precision.forward, layout.precision.backward
-    per_id = id_bytes(sharding_type(layout, t.rows, w, lws))
+    per_id = id_bytes(sharding_type(layout, t.rows, w, lws, t.is_sequence))
     msgs: list[Message] = []
     cells = [(r, c, layout.ranks[r][c]) for r in range(layout.num_row_slices) for c in range(layout.num_col_slices)]
-    if layout.cluster == "ub":
-        for r in range(layout.num_row_slices):
-            for k in sorted(set(layout.ranks[r])):
-                for s in range(w):
-                    msgs.append(Message(s, k, "lengths", feats * LENGTH_BYTES))
-                    msgs.append(Message(s, k, "ids", ids[s, :, r].sum() * per_id))
+    if layout.cluster == "ub":  # one count per feature and the distinct IDs, to each distinct holder
+        inputs = [
+            (r, k, feats * LENGTH_BYTES) for r in range(layout.num_row_slices) for k in sorted(set(layout.ranks[r]))
+        ]
+    else:  # bag lengths and the IDs, to each cell
+        inputs = [(r, k, feats * b * LENGTH_BYTES) for r, _, k in cells]
+    for r, k, lengths in inputs:
+        for s in range(w):
+            msgs.append(Message(s, k, "lengths", lengths))
+            msgs.append(Message(s, k, "ids", ids[s, :, r].sum() * per_id))
+    if layout.cluster == "ub" or t.is_sequence:  # one vector per (distinct) ID, straight back to its sender
         for r, c, k in cells:
             for s in range(w):
-                distinct = ids[s, :, r].sum()
-                msgs.append(Message(k, s, "embeddings", distinct * vector_bytes(int(widths[c]), fwd)))
-                msgs.append(Message(s, k, "gradients", distinct * vector_bytes(int(widths[c]), bwd)))
+                vectors = ids[s, :, r].sum()
+                msgs.append(Message(k, s, "embeddings", vectors * vector_bytes(int(widths[c]), fwd)))
+                msgs.append(Message(s, k, "gradients", vectors * vector_bytes(int(widths[c]), bwd)))
         return [m for m in msgs if m.src != m.dst]
-    for r, c, k in cells:
-        for s in range(w):
-            msgs.append(Message(s, k, "lengths", feats * b * LENGTH_BYTES))
-            msgs.append(Message(s, k, "ids", ids[s, :, r].sum() * per_id))
     for prec, kind in ((fwd, "embeddings"), (bwd, "gradients")):
         hops: list[tuple[int, int, float]] = []
         for r, c, k in cells:

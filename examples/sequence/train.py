@@ -1,18 +1,18 @@
-"""A user-history model with TorchRec: sequence embeddings (EmbeddingCollection) sharded by EMBark's unique-based
-layout, or everything by TorchRec's default planner and sharders.
+"""A user-history model with TorchRec: sequence embeddings (EmbeddingCollection) and pooled ones planned together by
+EmbarkPlanner, or everything by TorchRec's default planner and sharders.
 
     torchrun --standalone --nproc_per_node 4 examples/sequence/train.py [--planner embark|torchrec]
-        [--history-layout ub|rw] [--steps S] [--batch-size B] [--local-world-size L]
+        [--history-layout planned|ub|rw] [--steps S] [--batch-size B] [--local-world-size L]
 
 The model: a user history (Zipf(1.1) IDs over a large table, 1-100 IDs per sample) looked up by an
 EmbeddingCollection, one vector per ID, and averaged per sample; a few one-hot and multi-hot features pooled by an
-EmbeddingBagCollection; both concatenated into an MLP trained on a click label (BCE). "embark" shards the history
-table with a hand-built unique-based (UB) layout, which sends each distinct ID of a batch once to its row slice's
-holder and brings its vector back once (a Zipf history repeats its hot IDs), and plans the pooled tables with
-EmbarkPlanner; "torchrec" runs TorchRec's EmbeddingShardingPlanner with TorchRec's sharders. --history-layout rw
-runs embark with the history table row-wise (TorchRec's even row blocks, on our grid sharding so that the same
-counters count it), for comparing bytes. Rank 0 prints the plan, progress, and ends with exactly one line
-`RESULT {json}` (README "Sequence example" lists its keys).
+EmbeddingBagCollection; both concatenated into an MLP trained on a click label (BCE). "embark" plans every table in
+one search with EmbarkPlanner, on pooling factors and unique ratios profiled from the first batches: a Zipf history
+repeats its hot IDs, which a unique-based (UB) layout sends (and looks up) once per batch; "torchrec" runs TorchRec's
+EmbeddingShardingPlanner with TorchRec's sharders. --history-layout ub or rw forces the history table into even row
+blocks, one per rank, unique-based or row-based (the latter on our grid sharding, so that the same counters count
+it), for comparing bytes. Rank 0 prints the plan, progress, and ends with exactly one line `RESULT {json}` (README
+"Sequence example" lists its keys).
 """
 
 from __future__ import annotations
@@ -43,10 +43,12 @@ from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from embark_torchrec.jobs import Progress, World, exit_after_clean_run, init_distributed, mean_over_ranks
 from embark_torchrec import EmbarkEmbeddingBagCollectionSharder, EmbarkEmbeddingCollectionSharder, EmbarkPlanner
-from embark_torchrec.plan.layout import Plan, TableLayout, ceil_row_bounds, sharding_type_name
+from embark_torchrec.plan.constraints import TableConstraints
+from embark_torchrec.plan.layout import TableLayout, ceil_row_bounds, sharding_type_name
+from embark_torchrec.plan.profile import profile_features
+from embark_torchrec.plan.spec import ModelSpec
 from embark_torchrec.plan.topology import Topology, hardware_preset
 from embark_torchrec.sharding.comm_stats import enable_comm_stats
-from embark_torchrec.sharding.parameter_sharding import sequence_sharding_plan
 from embark_torchrec.sharding.torchrec_plans import torchrec_topology
 
 from sequence_data import HISTORY, PooledFeature, SequenceBatch, SequenceData  # the example's data, next to this file
@@ -80,7 +82,8 @@ class Config:
 
 DEFAULTS = Config()
 PLANNERS = ("embark", "torchrec")
-HISTORY_LAYOUTS = ("ub", "rw")
+HISTORY_LAYOUTS = ("planned", "ub", "rw")
+PROFILED_BATCHES = 4  # the first batches, whose pooling factors and unique ratios the plan is made for
 HARDWARE = {"cpu": "cpu-gloo", "cuda": "dgx-h100"}
 EC_PATH = "model.history"  # where SequenceTrain keeps the EmbeddingCollection
 
@@ -94,8 +97,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--history-layout",
         choices=HISTORY_LAYOUTS,
-        default="ub",
-        help="embark: the history table unique-based (ub) or row-wise (rw, for comparison)",
+        default="planned",
+        help="embark: the history table as planned, or forced unique-based (ub) or row-wise (rw) in row blocks",
     )
     p.add_argument("--steps", type=int, default=d.steps, help="train this many steps")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="samples per rank per step")
@@ -113,7 +116,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--pg-timeout-s", type=float, default=d.pg_timeout_s, help="process-group timeout (a dead rank fails the rest)"
     )
     args = p.parse_args(argv)
-    if args.history_layout != "ub" and args.planner != "embark":
+    if args.history_layout != "planned" and args.planner != "embark":
         p.error("--history-layout chooses embark's layout of the history table; use it with --planner embark")
     return args
 
@@ -190,7 +193,18 @@ def history_layout(kind: str, rows: int, dim: int, world_size: int) -> TableLayo
     return TableLayout("ub" if kind == "ub" else "rb", bounds, (0, dim), tuple((k,) for k in range(world_size)))
 
 
-def make_plan(args: argparse.Namespace, model: SequenceTrain, world: World, sharders: list[Any]) -> ShardingPlan:
+def profiled_spec(model: SequenceTrain, data: SequenceData, world: World) -> ModelSpec:
+    """Every table's pooling and unique ratio as this rank's first batches show them (the history's length and
+    repeats, the pooled features' IDs per sample), for the planner."""
+    tables = (*ModelSpec.from_module(model.model.history).tables, *ModelSpec.from_module(model.model.features).tables)
+    spec = ModelSpec(name="sequence", batch_size=data.batch_size * world.world_size, tables=tables)
+    batches = [data.batch(step, world.rank) for step in range(PROFILED_BATCHES)]
+    return profile_features([kjt for b in batches for kjt in (b.history, b.features)], spec, world.world_size).spec
+
+
+def make_plan(
+    args: argparse.Namespace, model: SequenceTrain, data: SequenceData, world: World, sharders: list[Any]
+) -> ShardingPlan:
     """The ShardingPlan every rank runs."""
     device_type = world.device.type
     topology = Topology(world.world_size, world.local_world_size, hardware_preset(HARDWARE[device_type]))
@@ -199,16 +213,20 @@ def make_plan(args: argparse.Namespace, model: SequenceTrain, world: World, shar
             topology=torchrec_topology(topology, device_type), batch_size=args.batch_size
         )
         return planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
-    planner = EmbarkPlanner(topology=topology, batch_size=args.batch_size, compute_device=device_type)
-    plan = planner.collective_plan(model, sharders)  # the pooled tables; the planner does not plan sequence tables
-    layout = history_layout(args.history_layout, args.history_rows, DEFAULTS.embedding_dim, world.world_size)
-    history = sequence_sharding_plan(
-        Plan(world.world_size, world.local_world_size, {HISTORY: layout}), model.model.history, device_type
+    forced = None
+    if args.history_layout != "planned":
+        forced = history_layout(args.history_layout, args.history_rows, DEFAULTS.embedding_dim, world.world_size)
+    planner = EmbarkPlanner(
+        topology=topology,
+        batch_size=args.batch_size,
+        compute_device=device_type,
+        constraints={HISTORY: TableConstraints(layout=forced)} if forced is not None else None,
+        measured=profiled_spec(model, data, world),
     )
-    # row-wise runs on our grid sharding rather than TorchRec's (which would be its built-in row_wise), so that
-    # the same counters count it
-    history[HISTORY].sharding_type = sharding_type_name(layout)
-    plan.plan[EC_PATH] = history
+    plan = planner.collective_plan(model, sharders)
+    if forced is not None and forced.cluster == "rb":
+        # row-wise on our grid sharding rather than TorchRec's built-in row_wise, so that the same counters count it
+        plan.plan[EC_PATH][HISTORY].sharding_type = sharding_type_name(forced)
     return plan
 
 
@@ -261,7 +279,7 @@ class Trainer:
         model = SequenceTrain(SequenceModel(args.history_rows, world.device))
         sharders = sharders_for(args.planner, args)
         start = time.perf_counter()
-        self.plan = make_plan(args, model, world, sharders)
+        self.plan = make_plan(args, model, self.data, world, sharders)
         plan_s = time.perf_counter() - start
         if world.rank == 0:
             print(f"# {args.planner} plan ({plan_s:.2f} s)\n{describe(self.plan)}", flush=True)
