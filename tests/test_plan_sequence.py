@@ -3,9 +3,11 @@
 Pure: the table kind in model specs and plan files (round trips, old files load as pooled, unknown kinds refused by
 name); the cost model's sequence bytes against a hand computation and against the traffic model's messages; the
 planner's choices (only modules whose sharder is given, no replicated sequence tables on CPU, refusal of embark types
-without our EC sharder). One spawn per world size (2 ranks; 4 as 2 nodes x 2): EmbarkPlanner plans a model holding a
-nested EmbeddingBagCollection and an EmbeddingCollection (a table name in both) in one search, and DMP with both
-Embark sharders trains it exactly as the unsharded model; and the bytes the EC's counters count for grid, row-split,
+without our EC sharder); a plan file of an EBC and an EC loaded back by load_plan (wrong kinds and missing tables
+refused by file, module and table); `--compare torchrec` planning sequence tables as TorchRec's EmbeddingCollection.
+One spawn per world size (2 ranks; 4 as 2 nodes x 2): EmbarkPlanner plans a model holding a nested
+EmbeddingBagCollection and an EmbeddingCollection (a table name in both) in one search, and DMP with both Embark
+sharders trains it exactly as the unsharded model; and the bytes the EC's counters count for grid, row-split,
 hierarchical (run flat), unique-based and reduced-precision layouts equal the traffic model's messages for the batch's
 actual IDs, per rank, peer and kind, exactly.
 """
@@ -13,6 +15,7 @@ actual IDs, per rank, peer and kind, exactly.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import numpy as np
@@ -22,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.types import ShardingEnv
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -38,7 +41,9 @@ from embark_torchrec.plan.spec import ModelSpec, SpecError, TableSpec
 from embark_torchrec.plan.topology import Topology, hardware_preset
 from embark_torchrec.plan.traffic import table_messages
 from embark_torchrec.plan.wire import LENGTH_BYTES, vector_bytes
+from embark_torchrec.sharding import torchrec_plans
 from embark_torchrec.sharding.comm_stats import enable_comm_stats
+from embark_torchrec.sharding.load_plan import load_plan
 from embark_torchrec.sharding.sharded_ec import EmbarkEmbeddingCollectionSharder
 from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 from embark_torchrec.sharding.torchrec_counting import ALL_TABLES
@@ -226,9 +231,9 @@ def test_traffic_messages_add_up_to_the_cost_model(layout: TableLayout) -> None:
 
 
 class Nested(nn.Module):
-    """An EBC two levels down and an EC beside it; both hold a table named "shared"."""
+    """An EBC two levels down and an EC beside it; both hold a table named "shared" (the EC's named `shared_as`)."""
 
-    def __init__(self, device: torch.device, rows: int = 60) -> None:
+    def __init__(self, device: torch.device, rows: int = 60, shared_as: str = "shared") -> None:
         super().__init__()
         self.sparse = nn.Module()
         self.sparse.bags = EmbeddingBagCollection(
@@ -240,7 +245,7 @@ class Nested(nn.Module):
         )
         self.history = EmbeddingCollection(
             tables=[
-                EmbeddingConfig(name="shared", num_embeddings=rows, embedding_dim=DIM, feature_names=["s0"]),
+                EmbeddingConfig(name=shared_as, num_embeddings=rows, embedding_dim=DIM, feature_names=["s0"]),
                 EmbeddingConfig(name="seq", num_embeddings=50, embedding_dim=DIM, feature_names=["s1", "s2"]),
                 EmbeddingConfig(name="grid", num_embeddings=36, embedding_dim=DIM, feature_names=["s3"]),
             ],
@@ -285,6 +290,91 @@ def test_planner_plans_both_collections_in_one_search_and_only_those_it_may() ->
         EmbarkPlanner(
             world_size=4, local_world_size=2, batch_size=BATCH, compute_device="cpu", constraints=CONSTRAINTS
         ).plan(Nested(torch.device("meta")), [_sharders()[0], EmbeddingCollectionSharder()])
+
+
+# ---------------------------------------------------------------- load_plan and the TorchRec baseline
+
+
+def _planned_file(path: Any) -> ShardingPlan:
+    """EmbarkPlanner's plan of Nested (no table name in both collections), its modules' plans saved as one plan
+    file at `path`; returns the ShardingPlan the planner gave."""
+    planner = EmbarkPlanner(
+        world_size=4, local_world_size=2, batch_size=BATCH, compute_device="cpu", constraints=CONSTRAINTS
+    )
+    planned = planner.plan(Nested(torch.device("meta"), shared_as="recent"), _sharders())
+    plans = [p.plan for p in planner.plans.values()]
+    tables = {name: layout for p in plans for name, layout in p.tables.items()}
+    Plan(4, 2, tables, {name: kind for p in plans for name, kind in p.kinds.items()}).save(path)
+    return planned
+
+
+def test_load_plan_loads_a_planned_ebc_and_ec_into_the_planners_sharding_plan(tmp_path: Any) -> None:
+    path = tmp_path / "plan.json"
+    planned = _planned_file(path)
+    loaded = load_plan(path, Nested(torch.device("meta"), shared_as="recent"), world_size=4, compute_device="cpu")
+    assert loaded.plan == planned.plan
+    assert loaded.plan["history"]["seq"].sharding_type == "embark_ub"  # not vacuous: our sequence types, by path
+    assert set(loaded.plan) == {"sparse.bags", "history"} and Plan.load(path).kinds["seq"] == "sequence"
+
+
+@pytest.mark.parametrize(
+    "table, edit, message",
+    [
+        (
+            "bag",
+            {"kind": "sequence"},
+            "EmbeddingBagCollection at 'sparse.bags': table 'bag': the plan is for a sequence",
+        ),
+        ("seq", {"kind": "pooled"}, "EmbeddingCollection at 'history': table 'seq': the plan is for a pooled table"),
+        ("seq", None, r"EmbeddingCollection at 'history': the plan has no layout for tables \['seq'\]"),
+    ],
+    ids=["pooled_as_sequence", "sequence_as_pooled", "missing"],
+)
+def test_load_plan_names_the_file_module_and_table_of_a_wrong_kind_or_missing_table(
+    tmp_path: Any, table: str, edit: dict[str, str] | None, message: str
+) -> None:
+    path = tmp_path / "plan.json"
+    _planned_file(path)
+    doc = json.loads(path.read_text())
+    if edit is None:
+        del doc["tables"][table]
+    else:
+        doc["tables"][table].update(edit)
+    path.write_text(json.dumps(doc))
+    with pytest.raises(PlanError, match=f"^{re.escape(str(path))}: {message}"):
+        load_plan(path, Nested(torch.device("meta"), shared_as="recent"), world_size=4, compute_device="cpu")
+
+
+def test_cli_compares_with_torchrec_planning_sequence_tables_as_an_embedding_collection(
+    tmp_path: Any, capsys: Any, monkeypatch: Any
+) -> None:
+    """--compare torchrec runs TorchRec's planner on an EmbeddingCollection for the sequence table (with TorchRec's
+    EmbeddingCollectionSharder), so its plan uses a type TorchRec's EC runs; our cost model scores it as sequence."""
+    seen: list[ShardingPlan] = []
+
+    class Recording(torchrec_plans.EmbeddingShardingPlanner):
+        def plan(self, module: nn.Module, sharders: list[Any]) -> ShardingPlan:
+            seen.append(super().plan(module, sharders))
+            return seen[-1]
+
+    monkeypatch.setattr(torchrec_plans, "EmbeddingShardingPlanner", Recording)
+    spec = {
+        "name": "seq",
+        "batch_size": 1024,
+        "tables": [
+            {"name": "hist", "rows": 100000, "dim": 32, "pooling": 50, "kind": "sequence", "unique_ratio": 0.3},
+            {"name": "bag", "rows": 1000, "dim": 32, "pooling": 1},
+        ],
+    }
+    path = tmp_path / "seq.json"
+    path.write_text(json.dumps(spec))
+    argv = [str(path), "--world-size", "4", "--local-world-size", "2", "--hardware", "cpu-gloo"]
+    assert cli.main([*argv, "--compare", "torchrec", "--json"]) == 0
+    scored = json.loads(capsys.readouterr().out)["plans"]["torchrec"]
+    assert scored["sequence_tables"] == 1
+    (theirs,) = seen
+    assert set(theirs.plan["sequence"]) == {"hist"} and set(theirs.plan["pooled"]) == {"bag"}
+    assert theirs.plan["sequence"]["hist"].sharding_type in EmbeddingCollectionSharder().sharding_types("cuda")
 
 
 # ---------------------------------------------------------------- on ranks (module level: must pickle)

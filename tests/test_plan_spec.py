@@ -245,7 +245,7 @@ def test_from_module_round_trips_multi_feature_pooling() -> None:
     from embark_torchrec.sharding.torchrec_plans import meta_module, torchrec_constraints
 
     spec = ModelSpec.from_dict(_base())
-    back = ModelSpec.from_module(meta_module(spec), torchrec_constraints(spec), batch_size=spec.batch_size)
+    back = ModelSpec.from_module(meta_module(spec)["pooled"], torchrec_constraints(spec), batch_size=spec.batch_size)
     assert [(t.name, t.rows, t.dim, t.feature_names) for t in back.tables] == [
         (t.name, t.rows, t.dim, t.feature_names) for t in spec.tables
     ]

@@ -1,19 +1,21 @@
 """TorchRec's default plan as a Plan, so that our cost model scores it beside ours: TorchRec's
 EmbeddingShardingPlanner run on the same model, topology and memory cap, its ShardingPlan converted
-shard by shard."""
+shard by shard. Sequence tables are planned as TorchRec plans them, in an EmbeddingCollection."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner
 from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.planner.types import Topology as TorchrecTopology
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
+from ..plan.fields import POOLED, SEQUENCE
 from ..plan.layout import SHARDING_TYPE_PREFIX, Plan, parse_sharding_type
 from ..plan.spec import ModelSpec
 from ..plan.topology import Topology
@@ -23,7 +25,8 @@ _HIERARCHICAL_TYPES = ("table_row_wise", "grid_shard")
 
 
 def from_sharding_plan(sharding_plan: Any, topology: Topology, module_path: str = "") -> Plan:
-    """A torchrec ShardingPlan (one EmbeddingBagCollection) as a Plan; empty shards are dropped.
+    """One module of a torchrec ShardingPlan (an EmbeddingBagCollection or EmbeddingCollection) as a
+    Plan; empty shards are dropped.
     Our own "embark_*" types carry their cluster, reduction and precision in the string."""
     if module_path:
         module_plan = sharding_plan.plan[module_path]
@@ -81,13 +84,27 @@ def torchrec_topology(topology: Topology, compute_device: str = "cuda") -> Any:
     )
 
 
-def meta_module(spec: ModelSpec) -> Any:
-    """An EmbeddingBagCollection on the meta device with the spec's tables (no memory used)."""
-    configs = [
-        EmbeddingBagConfig(name=t.name, embedding_dim=t.dim, num_embeddings=t.rows, feature_names=list(t.feature_names))
-        for t in spec.tables
-    ]
-    return EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+# TorchRec's module and table config for each table kind
+_TORCHREC_MODULES = {
+    POOLED: (EmbeddingBagCollection, EmbeddingBagConfig),
+    SEQUENCE: (EmbeddingCollection, EmbeddingConfig),
+}
+
+
+def meta_module(spec: ModelSpec) -> torch.nn.ModuleDict:
+    """The spec's tables on the meta device (no memory used), as TorchRec holds them: its pooled
+    tables in an EmbeddingBagCollection at "pooled", its sequence tables in an EmbeddingCollection at
+    "sequence" (each only if the spec has such tables)."""
+    collections: dict[str, torch.nn.Module] = {}
+    for kind, (collection, config) in _TORCHREC_MODULES.items():
+        configs = [
+            config(name=t.name, embedding_dim=t.dim, num_embeddings=t.rows, feature_names=list(t.feature_names))
+            for t in spec.tables
+            if t.kind == kind
+        ]
+        if configs:
+            collections[kind] = collection(tables=configs, device=torch.device("meta"))
+    return torch.nn.ModuleDict(collections)
 
 
 def torchrec_constraints(spec: ModelSpec) -> dict[str, Any]:
@@ -95,11 +112,16 @@ def torchrec_constraints(spec: ModelSpec) -> dict[str, Any]:
 
 
 def torchrec_default_plan(spec: ModelSpec, topology: Topology) -> Plan:
-    """Run torchrec's EmbeddingShardingPlanner with its defaults on our figures, as a Plan."""
+    """Run torchrec's EmbeddingShardingPlanner with its defaults on our figures, as a Plan (with the
+    spec's table kinds): pooled tables by its EmbeddingBagCollectionSharder, sequence tables by its
+    EmbeddingCollectionSharder, which offers only the sharding types TorchRec's EmbeddingCollection runs."""
     planner = EmbeddingShardingPlanner(
         topology=torchrec_topology(topology),
         batch_size=spec.batch_size // topology.world_size,
         constraints=torchrec_constraints(spec),
     )
-    sharding_plan = planner.plan(meta_module(spec), [EmbeddingBagCollectionSharder()])
-    return from_sharding_plan(sharding_plan, topology)
+    sharding_plan = planner.plan(meta_module(spec), [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()])
+    parts = [from_sharding_plan(sharding_plan, topology, path) for path in sharding_plan.plan]
+    layouts = {name: layout for part in parts for name, layout in part.tables.items()}
+    tables = {t.name: layouts[t.name] for t in spec.tables}
+    return Plan(topology.world_size, topology.local_world_size, tables).with_kinds(spec)
