@@ -28,7 +28,7 @@ from embark_torchrec.plan.topology import Topology
 from embark_torchrec.plan.traffic import table_messages
 from embark_torchrec.sharding.comm_stats import enable_comm_stats
 from embark_torchrec.sharding.torchrec_counting import ALL_TABLES
-from embark_torchrec.testing import global_kjt_batch, run_ranks
+from embark_torchrec.testing import global_kjt_batch, ids_per_row_slice, run_ranks
 from embark_torchrec.testing.training import sharded_model
 
 WS, LWS, BATCH, SEED = 4, 2, 6, 5
@@ -110,20 +110,6 @@ def results() -> list[dict[str, Any]]:
     return run_ranks(_one_step, WS, local_world_size=LWS, timeout_s=300)
 
 
-def _actual_ids(table: EmbeddingBagConfig, layout: TableLayout) -> np.ndarray:
-    """[W, F, R]: IDs (RB) or distinct IDs (UB) each rank holds per feature and row slice in the batch."""
-    out = np.zeros((WS, len(table.feature_names), layout.num_row_slices))
-    for s, kjt in enumerate(_batches()):
-        per = kjt.to_dict()
-        for f, feature in enumerate(table.feature_names):
-            ids = per[feature].values()
-            if layout.cluster == "ub":
-                ids = torch.unique(ids)
-            for r in range(layout.num_row_slices):
-                out[s, f, r] = int(((ids >= layout.row_bounds[r]) & (ids < layout.row_bounds[r + 1])).sum())
-    return out
-
-
 def _predicted(table: EmbeddingBagConfig) -> dict[str, np.ndarray]:
     """Per kind: [W, 2, W] bytes each rank sends to / receives from each peer, from the message model."""
     spec = ModelSpec(
@@ -134,7 +120,9 @@ def _predicted(table: EmbeddingBagConfig) -> dict[str, np.ndarray]:
     cost = CostModel(spec, Topology(WS, LWS))
     layout = LAYOUTS[table.name]
     out = {kind: np.zeros((WS, 2, WS)) for kind in KINDS}
-    ids = _actual_ids(table, layout) if layout.cluster != "dp" else None
+    ids = None
+    if layout.cluster != "dp":
+        ids = ids_per_row_slice(_batches(), table.feature_names, layout.row_bounds, layout.cluster == "ub")
     for m in table_messages(cost, table.name, layout, ids):
         out[m.kind][m.src, 0, m.dst] += m.nbytes
         out[m.kind][m.dst, 1, m.src] += m.nbytes

@@ -47,7 +47,7 @@ from embark_torchrec.sharding.load_plan import load_plan
 from embark_torchrec.sharding.sharded_ec import EmbarkEmbeddingCollectionSharder
 from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 from embark_torchrec.sharding.torchrec_counting import ALL_TABLES
-from embark_torchrec.testing import copy_global_weights, global_kjt_batch, run_ranks
+from embark_torchrec.testing import copy_global_weights, global_kjt_batch, ids_per_row_slice, run_ranks
 from embark_torchrec.testing.sequence import sharded_sequence_model
 from embark_torchrec.testing.training import OPTIMIZERS, weight_diffs
 
@@ -55,6 +55,14 @@ DIM, BATCH, LR, ATOL = 8, 4, 0.1, 1e-5
 KINDS = ("ids", "lengths", "embeddings", "gradients")
 WORLDS = {2: 2, 4: 2}  # world size -> local world size
 CPU = hardware_preset("cpu-gloo")
+SEQUENCE_AND_BAG = {  # a spec file with a sequence table and a pooled one, for the CLI
+    "name": "seq",
+    "batch_size": 1024,
+    "tables": [
+        {"name": "hist", "rows": 100000, "dim": 32, "pooling": 50, "kind": "sequence", "unique_ratio": 0.3},
+        {"name": "bag", "rows": 1000, "dim": 32, "pooling": 1},
+    ],
+}
 
 # ---------------------------------------------------------------- spec and plan files
 
@@ -127,16 +135,8 @@ def test_profile_features_measures_sequence_features() -> None:
 
 
 def test_cli_writes_the_kind_into_the_plan_file_and_reports_sequence_tables(tmp_path: Any, capsys: Any) -> None:
-    spec = {
-        "name": "seq",
-        "batch_size": 1024,
-        "tables": [
-            {"name": "hist", "rows": 100000, "dim": 32, "pooling": 50, "kind": "sequence", "unique_ratio": 0.3},
-            {"name": "bag", "rows": 1000, "dim": 32, "pooling": 1},
-        ],
-    }
     path = tmp_path / "seq.json"
-    path.write_text(json.dumps(spec))
+    path.write_text(json.dumps(SEQUENCE_AND_BAG))
     out = tmp_path / "plan.json"
     assert (
         cli.main(
@@ -147,7 +147,7 @@ def test_cli_writes_the_kind_into_the_plan_file_and_reports_sequence_tables(tmp_
     assert "1 sequence tables (one vector per ID)" in capsys.readouterr().out
     plan = Plan.load(out)
     assert plan.kinds == {"hist": "sequence"}
-    plan.validate(ModelSpec.from_dict(spec))
+    plan.validate(ModelSpec.from_dict(SEQUENCE_AND_BAG))
 
 
 # ---------------------------------------------------------------- cost model
@@ -358,16 +358,8 @@ def test_cli_compares_with_torchrec_planning_sequence_tables_as_an_embedding_col
             return seen[-1]
 
     monkeypatch.setattr(torchrec_plans, "EmbeddingShardingPlanner", Recording)
-    spec = {
-        "name": "seq",
-        "batch_size": 1024,
-        "tables": [
-            {"name": "hist", "rows": 100000, "dim": 32, "pooling": 50, "kind": "sequence", "unique_ratio": 0.3},
-            {"name": "bag", "rows": 1000, "dim": 32, "pooling": 1},
-        ],
-    }
     path = tmp_path / "seq.json"
-    path.write_text(json.dumps(spec))
+    path.write_text(json.dumps(SEQUENCE_AND_BAG))
     argv = [str(path), "--world-size", "4", "--local-world-size", "2", "--hardware", "cpu-gloo"]
     assert cli.main([*argv, "--compare", "torchrec", "--json"]) == 0
     scored = json.loads(capsys.readouterr().out)["plans"]["torchrec"]
@@ -491,20 +483,6 @@ def test_planned_ebc_and_ec_train_exactly_as_unsharded(world: tuple[int, list[di
         assert not bad, (ws, rank, bad)
 
 
-def _actual_ids(table: EmbeddingConfig, layout: TableLayout, ws: int) -> np.ndarray:
-    """[W, F, R]: IDs (RB) or distinct IDs (UB) each rank holds per feature and row slice in the batch."""
-    out = np.zeros((ws, len(table.feature_names), layout.num_row_slices))
-    for s, kjt in enumerate(_batches(ws)):
-        per = kjt.to_dict()
-        for f, feature in enumerate(table.feature_names):
-            ids = per[feature].values()
-            if layout.cluster == "ub":
-                ids = torch.unique(ids)
-            for r in range(layout.num_row_slices):
-                out[s, f, r] = int(((ids >= layout.row_bounds[r]) & (ids < layout.row_bounds[r + 1])).sum())
-    return out
-
-
 @pytest.mark.parametrize("table", TABLES, ids=lambda t: t.name)
 def test_counted_bytes_equal_the_traffic_model(world: tuple[int, list[dict[str, Any]]], table: EmbeddingConfig) -> None:
     """Per rank, peer and kind, the EC's counted bytes equal traffic.table_messages for the batch's IDs, exactly."""
@@ -527,7 +505,8 @@ def test_counted_bytes_equal_the_traffic_model(world: tuple[int, list[dict[str, 
     cost = CostModel(spec, Topology(ws, WORLDS[ws]))
     layout = _layouts(ws)[table.name]
     predicted = {kind: np.zeros((ws, 2, ws)) for kind in KINDS}
-    for m in table_messages(cost, table.name, layout, _actual_ids(table, layout, ws)):
+    ids = ids_per_row_slice(_batches(ws), table.feature_names, layout.row_bounds, layout.cluster == "ub")
+    for m in table_messages(cost, table.name, layout, ids):
         predicted[m.kind][m.src, 0, m.dst] += m.nbytes
         predicted[m.kind][m.dst, 1, m.src] += m.nbytes
     for kind in KINDS:

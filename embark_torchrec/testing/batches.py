@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-__all__ = ["global_kjt_batch"]
+__all__ = ["global_kjt_batch", "ids_per_row_slice"]
 
 _ID_KINDS = ("uniform", "zipf", "distinct")
 ZIPF_ALPHA = 1.1
@@ -99,3 +100,20 @@ def _variable_batch(
         stride_per_key_per_rank=[[int(k)] for k in kept],
         inverse_indices=(keys, inverse),
     )
+
+
+def ids_per_row_slice(
+    batches: Sequence[KeyedJaggedTensor], feature_names: Sequence[str], row_bounds: Sequence[int], unique: bool
+) -> np.ndarray:
+    """[ranks, features, row slices]: the IDs (distinct IDs when `unique`, as a unique-based table sends them)
+    each rank's batch holds per feature in each row slice: what the traffic model needs to predict the bytes
+    of that batch exactly."""
+    out = np.zeros((len(batches), len(feature_names), len(row_bounds) - 1))
+    for s, kjt in enumerate(batches):
+        per = kjt.to_dict()
+        for f, feature in enumerate(feature_names):
+            ids = per[feature].values()
+            ids = torch.unique(ids) if unique else ids
+            for r in range(len(row_bounds) - 1):
+                out[s, f, r] = int(((ids >= row_bounds[r]) & (ids < row_bounds[r + 1])).sum())
+    return out
