@@ -132,6 +132,12 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else "n/a"
 
 
+def round_ratio(runs: dict[str, list[dict[str, Any]]], a: str, b: str, key: str) -> float:
+    """The median over rounds of a's value / b's in the same round: runs next to each other in time share the
+    machine's load, which drifts over a run of many minutes."""
+    return float(statistics.median(x[key] / y[key] for x, y in zip(runs[a], runs[b])))
+
+
 def describe(spec: ModelSpec, model: str | None) -> str:
     """The model the runs train, from its spec: where it comes from, tables, rows, dims, poolings, IDs."""
 
@@ -215,20 +221,26 @@ def markdown(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, sp
     if pairs:
         lines += [
             "",
-            "| ratio | samples/s | bytes / step | inter-node bytes / step | estimated step ms |",
-            "|---|---:|---:|---:|---:|",
+            "| ratio | samples/s (median of per-round ratios) | samples/s (ratio of medians) | bytes / step "
+            "| inter-node bytes / step | estimated step ms |",
+            "|---|---:|---:|---:|---:|---:|",
         ]
     for a, b in pairs:
         lines.append(
-            f"| {a} vs {b} | {ratio(rate[a], rate[b])} | {ratio(total[a], total[b])} | "
+            f"| {a} vs {b} | {round_ratio(runs, a, b, 'samples_per_s'):.2f}x | {ratio(rate[a], rate[b])} | "
+            f"{ratio(total[a], total[b])} | "
             f"{ratio(inter[a], inter[b])} | {ratio(est[a], est[b])} |"
         )
     note = no_ub_note(runs) if NO_UB in planners else None
     lines += ["", note] if note else []
     targets = []
     if {"embark", "torchrec"} <= set(planners):
-        met = rate["embark"] >= RATE_TARGET * rate["torchrec"]
-        targets.append(f"Target, embark against torchrec: samples/s >= {RATE_TARGET}x: {'met' if met else 'not met'}.")
+        per_round = round_ratio(runs, "embark", "torchrec", "samples_per_s")
+        met = per_round >= RATE_TARGET
+        targets.append(
+            f"Target, embark against torchrec: samples/s >= {RATE_TARGET}x (median of per-round ratios): "
+            f"{per_round:.2f}x, {'met' if met else 'not met'}."
+        )
     if {"embark-fp16", "torchrec"} <= set(planners):
         met = inter["embark-fp16"] <= INTER_TARGET * inter["torchrec"]
         targets.append(
