@@ -1,7 +1,9 @@
 """Plan quality: EMBark's estimated step time against TWRW and TorchRec's default planner.
 
 All three plans of a case are scored by the same CostModel.evaluate, so the speedups measure the
-planners, not differences between cost models. TorchRec's planner takes minutes on the large cases,
+planners, not differences between cost models. How close EMBark's search comes to the best plan is
+shown twice: against the same search with a 20x larger improvement budget (--long-factor), and
+against a lower bound on any plan's step (bound.step_lower_bound). TorchRec's planner takes minutes on the large cases,
 so it runs in a subprocess under a time limit, and every plan it finishes is cached in
 benchmarks/cache/ (committed) so that the table regenerates in seconds.
 
@@ -27,10 +29,12 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from embark_torchrec.plan.baselines import table_row_wise_plan
+from embark_torchrec.plan.bound import step_lower_bound
 from embark_torchrec.sharding.torchrec_plans import torchrec_default_plan
 from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.layout import Plan
 from embark_torchrec.plan.plan_model import plan_model
+from embark_torchrec.plan.search import SearchConfig
 from embark_torchrec.plan.spec import ModelSpec, builtin_model
 from embark_torchrec.plan.topology import DEFAULT_HARDWARE, PRESETS, Hardware, Topology
 
@@ -39,6 +43,7 @@ CACHE_DIR = Path(__file__).resolve().parent / "cache"
 # a plan that still took longer than the limit is reported as timed out (but cached as finished).
 IMPORT_GRACE_S = 30.0
 SLOW_EMBARK_S = 60.0
+LONG_FACTOR = 20  # the long search's improvement budget, in default budgets
 
 
 @dataclass(frozen=True)
@@ -80,12 +85,18 @@ class Case:
     embark: Scored | None  # None when embark's planner raised; embark_error says why
     embark_error: str
     embark_s: float
+    long_search: Scored | None  # the same search with --long-factor times the improvement budget
+    bound_ms: float
     twrw: Scored
     torchrec: Baseline
     torchrec_scored: Scored | None
 
     def speedup(self, baseline: Scored | None) -> float | None:
         return baseline.ms / self.embark.ms if baseline and self.embark else None
+
+    def long_ratio(self) -> float | None:
+        """embark's step over the long search's: how much a longer search would still gain."""
+        return self.embark.ms / self.long_search.ms if self.embark and self.long_search else None
 
 
 def short_reason(e: BaseException, width: int = 80) -> str:
@@ -230,6 +241,10 @@ def run_case(model: str, world_size: int, args: argparse.Namespace) -> Case:
     embark_s = time.perf_counter() - start
     if embark_s > SLOW_EMBARK_S:
         print(f"  note: embark took {embark_s:.0f} s to plan {model} at {world_size} GPUs", file=sys.stderr)
+    long_search = None
+    if embark is not None and args.long_factor > 0:
+        budget = args.long_factor * SearchConfig().improve_evaluations
+        long_search = scored(plan_model(spec, topology, config=SearchConfig(improve_evaluations=budget)).plan)
     twrw = scored(table_row_wise_plan(spec, topology))
     baseline, cached = torchrec_baseline(model, spec, topology, args.torchrec_limit_s, args.refresh)
     case = Case(
@@ -238,6 +253,8 @@ def run_case(model: str, world_size: int, args: argparse.Namespace) -> Case:
         embark,
         embark_error,
         embark_s,
+        long_search,
+        step_lower_bound(cost),
         twrw,
         baseline,
         scored(baseline.plan) if baseline.plan is not None else None,
@@ -273,6 +290,9 @@ def row(case: Case, args: argparse.Namespace) -> dict[str, str]:
         "model": case.model,
         "GPUs": str(case.world_size),
         "embark ms": fmt_ms(case.embark) or f"failed: {case.embark_error}",
+        "long search ms": fmt_ms(case.long_search) or "n/a",
+        "embark / long search": "n/a" if case.long_ratio() is None else f"{case.long_ratio():.3f}",
+        "bound ms": f"{case.bound_ms:.2f}",
         "TWRW ms": fmt_ms(case.twrw),
         "TorchRec ms": torchrec_ms,
         "speedup vs TWRW": fmt_speedup(case, case.twrw),
@@ -304,7 +324,7 @@ def command(args: argparse.Namespace) -> str:
         args.hardware,
         "--torchrec-limit-s",
         f"{args.torchrec_limit_s:g}",
-    ]
+    ] + (["--long-factor", str(args.long_factor)] if args.long_factor != LONG_FACTOR else [])
     return "PYTHONPATH=. " + shlex.join(argv + (["--out", args.out] if args.out else []))
 
 
@@ -314,7 +334,9 @@ def markdown(cases: list[Case], args: argparse.Namespace) -> str:
     lines = [
         f"Estimated step time (ms) of each plan, all scored by embark's CostModel: hardware {args.hardware}, "
         f"global batch {args.batch_size}, {args.local_world_size} GPUs per node; TorchRec's planner limited to "
-        f"{args.torchrec_limit_s:g} s per case. Speedup = baseline ms / embark ms.",
+        f"{args.torchrec_limit_s:g} s per case. Speedup = baseline ms / embark ms. Long search: embark's search "
+        f"with {args.long_factor}x the improvement budget (SearchConfig.improve_evaluations); bound: no plan's "
+        "step under the cost model is below it (bound.step_lower_bound).",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "|".join("---" for _ in header) + "|",
@@ -333,9 +355,25 @@ def markdown(cases: list[Case], args: argparse.Namespace) -> str:
         "(over memory): some rank needs more than the per-rank cap; * marks a speedup against such a plan, "
         "left out of the geometric mean.",
         "",
+        *long_search_summary(cases),
         f"Reproduce: `{command(args)}`",
     ]
     return "\n".join(lines) + "\n"
+
+
+def long_search_summary(cases: list[Case]) -> list[str]:
+    """The worst case of embark against its long search, and the geometric mean over the bound."""
+    ratios = [(r, c) for c in cases if (r := c.long_ratio()) is not None]
+    if not ratios:
+        return []
+    worst, case = max(ratios, key=lambda rc: rc[0])
+    over_bound = [c.embark.ms / c.bound_ms for c in cases if c.embark and c.bound_ms > 0]
+    mean = math.exp(sum(map(math.log, over_bound)) / len(over_bound))
+    return [
+        f"Embark within {worst:.3f}x of its long search on every case (worst: {case.model} at {case.world_size} "
+        f"GPUs); {mean:.2f}x the lower bound (geometric mean).",
+        "",
+    ]
 
 
 def as_json(cases: list[Case], args: argparse.Namespace) -> str:
@@ -349,6 +387,9 @@ def as_json(cases: list[Case], args: argparse.Namespace) -> str:
             "embark": scored(c.embark),
             "embark_error": c.embark_error,
             "embark_plan_s": c.embark_s,
+            "long_search": scored(c.long_search),
+            "embark_over_long_search": c.long_ratio(),
+            "bound_ms": c.bound_ms,
             "twrw": scored(c.twrw),
             "torchrec": scored(c.torchrec_scored),
             "torchrec_status": c.torchrec.status,
@@ -374,6 +415,9 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=65536, help="global batch")
     p.add_argument("--hardware", default=DEFAULT_HARDWARE, choices=sorted(PRESETS))
     p.add_argument("--torchrec-limit-s", type=float, default=300.0, help="per-case limit on TorchRec's planner")
+    p.add_argument(
+        "--long-factor", type=int, default=LONG_FACTOR, help="the long search's budget in default budgets; 0: none"
+    )
     p.add_argument("--refresh", action="store_true", help="rerun TorchRec's planner even when cached")
     p.add_argument("--out", help="also write the markdown table to this file")
     p.add_argument("--json", action="store_true", help="print JSON instead of markdown")

@@ -201,7 +201,8 @@ def test_the_plan_covers_grid_ub_dp_and_table_wise(runs: dict[str, Any]) -> None
         if len({tuple(s["rows"]) for s in entry["shards"]}) > 1 and len({tuple(s["cols"]) for s in entry["shards"]}) > 1
     ]
     assert grid, plan
-    assert {"embark_rb", "embark_ub", "data_parallel", "table_wise"} <= set(runs["first"][0]["shardings"])
+    shardings = set(runs["first"][0]["shardings"])
+    assert {"embark_ub", "data_parallel", "table_wise"} <= shardings and shardings & {"embark_rb", "embark_rb_hier"}
 
 
 def test_training_with_a_fixed_seed_is_bitwise_reproducible(runs: dict[str, Any]) -> None:

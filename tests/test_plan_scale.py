@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SWEEPS = {"tables": ((100, 16), (1600, 16)), "ranks": ((200, 8), (200, 128))}
 WORK_PER_TABLE_AND_PLACEMENT = 5.0
 NEAR_LINEAR = 1.5  # work may grow at most this much faster than the tables or the ranks
+IMPROVE_SLACK = 200  # candidates of the last table phase 3 looks at once its budget is spent
 
 
 @lru_cache(maxsize=None)
@@ -74,6 +75,16 @@ def test_work_grows_near_linearly(sweep: str) -> None:
     growth = (large[0] * large[1]) / (small[0] * small[1])
     assert _work(*large) / _work(*small) <= NEAR_LINEAR * growth
     assert _per_table_and_placement(*large) <= NEAR_LINEAR * _per_table_and_placement(*small)
+
+
+@pytest.mark.parametrize("tables,ranks", [SWEEPS["tables"][1], SWEEPS["ranks"][1]])
+def test_improvement_work_is_its_budget(tables: int, ranks: int) -> None:
+    """Phase 3 prices at most its budget of candidates (and what one table offers past it), each
+    computing at most a few table loads in full (a re-split prices flat and hierarchical, a swap
+    two tables), besides one load per table to start: fixed work, whatever the model."""
+    s = _planned(tables, ranks).stats
+    assert s.improve_evaluations <= SearchConfig().improve_evaluations + IMPROVE_SLACK
+    assert s.improve_loads_computed <= 4 * s.improve_evaluations + tables
 
 
 def _mixed(world: int, local: int, hbm_gb: float) -> tuple[ModelSpec, Topology]:

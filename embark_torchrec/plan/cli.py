@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import NoReturn, Sequence
 
 from .baselines import table_row_wise_plan
+from .bound import step_lower_bound
 from .cost import CostModel
 from .fields import integer, number
 from .layout import Plan
@@ -138,7 +139,7 @@ def _run(args: argparse.Namespace) -> int:
     planned = plan_model(spec, topology)
     cost = CostModel(spec, topology)
     plan = planned.plan.with_kinds(spec)  # the plan file says which tables are sequence tables
-    plans = [ScoredPlan("embark", plan, planned.cost, planned.seconds)]
+    plans = [ScoredPlan("embark", plan, planned.cost, planned.seconds, step_lower_bound(cost))]
     for name in compare:
         start = time.perf_counter()
         baseline = BASELINES[name](spec, topology).with_kinds(spec)

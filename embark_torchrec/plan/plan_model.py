@@ -60,6 +60,7 @@ def plan_model(
         clusters = assign_clusters(cost, constraints, config.dp_memory_fraction, report)
         search = GreedySearch(cost, clusters, constraints, config, report)
         plan = search.run()
+        clusters = {name: layout.cluster for name, layout in plan.tables.items()}  # phase 3 may re-cluster
         if report is not None:
             report("scoring", 0, None, "")
         step = cost.evaluate(plan)

@@ -83,6 +83,7 @@ class ScoredPlan:
     plan: Plan
     cost: StepCost
     seconds: float | None
+    bound_ms: float | None = None  # a step no plan of the model beats (bound.step_lower_bound), if known
 
 
 def layout_kind(layout: TableLayout) -> str:
@@ -174,6 +175,8 @@ def render(plans: Sequence[ScoredPlan], topology: Topology, model_name: str) -> 
         "",
         rank_table(main, topology),
     ]
+    if main.bound_ms:
+        out[-2:-2] = [f"lower bound {main.bound_ms:.3f} ms; this plan {main.cost.step_ms / main.bound_ms:.2f}x it"]
     if len(plans) > 1:
         out += ["", comparison_table(plans)]
     return "\n".join(out)

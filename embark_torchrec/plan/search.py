@@ -1,4 +1,4 @@
-"""EMBark's greedy 3D search.
+"""EMBark's 3D search: a greedy split-and-place, then an improvement phase.
 
 Phase 1, split and re-place (after NVIDIA's planners): every model-parallel table starts as one
 cell (table-wise). Each round, all cells are placed from scratch, longest first, onto the allowed
@@ -15,10 +15,21 @@ its twins are cut too. After `patience` rounds without a new best, the best plan
 Phase 2, polish: local moves on the costliest ranks (cut one cell's row or column slice onto a light
 rank, or move the cell), each applied only if it lowers the estimated step time.
 
-Ties on step time are broken by the sum of squared per-rank loads. Every loop runs in a fixed
-order, so the result is deterministic.
+Phase 3, improve (improve.py): a hill climb priced exactly, move by move, on the tables that load
+the bottleneck ranks most: cell moves and cuts, swaps of one-cell tables, re-splits (a slice more
+or fewer, twice or half as many, placed again) and re-clustering (RB, UB, DP, where the table's
+constraints allow), the best move of each round taken while it lowers the step; at a local optimum,
+seeded random kicks restart the climb from the best plan. It stops when its budget of priced
+candidates (SearchConfig.improve_evaluations) is spent, so it never makes the greedy plan worse and
+costs a fixed amount of work whatever the model. The greedy phases fix each table's cluster and
+shape early from estimates; phase 3 undoes what they got wrong (on DCNv2 at 64 GPUs, row splits whose
+partial sums cost more than they balance: about 15% of the step). bound.py gives a lower bound on
+the step of any plan, which the report compares the plan with.
 
-Each round's work is linear in the tables, so that models of 50,000 tables plan in minutes: the
+Ties on step time are broken by the sum of squared per-rank loads (objective.py). Every loop runs in
+a fixed order and phase 3's kicks draw from a seeded generator, so the result is deterministic.
+
+Each round of phases 1 and 2 is linear in the tables, so that models of 50,000 tables plan in minutes: the
 cells of tables whose shape did not change keep their order (the few others are merged in); a
 placement keeps each table's cell ranks, and a one-cell table's load is its load on rank 0
 renumbered (CostModel.add_one_cell), added into the plan's total in table order, so that the total
@@ -35,11 +46,12 @@ from typing import Iterator, Mapping
 import numpy as np
 
 from .constraints import TableConstraints
-from .cost import CostModel, RankLoad, StepCost
+from .cost import CostModel, RankLoad
+from .improve import Improver
 from .layout import Plan, PlanError, TableLayout, WirePrecision
+from .objective import Objective, better, objective
 from .report import Progress
 
-Objective = tuple[float, float]
 Shape = tuple[int, int]  # (row slices, column slices)
 Grid = tuple[tuple[int, ...], ...]  # the rank of each cell, [row slice][column slice]
 Cell = tuple[float, int, int, int, str, float, int, bool]  # see GreedySearch._cells
@@ -53,6 +65,10 @@ class SearchConfig:
     polish_moves: int = 200
     placement_candidates: int = 6  # least loaded ranks tried for a cut or moved cell in phase 2
     cells_per_rank: int = 2  # heaviest cells of each costliest rank that phase 2 tries to move
+    improve_evaluations: int = 3000  # candidates phase 3 prices before it stops (its work budget)
+    improve_tables: int = 4  # tables of each bottleneck rank whose moves phase 3 tries
+    improve_targets: int = 4  # least loaded ranks a cell may move to in phase 3 (and one by lookups, one by comm)
+    improve_seed: int = 0  # of phase 3's random kicks
     dp_memory_fraction: float = 0.05
     precision: Mapping[str, WirePrecision] = field(default_factory=dict)  # per cluster; default fp32
 
@@ -71,7 +87,12 @@ class SearchStats:
     rank_probes: int = 0  # ranks taken off the heap to place those cells
     tables_summed: int = 0  # per-table loads added into whole-plan totals
     tables_scanned: int = 0  # tables looked at for the costliest table or the heaviest cells of a rank
-    loads_computed: int = 0  # per-table loads the cost model computed in full (CostModel.computed)
+    loads_computed: int = 0  # per-table loads the cost model computed in full (CostModel.computed) in phases 1-2
+    greedy_step_ms: float = 0.0  # after phases 1 and 2
+    improve_moves: int = 0  # moves phase 3 took
+    improve_evaluations: int = 0  # candidates phase 3 priced: its budget, SearchConfig.improve_evaluations
+    improve_kicks: int = 0  # random restarts of phase 3 from its best plan
+    improve_loads_computed: int = 0  # per-table loads computed in full in phase 3
 
 
 @dataclass
@@ -96,7 +117,7 @@ class _Placement:
 
 
 class GreedySearch:
-    """One search for one model, topology and cluster assignment."""
+    """One search for one model, topology and cluster assignment (which phase 3 may change)."""
 
     def __init__(
         self,
@@ -178,10 +199,6 @@ class GreedySearch:
         if self.progress is not None:
             self.progress(stage, done, total, note)
 
-    def _objective(self, step: StepCost) -> Objective:
-        loads = step.rank_load_ms
-        return step.step_ms, float(np.dot(loads, loads))
-
     def _grid(self, name: str, shape: Shape) -> TableLayout:
         """An even R x C grid (columns on multiples of 4) with every cell on rank 0, to be placed."""
         t = self.cost.table(name)
@@ -255,7 +272,7 @@ class GreedySearch:
                 self.cost.add_one_cell(rows, load, k)
             for kind, n in load.groups.items():
                 groups[kind] = groups.get(kind, 0) + n
-        return self._objective(self.cost.step_cost(total)), total
+        return objective(self.cost.step_cost(total)), total
 
     # ---- phase 1: split and re-place ----------------------------------------------------------
 
@@ -437,9 +454,9 @@ class GreedySearch:
 
     def _split_rounds(self) -> None:
         self._shapes, placement = self._initial_shapes()
-        objective, total = self._score(placement)
+        score, total = self._score(placement)
         self.stats.initial_step_ms = self.cost.step_cost(total).step_ms
-        best = current = (objective, placement, total)
+        best = current = (score, placement, total)
         stalled = 0
         while stalled < self.config.patience and self.stats.rounds < self.config.max_rounds:
             self._report("split rounds", self.stats.rounds, None, f"best {best[0][0]:.3f} ms")
@@ -458,9 +475,9 @@ class GreedySearch:
                             options.append((self._score(placed), trial, placed))
             if not options:
                 break
-            (objective, total), self._shapes, placement = min(options, key=lambda o: o[0][0])
-            current = (objective, placement, total)
-            if _better(objective, best[0]):
+            (score, total), self._shapes, placement = min(options, key=lambda o: o[0][0])
+            current = (score, placement, total)
+            if better(score, best[0]):
                 best = current
                 stalled = 0
             else:
@@ -537,7 +554,7 @@ class GreedySearch:
         total.add(new)
         if total.memory.max() > self.cap:
             return None
-        return self._objective(self.cost.step_cost(total)), layout, new, total
+        return objective(self.cost.step_cost(total)), layout, new, total
 
     def _hold(self, name: str, layout: TableLayout, holds: bool) -> None:
         """Records (or forgets) the ranks the table's layout has cells on."""
@@ -550,7 +567,7 @@ class GreedySearch:
     def _polish(self) -> None:
         for name in self.movable:
             self._hold(name, self.layouts[name], True)
-        current = self._objective(self.cost.step_cost(self.total))
+        current = objective(self.cost.step_cost(self.total))
         for move in range(self.config.polish_moves):
             self._report("polishing", move, self.config.polish_moves, f"best {current[0]:.3f} ms")
             step = self.cost.step_cost(self.total)
@@ -561,9 +578,9 @@ class GreedySearch:
             for name, r, c, k in (cell + (k,) for k in worst for cell in self._heaviest_cells(k)):
                 for layout in self._moves(name, r, c, k):
                     tried = self._try(name, layout)
-                    if tried is not None and (best is None or _better(tried[0], best[1])):
+                    if tried is not None and (best is None or better(tried[0], best[1])):
                         best = (name,) + tried
-            if best is None or not _better(best[1], current):
+            if best is None or not better(best[1], current):
                 return
             name, current, layout, new, total = best
             self._hold(name, self.layouts[name], False)
@@ -571,21 +588,24 @@ class GreedySearch:
             self.layouts[name], self.loads[name], self.total = layout, new, total
             self.stats.moves += 1
 
+    def _improve(self) -> None:
+        self.stats.loads_computed = self.cost.computed
+        self.stats.greedy_step_ms = self.cost.step_cost(self.total).step_ms
+        self._report("improving", 0, self.config.improve_evaluations)
+        improver = Improver(self, self.progress)
+        self.stats.improve_moves = improver.run()
+        self.stats.improve_evaluations = improver.evaluations
+        self.stats.improve_kicks = improver.kicks
+        self.stats.improve_loads_computed = self.cost.computed - self.stats.loads_computed
+
     def run(self) -> Plan:
         if self.movable:
             self._split_rounds()
             self._polish()
         else:
             self.layouts = dict(self.fixed)
-        self.stats.loads_computed = self.cost.computed
+            self.total = self._fixed_total.copy()
+        self._improve()
         topo = self.cost.topology
         order = [t.name for t in self.cost.spec.tables]
         return Plan(topo.world_size, topo.local_world_size, {n: self.layouts[n] for n in order})
-
-
-def _better(a: Objective, b: Objective) -> bool:
-    """a beats b: a lower step time, or the same step time with flatter per-rank loads."""
-    tol = 1e-9 * max(abs(b[0]), 1e-12)
-    if a[0] < b[0] - tol:
-        return True
-    return abs(a[0] - b[0]) <= tol and a[1] < b[1] * (1 - 1e-9)

@@ -1,0 +1,130 @@
+"""A lower bound on the estimated step time of any plan of a model, under the cost model.
+
+The step is the slowest rank's lookups + the slowest rank's communication + collectives + DP
+all-reduce + dense. A maximum is at least the mean, and a rank's max(sent, received) at least
+their mean, so
+
+    step >= sum of lookups / W  +  sum of (sent + received) / 2 / W  +  DP all-reduce  +  dense
+
+(with host_cores, the lookups also take at least their sum / host_cores). The DP all-reduce takes
+its slower link's time (or both links' sum): at least any mix m x intra + (1 - m) x inter of them,
+and the bound is the best of a few mixes. Then every term but dense is a sum over tables, so each
+table is priced at its own cheapest option: any cluster its constraints allow, and its fewest
+slices (more row or column slices only add IDs, lengths and partial sums to the sums; the one
+exception, 8-byte IDs on TorchRec's own sharding types against our 4-byte ones, is covered by also
+pricing two row slices of ours). Collectives cost at least the groups of fixed layouts, or the
+cheapest group any table must join.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Mapping
+
+import numpy as np
+
+from .constraints import TableConstraints
+from .cost import CostModel, RankLoad
+from .groups import FLAT_COLLECTIVES, HIERARCHICAL_COLLECTIVES, UNIQUE_COLLECTIVES
+from .layout import TableLayout, WirePrecision
+
+_FREE = TableConstraints()
+_DP_MIXES = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def allowed_clusters(constraints: TableConstraints) -> tuple[str, ...]:
+    """The clusters a table may go to: its forced one, else DP (when every rank is allowed), RB,
+    and UB unless it must keep TorchRec's sharding types."""
+    if constraints.layout is not None:
+        return (constraints.layout.cluster,)
+    if constraints.cluster is not None:
+        return (constraints.cluster,)
+    dp = ("dp",) if constraints.ranks is None else ()
+    return dp + ("rb",) + (("ub",) if constraints.unique_based else ())
+
+
+def _parts_ms(cost: CostModel, load: RankLoad) -> tuple[float, float, float, float]:
+    """A table's lookups and communication summed over ranks (each rank's max(sent, received) taken
+    as their mean), in ms, and its DP all-reduce's ms were it all intra-node, or all inter-node."""
+    even = load.copy()
+    for send, recv in (("send_intra", "recv_intra"), ("send_inter", "recv_inter")):
+        mean = (getattr(load, send) + getattr(load, recv)) / 2
+        setattr(even, send, mean)
+        setattr(even, recv, mean)
+    lookup, intra, inter = cost.rank_times(even.rows)
+    intra_dp = inter_dp = 0.0
+    if load.dp_intra or load.dp_inter:
+        intra_dp = cost.step_cost(RankLoad(np.zeros_like(load.rows), dp_intra=load.dp_intra)).dp_allreduce_ms
+        inter_dp = cost.step_cost(RankLoad(np.zeros_like(load.rows), dp_inter=load.dp_inter)).dp_allreduce_ms
+    return float(lookup.sum()), float((intra + inter).sum()), intra_dp, inter_dp
+
+
+def _candidates(
+    cost: CostModel, name: str, cluster: str, precision: WirePrecision, min_cuts: tuple[int, int]
+) -> list[TableLayout]:
+    """Layouts whose least cost no layout of the table in this cluster beats: the fewest slices, and
+    for RB two row slices of ours (4-byte IDs), flat and hierarchical, every cell on rank 0."""
+    if cluster == "dp":
+        return [TableLayout.data_parallel(precision)]
+    t = cost.table(name)
+    n_r, n_c = min_cuts
+    quads = t.dim // 4
+    cols = tuple(4 * round(i * quads / n_c) for i in range(n_c + 1))
+    out = []
+    for rows_n in sorted({n_r, max(n_r, 2) if cluster == "rb" else n_r}):
+        if rows_n > t.rows:
+            continue
+        rows = tuple(round(i * t.rows / rows_n) for i in range(rows_n + 1))
+        grid = TableLayout(cluster, rows, cols, ((0,) * n_c,) * rows_n, precision)
+        out.append(grid)
+        if rows_n > 1 and cluster == "rb":
+            out.append(replace(grid, hierarchical=True))
+    return out
+
+
+def step_lower_bound(
+    cost: CostModel,
+    constraints: Mapping[str, TableConstraints] | None = None,
+    precision: Mapping[str, WirePrecision] | None = None,
+) -> float:
+    """A step time no plan of the model on this topology beats under `cost` (see the module
+    docstring); `precision`: the wire precision per cluster, where a table's constraints give none."""
+    constraints = constraints or {}
+    precision = precision or {}
+    hw = cost.topology.hardware
+    w = cost.topology.world_size
+    lookup_div = min(w, hw.host_cores) if hw.host_cores else w
+    options: list[np.ndarray] = []  # per table: [option, (balanced ms, DP intra ms, DP inter ms)]
+    fixed_kinds: set[str] = set()
+    least_group = 0.0  # the cheapest group some table must join
+    for t in cost.spec.tables:
+        c = constraints.get(t.name, _FREE)
+        if c.layout is not None:
+            layouts = [c.layout]
+            fixed_kinds.update(cost.table_load(t.name, c.layout).groups)
+        else:
+            layouts = []
+            for cluster in allowed_clusters(c):
+                wire = c.precision or precision.get(cluster, WirePrecision())
+                layouts += _candidates(cost, t.name, cluster, wire, c.min_cuts)
+        rows = []
+        for layout in layouts:
+            lookup, comm, intra_dp, inter_dp = _parts_ms(cost, cost.table_load(t.name, layout))
+            rows.append((lookup / lookup_div + comm / w, intra_dp, inter_dp))
+        options.append(np.array(rows))
+        if "dp" not in allowed_clusters(c):
+            least_group = max(least_group, _least_group_ms(cost, allowed_clusters(c)))
+    # the DP all-reduce of the whole plan, a max (or a sum) of its intra- and inter-node times, is at
+    # least any mix of the two, which adds up table by table: the best of a few mixes is the bound
+    best = 0.0
+    for mix in _DP_MIXES:
+        weights = np.array([1.0, mix, 1.0 - mix])
+        best = max(best, sum(float((o @ weights).min()) for o in options))
+    collectives = max(sum(cost.group_ms(k) for k in fixed_kinds), least_group)
+    return best + collectives + cost.step_cost(RankLoad.zeros(w)).dense_ms
+
+
+def _least_group_ms(cost: CostModel, clusters: tuple[str, ...]) -> float:
+    """The fewest collectives a group of a model-parallel table in these clusters issues, priced."""
+    counts = [UNIQUE_COLLECTIVES if k == "ub" else min(FLAT_COLLECTIVES, HIERARCHICAL_COLLECTIVES) for k in clusters]
+    return min(counts) * cost.topology.hardware.collective_us / 1e3
