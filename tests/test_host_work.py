@@ -34,6 +34,9 @@ OUR_CASES = [f"{kind}:{p}" for kind in OURS for p in PRECISIONS]
 BASELINE = "table_wise:fp32"
 OPS_GROWTH, OPS_SLACK = 1.5, 10  # aten ops at 16 tables <= ops at 4 tables * growth + slack
 SYNC_MARGIN = 4  # our syncs <= TorchRec table-wise's + margin
+OPS_RATIO = 2.0  # our aten ops <= TorchRec table-wise's x ratio
+# the hierarchical grid's fp8 encodes and decodes on both of its hops (8 codec calls a step, ~9 ops each)
+OVER_OPS_RATIO = {"embark_rb_hier:fp8"}
 
 
 def _layout(kind: str, i: int, precision: str) -> TableLayout:
@@ -186,5 +189,24 @@ def test_syncs_at_most_torchrec_table_wise(counts: list[dict[str, dict[str, Any]
     for n in TABLE_COUNTS:
         ours, base = counts[0][f"{case}:{n}"], counts[0][f"{BASELINE}:{n}"]
         assert ours["host_syncs"] <= base["host_syncs"] + SYNC_MARGIN, (
+            f"{case}, {n} tables: ours {_show(ours)}; torchrec table_wise {_show(base)}"
+        )
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, marks=pytest.mark.xfail(strict=True, reason="codec calls on both hops"))
+        if c in OVER_OPS_RATIO
+        else c
+        for c in OUR_CASES
+    ],
+)
+def test_aten_ops_at_most_twice_torchrec_table_wise(counts: list[dict[str, dict[str, Any]]], case: str) -> None:
+    """A step of ours dispatches at most twice the aten ops of TorchRec's table-wise step, at every wire
+    precision (rank 0)."""
+    for n in TABLE_COUNTS:
+        ours, base = counts[0][f"{case}:{n}"], counts[0][f"{BASELINE}:{n}"]
+        assert ours["aten_ops"] <= base["aten_ops"] * OPS_RATIO, (
             f"{case}, {n} tables: ours {_show(ours)}; torchrec table_wise {_show(base)}"
         )

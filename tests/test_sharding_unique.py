@@ -64,11 +64,13 @@ def _tables(ws: int, pooling: str) -> tuple[list[EmbeddingBagConfig], dict[str, 
     return configs, layouts
 
 
-def _run_world(lws: int) -> dict[Any, dict[str, float]]:
+def _train_configs(configs: Any, build: Any, lws: int) -> dict[Any, dict[str, float]]:
+    """Per config (pooling, optimizer, ids, silent rank, lookup): sharded vs unsharded weight diffs after two steps
+    of the tables `build(world size, pooling)` lays out."""
     ws = dist.get_world_size()
     out = {}
-    for pooling, optimizer, ids, silent, lookup in CONFIGS:
-        tables, layouts = _tables(ws, pooling)
+    for pooling, optimizer, ids, silent, lookup in configs:
+        tables, layouts = build(ws, pooling)
         out[(pooling, optimizer, ids, silent, lookup)] = compare_sharded_training(
             tables,
             layouts,
@@ -83,6 +85,10 @@ def _run_world(lws: int) -> dict[Any, dict[str, float]]:
             unique_lookup=lookup,
         )
     return out
+
+
+def _run_world(lws: int) -> dict[Any, dict[str, float]]:
+    return _train_configs(CONFIGS, _tables, lws)
 
 
 @pytest.fixture(scope="module", params=sorted(WORLDS), ids=lambda ws: f"{ws}ranks")
@@ -100,3 +106,47 @@ def test_unique_based_matches_unsharded(world: tuple[int, list[dict[Any, dict[st
         assert any(k.startswith("weight/") and "ub_grid" in k for k in diffs), "the UB grid's weights were not compared"
         bad = {k: v for k, v in diffs.items() if v > ATOL}
         assert not bad, f"{ws} ranks, rank {rank}, {config}: {bad}"
+
+
+# Full-width UB: every cell a whole row slice of one common width, so the distinct vectors come back
+# as rows of one table and the sender only shifts each key's row (UniquePooledEmbeddingDist._table).
+FULL_WIDTH_CONFIGS = [
+    ("sum", "sgd", "zipf", False, "auto"),
+    ("mean", "adagrad", "distinct", True, "auto"),
+    ("weighted", "sgd", "zipf", False, "variable_batch"),
+]
+
+
+def _full_width_tables(ws: int, pooling: str) -> tuple[list[EmbeddingBagConfig], dict[str, TableLayout]]:
+    """Row slices placed so that a rank's groups are not in feature order (the sender permutes them)."""
+    last = ws - 1
+    specs = {
+        "fw_tw": (40, 2, TableLayout("ub", (0, 40), (0, 8), ((last,),))),
+        "fw_rw": (50, 1, TableLayout("ub", (0, 3, 29, 50), (0, 8), ((1,), (0,), (last,)))),
+        "fw_rw2": (30, 2, TableLayout("ub", (0, 11, 30), (0, 8), ((0,), (1,)))),
+    }
+    configs = [
+        EmbeddingBagConfig(
+            name=name,
+            num_embeddings=rows,
+            embedding_dim=8,
+            feature_names=[f"{name}_f{i}" for i in range(n_features)],
+            pooling=PoolingType.MEAN if pooling == "mean" else PoolingType.SUM,
+        )
+        for name, (rows, n_features, _) in specs.items()
+    ]
+    return configs, {name: layout for name, (_, _, layout) in specs.items()}
+
+
+def _run_full_width() -> dict[Any, dict[str, float]]:
+    return _train_configs(FULL_WIDTH_CONFIGS, _full_width_tables, dist.get_world_size())
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_full_width_unique_based_matches_unsharded(ws: int) -> None:
+    """Full-width UB tables (the shift-only expansion): outputs and weights equal the unsharded model's."""
+    for rank, per_config in enumerate(run_ranks(_run_full_width, ws, local_world_size=ws, timeout_s=600)):
+        for config, diffs in per_config.items():
+            assert any(k.endswith(".fw_rw.weight") for k in diffs), "the row-split tables' weights were not compared"
+            bad = {k: v for k, v in diffs.items() if v > ATOL}
+            assert not bad, f"{ws} ranks, rank {rank}, {config}: {bad}"

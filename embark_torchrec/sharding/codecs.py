@@ -71,28 +71,31 @@ class Fp8RowwiseCodec:
         """Where each value and each scale byte of rows of `widths` sit in the wire layout."""
         n = int(widths.sum())
         out_start = np.cumsum(widths + FP8_SCALE_BYTES) - (widths + FP8_SCALE_BYTES)
-        shift = torch.tensor(out_start - (np.cumsum(widths) - widths), device=device)
+        shift = torch.as_tensor(out_start - (np.cumsum(widths) - widths), device=device)
         values = torch.arange(n, device=device) + shift.repeat_interleave(
-            torch.tensor(widths, device=device), output_size=n
+            torch.as_tensor(widths, device=device), output_size=n
         )
-        scale_start = torch.tensor(out_start + widths, device=device)
+        scale_start = torch.as_tensor(out_start + widths, device=device)
         scales = (scale_start.unsqueeze(1) + torch.arange(FP8_SCALE_BYTES, device=device)).reshape(-1)
         return values, scales
 
     def encode(self, x: torch.Tensor, peers: Sequence[Sequence[Segment]]) -> torch.Tensor:
+        """The wire bytes of x; an inference tensor (called in inference mode: the payload only
+        travels, so its dtype views need no autograd bookkeeping)."""
         segments = [s for segs in peers for s in segs]
         if x.numel() == 0:
             return x.new_empty(0, dtype=torch.uint8)
-        x = x.float()
+        if x.dtype != torch.float32:  # (in inference mode even a no-op conversion is an op)
+            x = x.float()
         tiny = torch.finfo(torch.float32).tiny
         width = self._one_width(segments)
         if width:  # rows of one width: values and scale side by side, by views
             rows = x.view(-1, width)
-            scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=tiny) / FP8_MAX
+            scale = rows.abs().amax(dim=1, keepdim=True).clamp_(min=tiny).div_(FP8_MAX)
             q = (rows / scale).to(torch.float8_e4m3fn).view(torch.uint8)
-            return torch.cat([q, scale.view(torch.uint8)], dim=1).reshape(-1)
+            return torch.cat([q, scale.view(torch.uint8)], dim=1).view(-1)
         widths = self._row_widths(segments)
-        lengths = torch.tensor(widths, device=x.device)
+        lengths = torch.as_tensor(widths, device=x.device)
         scale = torch.segment_reduce(x.abs(), "max", lengths=lengths).clamp(min=tiny) / FP8_MAX
         q = (x / scale.repeat_interleave(lengths, output_size=x.numel())).to(torch.float8_e4m3fn).view(torch.uint8)
         values, scales = self._positions(widths, x.device)
@@ -102,22 +105,28 @@ class Fp8RowwiseCodec:
         return out
 
     def decode(self, y: torch.Tensor, peers: Sequence[Sequence[Segment]]) -> torch.Tensor:
+        """The values of wire bytes y (best an inference tensor, as the exchange allocates it: its
+        dtype views then need no autograd bookkeeping); the result is a normal tensor."""
         segments = [s for segs in peers for s in segs]
         if sum(e for e, _ in segments) == 0:
             return y.new_empty(0, dtype=torch.float32)
         width = self._one_width(segments)
         if width:
-            rows = y.view(-1, width + FP8_SCALE_BYTES)
-            scale_bytes = rows[:, width:]  # 4-byte aligned when the width is (TBE widths are multiples of 4)
-            scale = (scale_bytes if width % 4 == 0 else scale_bytes.contiguous()).view(torch.float32)
-            return (rows[:, :width].view(torch.float8_e4m3fn).float() * scale).reshape(-1)
-        widths = self._row_widths(segments)
-        values, scales = self._positions(widths, y.device)
-        lengths = torch.tensor(widths, device=y.device)
-        scale = y[scales].view(torch.float32)
-        return y[values].view(torch.float8_e4m3fn).float() * scale.repeat_interleave(
-            lengths, output_size=values.numel()
-        )
+            with torch.inference_mode():
+                rows = y.view(-1, width + FP8_SCALE_BYTES)
+                scale_bytes = rows[:, width:]  # 4-byte aligned when the width is (TBE widths are multiples of 4)
+                scale = (scale_bytes if width % 4 == 0 else scale_bytes.contiguous()).view(torch.float32)
+                q = rows[:, :width].view(torch.float8_e4m3fn)
+        else:
+            widths = self._row_widths(segments)
+            values, scales = self._positions(widths, y.device)
+            lengths = torch.as_tensor(widths, device=y.device)
+            with torch.inference_mode():
+                scale = y[scales].view(torch.float32).repeat_interleave(lengths, output_size=values.numel())
+                q = y[values].view(torch.float8_e4m3fn)
+        # outside inference mode, so that the result may join autograd (e.g. be saved for backward)
+        out = q.float() * scale
+        return out.view(-1) if width else out
 
     @staticmethod
     def size(segment: Segment) -> int:
@@ -177,7 +186,8 @@ def encoded_size(codec: Any, segments: Sequence[Segment]) -> int:
 
 
 def encode(codec: Any, x: torch.Tensor, peers: Sequence[Sequence[Segment]]) -> torch.Tensor:
-    """x (1-D, the messages to each peer in order, described by `peers`) in the codec's wire format."""
+    """x (1-D, the messages to each peer in order, described by `peers`) in the codec's wire format;
+    call it in inference mode where a codec is given (see all_to_all)."""
     if codec is None:
         return x
     return codec.encode(x, peers) if getattr(codec, "row_wise", False) else codec.encode(x)

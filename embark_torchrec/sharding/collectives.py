@@ -37,13 +37,11 @@ class _Exchange:
         codecs: Any,
         gradient_divisor: int,
         on_send: Optional[Any],
-        device: torch.device,
     ) -> None:
         self.group, self.send, self.recv, self.codecs = group, send, recv, codecs
         self.gradient_divisor, self.on_send = gradient_divisor, on_send
         self.work: Optional[dist.Work] = None
         self.buffer: Optional[torch.Tensor] = None
-        self.dummy = torch.empty(1, device=device, requires_grad=True)
 
     def start(
         self,
@@ -53,12 +51,15 @@ class _Exchange:
         codec: Any,
         backward: bool,
     ) -> None:
-        payload = encode(codec, x.contiguous(), send)
         send_sizes = [encoded_size(codec, segs) for segs in send]
         recv_sizes = [encoded_size(codec, segs) for segs in recv]
+        # a codec's payload and receive buffer only travel and are decoded: as inference tensors,
+        # their views need no autograd bookkeeping (without a codec the buffer is the result)
+        with torch.inference_mode(codec is not None):
+            payload = encode(codec, x.contiguous(), send)
+            self.buffer = payload.new_empty(sum(recv_sizes))
         if self.on_send is not None:
             self.on_send(payload, send_sizes, recv_sizes, backward)
-        self.buffer = payload.new_empty(sum(recv_sizes))
         self.work = dist.all_to_all_single(
             self.buffer, payload, recv_sizes, send_sizes, group=self.group, async_op=True
         )
@@ -75,7 +76,7 @@ class _Req(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, exchange: _Exchange) -> torch.Tensor:  # type: ignore[override]
         ctx.exchange = exchange
         exchange.start(x, exchange.send, exchange.recv, exchange.codecs.forward if exchange.codecs else None, False)
-        return exchange.dummy.detach()
+        return x.new_empty(1)  # a token that ties _Wait to this exchange in the autograd graph
 
     @staticmethod
     def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
@@ -96,7 +97,7 @@ class _Wait(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         exchange: _Exchange = ctx.exchange
         exchange.start(grad, exchange.recv, exchange.send, exchange.codecs.backward if exchange.codecs else None, True)
-        return exchange.dummy.detach().new_zeros(1), None
+        return grad.new_zeros(1), None
 
 
 class AllToAllAwaitable(Awaitable[torch.Tensor]):
@@ -126,6 +127,6 @@ def all_to_all(
     send_sizes, recv_sizes, backward)` sees every payload handed to the collective (byte counting)."""
     if torch.is_grad_enabled() and not x.requires_grad:
         x = x.detach().requires_grad_()
-    exchange = _Exchange(group, send, recv, codecs, gradient_divisor, on_send, x.device)
+    exchange = _Exchange(group, send, recv, codecs, gradient_divisor, on_send)
     dummy = _Req.apply(x, exchange)
     return AllToAllAwaitable(dummy, exchange)

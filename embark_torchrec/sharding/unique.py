@@ -13,9 +13,12 @@ holders are the ranks holding cells of that row slice.
   already laid out sender by sender, as the output all-to-all sends it;
 - output dist (UniquePooledEmbeddingDist): an asynchronous all-to-all (collectives.py) returns each
   sender its distinct vectors; one embedding_bag over all features expands them into the bags
-  (sum, with per-ID weights: the feature's weights times 1 / bag length for MEAN). Backward,
-  embedding_bag sums the gradients per distinct ID, and one gradient row per distinct ID travels
-  back to its holder.
+  (sum, with per-ID weights: the feature's weights times 1 / bag length for MEAN), taken sample by
+  sample so that the output needs no transposing copy. When every cell is a whole row slice of one
+  width the vectors are already rows of one table, and each ID's row is its distinct key's index
+  shifted by where its group's block arrives (computed on the host from the counts). Backward,
+  the gradients are summed per distinct ID, and one gradient row per distinct ID travels back to
+  its holder.
 
 Host work per step is a fixed number of tensor ops and three host syncs (the unique, its counts,
 the counts received), whatever the number of tables. What the output dist needs from its batch's
@@ -25,7 +28,7 @@ input dist travels in that batch's context (UniqueShardingContext), so pipelined
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -55,7 +58,7 @@ class UniqueState:
     stride: int
     inverse: torch.Tensor  # per ID of the batch: its index among the distinct (feature, ID) keys
     key_group: torch.Tensor  # per distinct key: its group
-    counts: torch.Tensor  # distinct keys per group (device)
+    counts: torch.Tensor  # distinct keys per group (device, int32)
     group_counts: List[int]  # the same, on the host
     lengths: torch.Tensor  # the batch's bag lengths, [features x stride]
     weights: Optional[torch.Tensor]  # per-ID weights for the expansion (None: all 1)
@@ -141,48 +144,56 @@ class UniqueSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         self._weighted = weighted or any(mean)
         self._mean = torch.tensor(mean, device=device)
         self._key_start = torch.tensor(layout.key_start, dtype=torch.int64, device=device)
+        self._group_bounds = torch.tensor(  # each group's first and end key
+            [layout.key_start[:-1], layout.key_start[1:]], dtype=torch.int64, device=device
+        )
         first_group = [layout.group_feature.index(f) for f in range(len(layout.features))]
         self._feature_key_start = torch.tensor(
             [layout.key_start[g] for g in first_group], dtype=torch.int64, device=device
         )
+        self._bag_key_start: Dict[int, torch.Tensor] = {}  # per batch size: each bag's feature's first key
         send_groups = [g for groups in layout.groups_on for g in groups]
         self._send_names = [layout.group_names[g] for g in send_groups]
         self._send_groups_host = np.asarray(send_groups, dtype=np.int64)
         self._send_in_group_order = send_groups == list(range(layout.num_groups))
         self._send_groups = torch.tensor(send_groups, dtype=torch.int32, device=device)
-        self._group_index = torch.arange(layout.num_groups, device=device)
         self._dist = KJTAllToAll(pg=pg, splits=[len(g) for g in layout.groups_on])
         self.last_state: Optional[UniqueState] = None
+
+    def _bag_offsets(self, stride: int) -> torch.Tensor:
+        """Each bag's key offset (its feature's first key), for `stride` bags per feature; built once
+        per batch size, so that a step needs no host-to-device copy of the per-feature IDs."""
+        offsets = self._bag_key_start.get(stride)
+        if offsets is None:
+            offsets = self._bag_key_start[stride] = self._feature_key_start.repeat_interleave(stride)
+        return offsets
 
     def forward(self, sparse_features: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         kjt = pad_to_uniform(sparse_features)
         stride = kjt.stride()
         lengths = kjt.lengths()
         ids = kjt.values().long()
-        # IDs per feature: the KJT's own (host) length_per_key, which the input validation read
-        per_feature = torch.tensor(kjt.length_per_key(), device=ids.device)
-        offset = self._feature_key_start.repeat_interleave(per_feature, output_size=ids.numel())
+        offset = self._bag_offsets(stride).repeat_interleave(lengths, output_size=ids.numel())
         keys, inverse = torch.unique(ids + offset, sorted=True, return_inverse=True)
-        bounds = torch.searchsorted(keys, self._key_start, out_int32=True)
-        lengths32 = bounds[1:] - bounds[:-1]
-        counts = lengths32.long()
-        key_group = self._group_index.repeat_interleave(counts, output_size=keys.numel())
+        first, end = torch.searchsorted(keys, self._group_bounds, out_int32=True).unbind()
+        counts = end - first
+        key_group = torch.repeat_interleave(counts, output_size=keys.numel())  # (group g repeated counts[g] times)
         local_ids = (keys - self._key_start[key_group]).to(torch.int32)
         group_counts: List[int] = counts.tolist()
         # the per-key lengths are known here: TorchRec's all-to-all need not read them off the device again
         per_key = np.asarray(group_counts, dtype=np.int64)[self._send_groups_host].tolist()
         if self._send_in_group_order:
-            send_lengths, send_values = lengths32, local_ids
+            send_lengths, send_values = counts, local_ids
         else:
-            send_lengths, send_values, _ = torch.ops.fbgemm.permute_2D_sparse_data(
-                self._send_groups, lengths32.view(-1, 1), local_ids, None, sum(per_key)
+            send_lengths, send_values, _ = torch.ops.fbgemm.permute_1D_sparse_data(
+                self._send_groups, counts, local_ids, None, sum(per_key)
             )
         weights = bag_weights(kjt, self._mean) if self._weighted else None
         self.last_state = UniqueState(stride, inverse, key_group, counts, group_counts, lengths, weights)
         send = KeyedJaggedTensor(
             keys=self._send_names,
             values=send_values,
-            lengths=send_lengths.reshape(-1),
+            lengths=send_lengths,
             stride=1,
             length_per_key=per_key,
             stride_per_key=[1] * len(per_key),
@@ -208,7 +219,7 @@ def unique_lookup_input(
     then gathers the rows). Also returns the IDs received per (group held here, sender)."""
     world = len(layout.groups_on)
     mine = layout.groups_on[rank]
-    counts = np.asarray(received.lengths().view(len(mine), world).tolist(), dtype=np.int64).reshape(len(mine), world)
+    counts = np.asarray(received.lengths().tolist(), dtype=np.int64).reshape(len(mine), world)
     position = {g: i for i, g in enumerate(mine)}
     cell_pos = [position[g] for g in layout.cell_group_on[rank]]
     per_cell = counts[cell_pos]  # [cells, senders]
@@ -226,7 +237,7 @@ def unique_lookup_input(
         kjt = KeyedJaggedTensor(
             keys=cell_names,
             values=values,
-            lengths=torch.ones(values.numel(), dtype=torch.int32, device=values.device),
+            lengths=torch.ones(values.numel(), dtype=torch.int64, device=values.device),
             stride_per_key_per_rank=per_cell.tolist(),
             stride=max(sizes_host, default=0),
             stride_per_key=sizes_host,
@@ -234,8 +245,11 @@ def unique_lookup_input(
         )
         return kjt, counts
     stride = max(1, int(cell_sizes.max())) if len(cell_sizes) else 1
-    lengths = torch.from_numpy((np.arange(stride)[None, :] < cell_sizes[:, None]).astype(np.int32).reshape(-1))
-    return KeyedJaggedTensor(keys=cell_names, values=values, lengths=lengths.to(values.device), stride=stride), counts
+    # int64 lengths give the int64 offsets the TBE takes, and the host knows every cell's IDs
+    padded = (np.arange(stride)[None, :] < cell_sizes[:, None]).reshape(-1)
+    lengths = torch.as_tensor(padded.astype(np.int64), device=values.device)
+    kjt = KeyedJaggedTensor(keys=cell_names, values=values, lengths=lengths, stride=stride, length_per_key=sizes_host)
+    return kjt, counts
 
 
 def _element_blocks(elems: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,7 +262,9 @@ def _element_blocks(elems: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Te
 class _BagSum(torch.autograd.Function):
     """Each bag's sum of its IDs' rows of `table` (times their weights), by embedding_bag; backward
     gathers each ID's bag gradient and scatter-adds it into its row (embedding_bag's own dense
-    backward sorts the IDs first and is several times slower on CPU)."""
+    backward sorts the IDs first and is several times slower on CPU). The table's rows are the
+    batch's distinct IDs, so with as many IDs as rows (none repeats; known from sizes alone) each
+    row's gradient is its one ID's bag gradient: one gather."""
 
     @staticmethod
     def forward(
@@ -262,7 +278,13 @@ class _BagSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
         index, lengths, weights = ctx.saved_tensors
-        bags = torch.arange(lengths.numel(), device=grad.device).repeat_interleave(lengths, output_size=index.numel())
+        grad = grad.contiguous()  # index_select of a strided gradient (e.g. a sum's, expanded) is far slower
+        bags = torch.repeat_interleave(lengths, output_size=index.numel())  # each ID's bag
+        if index.numel() == ctx.rows:  # each row's one ID: its bag, its weight
+            rows = grad.index_select(0, bags.new_empty(ctx.rows).index_copy_(0, index, bags))
+            if weights is not None:
+                rows = rows * weights.new_empty(ctx.rows).index_copy_(0, index, weights).unsqueeze(1).to(rows.dtype)
+            return rows, None, None, None
         per_id = grad.index_select(0, bags)
         if weights is not None:
             per_id = per_id * weights.unsqueeze(1).to(per_id.dtype)
@@ -288,6 +310,8 @@ class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.T
         self._cell_pos = np.asarray([position[g] for g in layout.cell_group_on[me]], dtype=np.int64)
         self._cell_widths = np.asarray(layout.cell_widths_on[me], dtype=np.int64)
         self._full_width = layout.full_width()
+        self._device = device
+        self._bag_orders: Dict[int, torch.Tensor] = {}  # per batch size: the bags' sample-major order
         self._feature_major = FeatureMajor(layout.dims, device)
         self._width = layout.dims[0] if layout.dims else 0
         self._num_features = len(layout.features)
@@ -348,10 +372,10 @@ class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.T
         counts = np.asarray(state.group_counts, dtype=np.int64)
         recv = self._segments(counts[self._block_group_host], self._block_width_host, self._block_rank)
         ledger = self._ledger(per_cell, counts) if self.comm_stats is not None else None
-        if local_embs.dim() == 2:  # a padded lookup (see unique_lookup_input)
+        if local_embs.dim() == 2:  # a padded lookup (see unique_lookup_input); the variable-batch one is flat
             local_embs = self._sender_major(local_embs, per_cell)
         awaitable = all_to_all(
-            local_embs.reshape(-1), send, recv, self._pg, self._codecs, world, _ledger_hook(ledger, self._codecs)
+            local_embs, send, recv, self._pg, self._codecs, world, _ledger_hook(ledger, self._codecs)
         )
         awaitable.callbacks.append(lambda vectors: self._expand(vectors, state))
         if sharding_ctx.variable_batch_per_feature:
@@ -386,16 +410,20 @@ class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.T
 
     def _table(self, vectors: torch.Tensor, state: UniqueState) -> tuple[torch.Tensor, torch.Tensor]:
         """The distinct vectors as the rows of one table, and each batch ID's row in it."""
+        if self._full_width:  # the vectors are rows already, block by block: shift each key's row
+            # by where its group's block starts (from the host counts: a handful of ops, no scatter)
+            counts = np.asarray(state.group_counts, dtype=np.int64)
+            block_rows = counts[self._block_group_host]
+            shift = np.empty_like(counts)
+            shift[self._block_group_host] = np.cumsum(block_rows) - block_rows
+            shift -= np.cumsum(counts) - counts
+            # (non-blocking: a pageable host buffer is staged at once, the host does not wait on the device)
+            key_shift = torch.from_numpy(shift).to(state.inverse.device, non_blocking=True)[state.key_group]
+            return vectors.view(-1, self._width), state.inverse + key_shift[state.inverse]
+        # otherwise scatter every received element into a [keys, widest dim] table
         counts = state.counts
         group_first_key = torch.cumsum(counts, 0) - counts
         block_rows = counts[self._block_group]
-        if self._full_width:  # the vectors are rows already, block by block: shift each key's row
-            block_first_row = torch.cumsum(block_rows, 0) - block_rows
-            shift = torch.empty_like(counts)
-            shift[self._block_group] = block_first_row - group_first_key[self._block_group]
-            key_row = torch.arange(state.key_group.numel(), device=counts.device) + shift[state.key_group]
-            return vectors.view(-1, self._width), key_row[state.inverse]
-        # otherwise scatter every received element into a [keys, widest dim] table
         block, offset = _element_blocks(block_rows * self._block_width, vectors.numel())
         width = self._block_width[block]
         row = group_first_key[self._block_group][block] + torch.div(offset, width, rounding_mode="floor")
@@ -404,14 +432,26 @@ class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.T
         table = vectors.new_zeros(keys * self._max_dim).index_copy(0, dest, vectors)
         return table.view(keys, self._max_dim), state.inverse
 
+    def _sample_major(self, stride: int) -> torch.Tensor:
+        """The bags in sample-major order (bag s * features + f is feature-major bag f * stride + s),
+        built once per batch size: pooling them in this order gives the [stride, features x width]
+        output without a transposing copy (and its gradient arrives contiguous)."""
+        order = self._bag_orders.get(stride)
+        if order is None:
+            bags = torch.arange(self._num_features * stride, dtype=torch.int32, device=self._device)
+            order = self._bag_orders[stride] = bags.view(self._num_features, stride).t().reshape(-1)
+        return order
+
     def _expand(self, vectors: torch.Tensor, state: UniqueState) -> torch.Tensor:
         table, index = self._table(vectors, state)
         stride = state.stride
+        lengths, index, weights = torch.ops.fbgemm.permute_1D_sparse_data(
+            self._sample_major(stride), state.lengths, index, state.weights, index.numel()
+        )
         # also when this rank has no IDs: the output must depend on `vectors`, so that this rank
         # joins the backward exchange
-        pooled = _BagSum.apply(table, index, state.lengths.reshape(-1), state.weights)
-        width = pooled.size(1)
-        out = pooled.view(self._num_features, stride, width).transpose(0, 1).reshape(stride, self._num_features * width)
+        pooled = _BagSum.apply(table, index, lengths, weights)
+        out = pooled.view(stride, self._num_features * pooled.size(1))
         return out if self._same_dims else out.index_select(1, self._columns)
 
     def _ledger(self, per_cell: np.ndarray, counts: np.ndarray) -> Ledger:
