@@ -299,7 +299,7 @@ def _mirror_collectives() -> Iterator[None]:
         out_sizes = [int(x) for x in output_split_sizes] if output_split_sizes else [output.size(0) // n] * n
         in_sizes = [int(x) for x in input_split_sizes] if input_split_sizes else [input.size(0) // n] * n
         mine = input.narrow(0, sum(in_sizes[:me]), in_sizes[me])
-        with torch.no_grad():
+        with torch.inference_mode():  # as a real collective writes: outside autograd, into any buffer
             for j, chunk in enumerate(torch.split(output, out_sizes)):
                 chunk.copy_(mine) if chunk.shape == mine.shape else chunk.zero_()
         return work
@@ -307,14 +307,14 @@ def _mirror_collectives() -> Iterator[None]:
     def all_to_all(output_list: Any, input_list: Any, group: Any = None, async_op: bool = False) -> Any:
         work = originals["all_to_all"](output_list, input_list, group=group, async_op=async_op)
         me, _ = me_n(group)
-        with torch.no_grad():
+        with torch.inference_mode():
             for t in output_list:
                 t.copy_(input_list[me]) if t.shape == input_list[me].shape else t.zero_()
         return work
 
     def all_gather(tensor_list: Any, tensor: Any, group: Any = None, async_op: bool = False) -> Any:
         work = originals["all_gather"](tensor_list, tensor, group=group, async_op=async_op)
-        with torch.no_grad():
+        with torch.inference_mode():
             for t in tensor_list:
                 t.copy_(tensor)
         return work
@@ -322,7 +322,7 @@ def _mirror_collectives() -> Iterator[None]:
     def all_gather_into_tensor(output: Any, input: Any, group: Any = None, async_op: bool = False) -> Any:
         work = originals["all_gather_into_tensor"](output, input, group=group, async_op=async_op)
         _, n = me_n(group)
-        with torch.no_grad():
+        with torch.inference_mode():
             output.view(n, -1).copy_(input.reshape(1, -1).expand(n, -1))
         return work
 
@@ -331,7 +331,7 @@ def _mirror_collectives() -> Iterator[None]:
     ) -> Any:
         work = originals["reduce_scatter_tensor"](output, input, op=op, group=group, async_op=async_op)
         me, n = me_n(group)
-        with torch.no_grad():
+        with torch.inference_mode():
             output.copy_(input.reshape(n, -1)[me].view_as(output))
         return work
 
@@ -340,7 +340,7 @@ def _mirror_collectives() -> Iterator[None]:
     ) -> Any:
         work = originals["reduce_scatter"](output, input_list, op=op, group=group, async_op=async_op)
         me, _ = me_n(group)
-        with torch.no_grad():
+        with torch.inference_mode():
             output.copy_(input_list[me])
         return work
 

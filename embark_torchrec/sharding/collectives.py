@@ -60,9 +60,12 @@ class _Exchange:
             self.buffer = payload.new_empty(sum(recv_sizes))
         if self.on_send is not None:
             self.on_send(payload, send_sizes, recv_sizes, backward)
-        self.work = dist.all_to_all_single(
-            self.buffer, payload, recv_sizes, send_sizes, group=self.group, async_op=True
-        )
+        # the collective writes into the inference buffer: backends that dispatch it as an in-place op (torch's
+        # fake process group) allow that only in inference mode
+        with torch.inference_mode(codec is not None):
+            self.work = dist.all_to_all_single(
+                self.buffer, payload, recv_sizes, send_sizes, group=self.group, async_op=True
+            )
 
     def finish(self, recv: Sequence[Sequence[Segment]], codec: Any) -> torch.Tensor:
         assert self.work is not None and self.buffer is not None
