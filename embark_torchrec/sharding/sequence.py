@@ -42,6 +42,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from .codecs import Segment
 from .collectives import all_to_all
+from .batch_state import BatchStateHandover
 from .comm_stats import CountsComm, Ledger
 from .grid import CellRoute, GridPooledEmbeddingSharding, GridSparseFeaturesDist, _ledger_hook
 from .torchrec_compat import (
@@ -138,7 +139,7 @@ def ids_per_sender(lengths: torch.Tensor, batch_per_rank: List[int]) -> torch.Te
     return total[:, ends] - total[:, ends - torch.tensor(batch_per_rank, device=lengths.device)]
 
 
-class GridSequenceFeaturesDist(GridSparseFeaturesDist):
+class GridSequenceFeaturesDist(GridSparseFeaturesDist, BatchStateHandover[SequencePlacement]):
     """The grid's cut (GridSparseFeaturesDist's routing: row bounds, routes, KJT all-to-all) in
     sequence mode: besides each cell's IDs, where every ID sent came from, from which it works out
     the batch's SequencePlacement. Sequence features carry no weights."""
@@ -177,7 +178,6 @@ class GridSequenceFeaturesDist(GridSparseFeaturesDist):
         self._holder_width = [
             int(w[0]) if len(set(w.tolist())) == 1 else 0 for w in (self._key_widths[a:b] for a, b in self._holder_keys)
         ]
-        self.last_state: Optional[SequencePlacement] = None
 
     def forward(self, sparse_features: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         kjt = sparse_features
@@ -228,14 +228,6 @@ class GridSequenceFeaturesDist(GridSparseFeaturesDist):
             else:
                 recv.append([(int(r) * int(w), int(w)) for r, w in zip(per_key_host[a:b], self._key_widths[a:b])])
         return SequencePlacement(ids, self._dim, self._unit, index, recv, per_key_host)
-
-    def take_state(self) -> SequencePlacement:
-        """The placement of the batch the last forward call cut; the sharded EC files it in that
-        batch's context."""
-        state, self.last_state = self.last_state, None
-        if state is None:
-            raise RuntimeError("GridSequenceFeaturesDist: no batch state to take; was forward called?")
-        return state
 
 
 class GridSequenceEmbeddingDist(BaseEmbeddingDist[EmbarkSequenceContext, torch.Tensor, torch.Tensor], CountsComm):

@@ -42,6 +42,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from .codecs import Segment
 from .collectives import all_to_all
+from .batch_state import BatchStateHandover
 from .comm_stats import CountsComm, Ledger
 from .torchrec_compat import VARIABLE_BATCH_OPTIMIZERS, emb_dims_per_rank, sharding_group, supports_variable_batch
 from .grid import CellRoute, GridPooledEmbeddingSharding, _ledger_hook, bag_weights
@@ -133,7 +134,7 @@ class UniqueLayout:
         return len(widths) == 1 and sorted(cells) == list(range(self.num_groups))
 
 
-class UniqueSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
+class UniqueSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor], BatchStateHandover[UniqueState]):
     """De-duplicates per (feature, row slice) and sends each distinct ID once per holder."""
 
     def __init__(
@@ -158,7 +159,6 @@ class UniqueSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         self._send_in_group_order = send_groups == list(range(layout.num_groups))
         self._send_groups = torch.tensor(send_groups, dtype=torch.int32, device=device)
         self._dist = KJTAllToAll(pg=pg, splits=[len(g) for g in layout.groups_on])
-        self.last_state: Optional[UniqueState] = None
 
     def _bag_offsets(self, stride: int) -> torch.Tensor:
         """Each bag's key offset (its feature's first key), for `stride` bags per feature; built once
@@ -199,14 +199,6 @@ class UniqueSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
             stride_per_key=[1] * len(per_key),
         )
         return self._dist(send)
-
-    def take_state(self) -> UniqueState:
-        """The state of the batch the last forward call cut; the sharded EBC files it in that
-        batch's context."""
-        state, self.last_state = self.last_state, None
-        if state is None:
-            raise RuntimeError("UniqueSparseFeaturesDist: no batch state to take; was forward called?")
-        return state
 
 
 def unique_lookup_input(
