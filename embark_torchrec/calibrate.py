@@ -408,20 +408,26 @@ def _reference_plan(job: Job, s: Settings, cluster: str) -> Any:
     return Plan(world, job.local_world_size, layouts)
 
 
-def _reference_estimate_ms(job: Job, s: Settings, hardware: Hardware) -> tuple[float, int]:
-    """The cost model's lookups + communication of the table-wise reference step on `hardware` (IDs never
-    repeat), and the collectives its one sharding group issues per step."""
-    from .plan.cost import CostModel
-    from .plan.groups import collectives_per_step
+def _reference_spec(job: Job, s: Settings) -> Any:
+    """The reference step's tables: ub_tables one-hot tables (table t<i> read by feature f<i>) whose IDs never
+    repeat within a rank's batch, at the job's global batch."""
     from .plan.spec import ModelSpec, TableSpec
-    from .plan.topology import Topology
 
     tables = tuple(
         TableSpec(f"t{i}", rows=s.ub_rows, dim=s.ub_dim, pooling=1.0, feature_names=(f"f{i}",), unique_ratio=1.0)
         for i in range(s.ub_tables)
     )
-    spec = ModelSpec("calibration-reference", job.world_size * s.ub_batch, tables)
-    model = CostModel(spec, Topology(job.world_size, job.local_world_size, hardware))
+    return ModelSpec("calibration-reference", job.world_size * s.ub_batch, tables)
+
+
+def _reference_estimate_ms(job: Job, s: Settings, hardware: Hardware) -> tuple[float, int]:
+    """The cost model's lookups + communication of the table-wise reference step on `hardware`, and the
+    collectives its one sharding group issues per step."""
+    from .plan.cost import CostModel
+    from .plan.groups import collectives_per_step
+    from .plan.topology import Topology
+
+    model = CostModel(_reference_spec(job, s), Topology(job.world_size, job.local_world_size, hardware))
     load = model.rank_load(_reference_plan(job, s, "rb"))
     (kind,) = load.groups
     cost = model.step_cost(load)
@@ -436,15 +442,15 @@ def _ub_round_times(job: Job, s: Settings, optimizer: str) -> tuple[list[float],
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from .plan.spec import ModelSpec
     from .sharding.parameter_sharding import module_sharding_plan
     from .sharding.sharder import EmbarkEmbeddingBagCollectionSharder
     from .testing.training import SparseArch
 
-    world, t, rows, dim = job.world_size, s.ub_tables, s.ub_rows, s.ub_dim
+    spec = _reference_spec(job, s)
+    t, rows = s.ub_tables, s.ub_rows
     tables = [
-        EmbeddingBagConfig(name=f"t{i}", num_embeddings=rows, embedding_dim=dim, feature_names=[f"f{i}"])
-        for i in range(t)
+        EmbeddingBagConfig(name=c.name, num_embeddings=c.rows, embedding_dim=c.dim, feature_names=list(c.feature_names))
+        for c in spec.tables
     ]
     sharder = EmbarkEmbeddingBagCollectionSharder(
         fused_params={
@@ -455,7 +461,6 @@ def _ub_round_times(job: Job, s: Settings, optimizer: str) -> tuple[list[float],
 
     def build(cluster: str) -> torch.nn.Module:
         meta = SparseArch(tables, False, torch.device("meta"))
-        spec = ModelSpec.from_module(meta.ebc, batch_size=world)
         plan = ShardingPlan({"ebc": module_sharding_plan(_reference_plan(job, s, cluster), spec, job.device.type)})
         env = ShardingEnv.from_process_group(dist.group.WORLD)
         return DistributedModelParallel(meta, env=env, plan=plan, sharders=[sharder], device=job.device)
@@ -464,7 +469,7 @@ def _ub_round_times(job: Job, s: Settings, optimizer: str) -> tuple[list[float],
     generator = torch.Generator().manual_seed(job.rank)
     batches = [
         KeyedJaggedTensor(
-            keys=[f"f{i}" for i in range(t)],
+            keys=[c.feature_names[0] for c in spec.tables],
             values=torch.cat([torch.randperm(rows, generator=generator)[: s.ub_batch] for _ in range(t)]),
             lengths=torch.ones(t * s.ub_batch, dtype=torch.int32),
         ).to(job.device)

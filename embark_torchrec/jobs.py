@@ -60,18 +60,21 @@ def init_distributed(local_world_size: int | None, timeout_s: float, script: str
     return World(rank, world_size, lws, device)
 
 
-def mean_over_ranks(value: float, device: torch.device) -> float:
-    """The mean of `value` over every rank (one all-reduce; for log lines, not the hot path)."""
+def _all_reduced(value: float, device: torch.device, op: dist.ReduceOp.RedOpType) -> float:
+    """`value` all-reduced over every rank (one all-reduce; for log and RESULT lines, not the hot path)."""
     t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return float(t) / dist.get_world_size()
+    dist.all_reduce(t, op=op)
+    return float(t)
+
+
+def mean_over_ranks(value: float, device: torch.device) -> float:
+    """The mean of `value` over every rank."""
+    return _all_reduced(value, device, dist.ReduceOp.SUM) / dist.get_world_size()
 
 
 def max_over_ranks(value: float, device: torch.device) -> float:
-    """The largest `value` of any rank (one all-reduce; not the hot path)."""
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    """The largest `value` of any rank."""
+    return _all_reduced(value, device, dist.ReduceOp.MAX)
 
 
 @dataclass
