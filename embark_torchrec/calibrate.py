@@ -361,6 +361,13 @@ def measure_lookups(job: Job, s: Settings, optimizer: str) -> dict[str, dict[str
         raise CalibrationError(
             f"TBE lookups of width {WIDE} were mostly no slower than of width {NARROW}: the machine is too noisy"
         )
+    if job.device.type == "cpu" and sum(x <= 0 for x in per_id) * 4 > len(per_id):
+        # a CPU lookup costs hundreds of ns per ID: a quarter of the rounds at or below zero means other work
+        # on the host drowned the difference between the poolings (on GPUs a per-ID cost near zero is real)
+        raise CalibrationError(
+            f"TBE lookups at pooling {MANY} were in {sum(x <= 0 for x in per_id)} of {len(per_id)} rounds no slower "
+            f"per ID than at pooling {FEW}: the host is too busy to measure lookup_ns_per_id; rerun when it is idle"
+        )
     element_bytes = WEIGHT_BYTES * (1.0 + BACKWARD_COMPUTE_MULTIPLIER)
     where = "rank 0 alone" if job.shared_host_cores else "every rank at once"
     what = (

@@ -260,3 +260,29 @@ def test_example_dense_step_is_timed_per_ksample_and_its_parameters_counted(tmp_
     for name, p in model.named_parameters():
         if name in before:
             assert torch.equal(p, before[name]), name
+
+
+def test_lookups_drowned_by_a_busy_host_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU a lookup costs hundreds of ns per ID; rounds in which the larger pooling was no slower per ID
+    (other work on the host swamped the difference) must stop calibrate with a CalibrationError rather than
+    write a per-ID cost near zero, which would price every CPU plan's lookups far too low."""
+    import torch.distributed as dist
+
+    from embark_torchrec import calibrate
+
+    settings = calibrate.quick(calibrate.CPU_SETTINGS)
+    ids_few, ids_many = settings.lookup_batch * calibrate.FEW, settings.lookup_batch * calibrate.MANY
+    steady = (ids_few * 300e-9, ids_many * 300e-9, ids_many * 320e-9)  # 300 ns per ID, slower when wider
+    busy = (ids_many * 300e-9, ids_many * 300e-9, ids_many * 320e-9)  # a stall made the few-ID round as slow
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        job = calibrate._job()
+        monkeypatch.setattr(calibrate, "_lookup_rounds", lambda *_: [steady] * 6 + [busy] * 2)
+        assert calibrate.measure_lookups(job, settings, "exact_sgd")["lookup_ns_per_id"]["median"] == pytest.approx(
+            300 - calibrate.NARROW * 20 / (calibrate.WIDE - calibrate.NARROW), rel=1e-6
+        )
+        monkeypatch.setattr(calibrate, "_lookup_rounds", lambda *_: [steady] * 5 + [busy] * 3)
+        with pytest.raises(calibrate.CalibrationError, match="too busy to measure lookup_ns_per_id"):
+            calibrate.measure_lookups(job, settings, "exact_sgd")
+    finally:
+        dist.destroy_process_group()

@@ -1,19 +1,20 @@
 """Sharding groups: the collectives the cost model charges per group are the ones the runtime issues.
 
-For each sharding type (TorchRec's table-wise, column-wise, row-wise, table-row-wise; our flat and hierarchical
-RB grids and UB), 4 gloo ranks (2 nodes x 2, one spawn for all cases) train one step of a model whose tables all run
-in that group, and count every torch.distributed collective the step calls; a model with tables in three groups must
-issue the sum of the three. The count must equal groups.collectives_per_step, and the cost model must charge exactly
-group_ms for each distinct group, whatever the number of tables in it.
+For each sharding type (TorchRec's table-wise, column-wise, row-wise, table-row-wise, data-parallel; our flat and
+hierarchical RB grids and UB), 4 gloo ranks (2 nodes x 2, one spawn for all cases) train one step of a model whose
+tables all run in that group, and count every c10d collective the step dispatches (DDP's included); a model with
+tables in three groups must issue the sum of the three. The count must equal groups.collectives_per_step, and the
+cost model must charge exactly group_ms for each distinct group, whatever the number of tables in it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from embark_torchrec.plan.cost import CostModel
@@ -23,7 +24,6 @@ from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec
 from embark_torchrec.plan.topology import PRESETS, Topology
 from embark_torchrec.testing import global_kjt_batch, run_ranks
-from embark_torchrec.testing.host_work import COLLECTIVES
 from embark_torchrec.testing.training import sharded_model
 
 WS, LWS, BATCH = 4, 2, 4
@@ -37,6 +37,7 @@ LAYOUTS: dict[str, tuple[TableLayout, TableLayout]] = {
     "embark_rb": (TableLayout("rb", (0, 15, 40), (0, 4, 8), ((0, 1), (3, 2))),) * 2,
     "embark_rb_hier": (TableLayout("rb", (0, 15, 40), (0, 4, 8), ((0, 1), (2, 3)), hierarchical=True),) * 2,
     "embark_ub": (TableLayout.table_wise(ROWS, DIM, 0, "ub"), TableLayout("ub", (0, 25, 40), (0, DIM), ((1,), (3,)))),
+    "data_parallel": (TableLayout.data_parallel(),) * 2,
 }
 TABLES = [
     EmbeddingBagConfig(name=f"t{i}", num_embeddings=ROWS, embedding_dim=DIM, feature_names=[f"f{i}"]) for i in range(2)
@@ -51,30 +52,32 @@ CASES: dict[str, tuple[list[EmbeddingBagConfig], dict[str, TableLayout]]] = {
 }
 
 
+class _CollectiveCounter(TorchDispatchMode):
+    """Counts the c10d collectives dispatched: those torch.distributed's functions issue and those DDP's
+    reducer issues from C++ (a data-parallel group's gradient all-reduce), which no Python wrapper sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.calls += func.namespace == "c10d"
+        return func(*args, **(kwargs or {}))
+
+
 def _count_collectives() -> dict[str, int]:
     """On each rank: the collectives of the second training step of each case (the first step builds the lazily
-    created dists), counted by wrapping torch.distributed's collectives."""
-    calls = [0]
-
-    def counted(fn: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            calls[0] += 1
-            return fn(*args, **kwargs)
-
-        return call
-
-    for name in COLLECTIVES:
-        setattr(dist, name, counted(getattr(dist, name)))
+    created dists)."""
     result = {}
     for case, (tables, layouts) in CASES.items():
         model = sharded_model(tables, layouts, LWS)
         for step in range(2):
             kjt = global_kjt_batch(tables, WS, BATCH, seed=step)[dist.get_rank()]
-            before = calls[0]
-            out = model(kjt)
-            out = (out.wait() if hasattr(out, "wait") else out).to_dict()
-            torch.cat(list(out.values()), dim=1).sum().backward()
-            result[case] = calls[0] - before
+            with _CollectiveCounter() as counter:
+                out = model(kjt)
+                out = (out.wait() if hasattr(out, "wait") else out).to_dict()
+                torch.cat(list(out.values()), dim=1).sum().backward()
+            result[case] = counter.calls
     return result
 
 
@@ -111,7 +114,8 @@ def test_cost_model_charges_each_distinct_group_once() -> None:
     tw = {f"t{i}": TableLayout.table_wise(ROWS, DIM, i) for i in range(3)}
     one_group = collectives_per_step("table_wise") * hw.collective_us / 1e3
     assert collective_ms(tw) == pytest.approx(one_group)
-    assert collective_ms({**tw, "t2": TableLayout.data_parallel()}) == pytest.approx(one_group)  # DP rides in DDP
+    dp_group = collectives_per_step("data_parallel") * hw.collective_us / 1e3  # its own DDP's all-reduce
+    assert collective_ms({**tw, "t2": TableLayout.data_parallel()}) == pytest.approx(one_group + dp_group)
     mixed = {**tw, "t1": LAYOUTS["embark_ub"][0], "t2": LAYOUTS["embark_rb_hier"][0]}
     assert collective_ms(mixed) == pytest.approx((5 + 5 + 7) * hw.collective_us / 1e3)
     step = cost.evaluate(Plan(WS, LWS, mixed))

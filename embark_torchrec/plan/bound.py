@@ -25,7 +25,7 @@ import numpy as np
 
 from .constraints import TableConstraints
 from .cost import CostModel, RankLoad
-from .groups import FLAT_COLLECTIVES, HIERARCHICAL_COLLECTIVES, UNIQUE_COLLECTIVES
+from .groups import DATA_PARALLEL_COLLECTIVES, FLAT_COLLECTIVES, HIERARCHICAL_COLLECTIVES, UNIQUE_COLLECTIVES
 from .layout import TableLayout, WirePrecision
 
 _FREE = TableConstraints()
@@ -112,8 +112,7 @@ def step_lower_bound(
             lookup, comm, intra_dp, inter_dp = _parts_ms(cost, cost.table_load(t.name, layout))
             rows.append((lookup / lookup_div + comm / w, intra_dp, inter_dp))
         options.append(np.array(rows))
-        if "dp" not in allowed_clusters(c):
-            least_group = max(least_group, _least_group_ms(cost, allowed_clusters(c)))
+        least_group = max(least_group, _least_group_ms(cost, allowed_clusters(c)))
     # the DP all-reduce of the whole plan, a max (or a sum) of its intra- and inter-node times, is at
     # least any mix of the two, which adds up table by table: the best of a few mixes is the bound
     best = 0.0
@@ -125,6 +124,7 @@ def step_lower_bound(
 
 
 def _least_group_ms(cost: CostModel, clusters: tuple[str, ...]) -> float:
-    """The fewest collectives a group of a model-parallel table in these clusters issues, priced."""
-    counts = [UNIQUE_COLLECTIVES if k == "ub" else min(FLAT_COLLECTIVES, HIERARCHICAL_COLLECTIVES) for k in clusters]
+    """The fewest collectives a group of a table in these clusters issues, priced."""
+    fewest = {"ub": UNIQUE_COLLECTIVES, "dp": DATA_PARALLEL_COLLECTIVES}
+    counts = [fewest.get(k, min(FLAT_COLLECTIVES, HIERARCHICAL_COLLECTIVES)) for k in clusters]
     return min(counts) * cost.topology.hardware.collective_us / 1e3

@@ -48,7 +48,8 @@ same traffic message by message, and the runtime's dists send exactly that):
 
 - Collectives: each sharding group the plan runs (one per distinct sharding-type string, see
   groups.py) issues a fixed number of collectives per step, each costing collective_us to launch
-  and synchronise, whatever its size (about 1 ms on gloo; zero in the GPU presets).
+  and synchronise, whatever its size (milliseconds on gloo; zero in the GPU presets). A
+  data-parallel group issues one, its own DDP's all-reduce; the dense part's DDP one more.
 
 Time per rank: lookup_ms = lookup bytes / HBM bandwidth + IDs x lookup_ns_per_id + de-duplication;
 comm_ms = max(sent, received) intra / NVLink bandwidth + max(sent, received) inter / network
@@ -66,7 +67,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from .groups import collectives_per_step, id_bytes, sharding_type
+from .groups import DENSE_COLLECTIVES, collectives_per_step, id_bytes, sharding_type
 from .layout import Plan, TableLayout
 from .spec import ModelSpec, TableSpec
 from .topology import Topology
@@ -452,6 +453,8 @@ class CostModel:
         lookup, intra, inter = self.rank_times(load.rows)
         dp = self.ring_allreduce_ms(load.dp_intra, load.dp_inter)
         dense_ar = self.ring_allreduce_ms(*self.ring_allreduce_bytes(hw.dense_params_mb * 1e6))
+        if hw.dense_params_mb > 0:
+            dense_ar += DENSE_COLLECTIVES * hw.collective_us / 1e3
         slowest = float(lookup.max())
         return StepCost(
             lookup_ms=max(slowest, float(lookup.sum()) / hw.host_cores) if hw.host_cores else slowest,

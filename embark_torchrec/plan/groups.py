@@ -22,7 +22,12 @@ DATA_PARALLEL = "data_parallel"
 # collectives per training step of one group, forward and backward: the KJT input dist (splits,
 # lengths, values), then the pooled output and its gradient; hierarchical (and TWRW) reductions add
 # an intra-node stage each way; UB sends its de-duplicated IDs through the same KJT all-to-all (its
-# counts are the KJT's lengths), then vectors and their gradients
+# counts are the KJT's lengths), then vectors and their gradients; a data-parallel group has no dists,
+# but TorchRec wraps its lookups in a DistributedDataParallel of their own, whose reducer all-reduces
+# their gradients in the backward (one all-reduce per DDP bucket of 25 MB; priced as one)
+DATA_PARALLEL_COLLECTIVES = 1
+# the dense modules' DDP all-reduces their gradients alike, once per step for any plan
+DENSE_COLLECTIVES = 1
 FLAT_COLLECTIVES = 5
 HIERARCHICAL_COLLECTIVES = 7
 UNIQUE_COLLECTIVES = 5
@@ -30,7 +35,7 @@ UNIQUE_COLLECTIVES = 5
 # table runs as ours (TorchRec's sequence column-wise needs one width for all its tables)
 SEQUENCE_BUILTIN_TYPES = (DATA_PARALLEL, "table_wise", "row_wise")
 _BUILTIN_COLLECTIVES = {
-    DATA_PARALLEL: 0,  # its gradients are all-reduced with the dense ones, in DDP's buckets
+    DATA_PARALLEL: DATA_PARALLEL_COLLECTIVES,
     "table_wise": FLAT_COLLECTIVES,
     "column_wise": FLAT_COLLECTIVES,
     "row_wise": FLAT_COLLECTIVES,
