@@ -165,7 +165,7 @@ def test_bad_hardware_files_are_refused_naming_file_and_field(case: str, tmp_pat
 
 def test_nan_and_invalid_json_are_refused_naming_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """NaN (which Python's json reads) is no finite figure; an unparsable file is named with the line."""
-    nan = json.dumps(_document()).replace('"collective_us": 750.0', '"collective_us": NaN')
+    nan = json.dumps(_document(collective_us=750.0)).replace('"collective_us": 750.0', '"collective_us": NaN')
     with pytest.raises(HardwareError, match=r"box\.json: field 'hardware\.collective_us': expected a finite number"):
         load_hardware(_write(tmp_path, nan))
     assert (

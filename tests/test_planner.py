@@ -36,6 +36,10 @@ from embark_torchrec.plan.spec import ModelSpec, TableSpec
 from embark_torchrec.plan.topology import PRESETS, Topology
 from embark_torchrec.testing import fake_world, threaded_ranks
 
+# collectives free: the unconstrained plans below then cut tables and replicate small ones (each a sharding group of
+# its own), which is what the constraints under test must prevent
+FREE_COLLECTIVES = PRESETS["dgx-h100"].with_overrides(collective_us=0.0)
+
 TABLES = [
     ("big", 1_000_000, 64, ["f_big"]),
     ("mid", 20_000, 32, ["m1", "m2"]),
@@ -161,7 +165,7 @@ def test_plan_honours_torchrec_and_our_constraints(planned: tuple[EmbarkPlanner,
     assert module_plan["grid"].sharding_type == "embark_rb_hier"
     assert module_plan["rw"].sharding_type == "row_wise"
     assert module_plan["uq"].sharding_type.startswith("embark_ub")
-    free = EmbarkPlanner(world_size=8, local_world_size=4, batch_size=512)
+    free = EmbarkPlanner(world_size=8, local_world_size=4, batch_size=512, hardware=FREE_COLLECTIVES)
     free.plan(_Model(), [EmbarkEmbeddingBagCollectionSharder()])
     assert free.plans["sparse"].plan["small_rw"].cluster == "dp"
 
@@ -509,7 +513,9 @@ def test_torchrec_sharding_types_restrict_the_layouts() -> None:
     ]
 
     def plan(constraints: dict[str, Any]) -> dict[str, TableLayout]:
-        planner = EmbarkPlanner(world_size=8, local_world_size=4, batch_size=4096, constraints=constraints)
+        planner = EmbarkPlanner(
+            world_size=8, local_world_size=4, batch_size=4096, constraints=constraints, hardware=FREE_COLLECTIVES
+        )
         planner.plan(_ebc(tables), [EmbarkEmbeddingBagCollectionSharder()])
         return dict(planner.plans[""].plan.tables)
 

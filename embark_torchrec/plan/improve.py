@@ -14,7 +14,9 @@ load the bottleneck ranks most (the slowest by lookups, by communication, by bot
 - re-cluster it: RB <-> UB on the same grid, or to data-parallel.
 
 When the bottleneck offers nothing, every table's re-clustering, and every re-split of the tables
-of several cells, is tried (DP tables go back to model-parallel this way, split tables are merged).
+of several cells, is tried (DP tables go back to model-parallel this way, split tables are merged), and
+so is emptying a whole sharding group, or all of them, into one form (every table DP, table-wise, or
+UB <-> RB): a group costs its collectives until its last table leaves, which no one-table move prices.
 Every move keeps the table's constraints (allowed ranks, clusters, cuts, fewest slices, narrowest
 columns, precision), one column width per table on a rank, every rank's memory, and the
 data-parallel tables within dp_memory_fraction of a rank's memory, as clusters.py does; the best
@@ -333,9 +335,58 @@ class Improver:
                     return best
         return best
 
+    def _group_of(self, name: str) -> str:
+        (kind,) = self.loads[name].groups
+        return kind
+
+    def _dissolutions(self, rank_ms: np.ndarray) -> Iterator[list[tuple[str, TableLayout]]]:
+        """Each sharding group of movable tables, and all of them at once, emptied in one move: all its
+        tables data-parallel, or table-wise (placed one after another onto the least loaded ranks), or
+        UB <-> RB on the same grids. A group's collectives cost the step only while one table is left in
+        it, which no single-table move can change, so these are priced whole (when every table of the
+        group may take the form)."""
+        groups: dict[str, list[str]] = {}
+        for name in self.names:
+            groups.setdefault(self._group_of(name), []).append(name)
+        if len(groups) > 1:
+            groups[""] = list(self.names)
+        for names in groups.values():
+            clusters = {self.s.layouts[n].cluster for n in names}
+            allowed = [allowed_clusters(self.s._con[n]) for n in names]
+            if clusters != {"dp"} and all("dp" in a for a in allowed):
+                yield [(n, TableLayout.data_parallel(self._precision(n, "dp"))) for n in names]
+            if all("rb" in a and self.s._con[n].min_cuts == (1, 1) for n, a in zip(names, allowed)):
+                whole = self._table_wise(names, rank_ms)
+                if whole is not None and any(self.s.layouts[n] != layout for n, layout in whole):
+                    yield whole
+            for source, target in (("ub", "rb"), ("rb", "ub")):
+                if clusters == {source} and all(target in a for a in allowed):
+                    yield [
+                        (n, replace(self.s.layouts[n], cluster=target, precision=self._precision(n, target)))
+                        for n in names
+                    ]
+
+    def _table_wise(self, names: list[str], rank_ms: np.ndarray) -> list[tuple[str, TableLayout]] | None:
+        """The tables each whole on one rank, the costliest first onto the least loaded allowed rank
+        (counting the ones placed before it); None when memory runs out."""
+        ms = rank_ms.copy()
+        for name in names:
+            ms -= self.cost.rank_load_ms(self.loads[name].rows)
+        out = []
+        for name in sorted(names, key=lambda n: (-self.cost.rank_load_ms(self.loads[n].rows).sum(), self.order[n])):
+            placed = self._placed(name, "rb", (1, 1), ms + self.cost.rank_load_ms(self.loads[name].rows))
+            if placed is None:
+                return None
+            ms += self.cost.rank_load_ms(self.cost.table_load(name, placed).rows)
+            out.append((name, placed))
+        return out
+
     def _sweep_move(self, step: StepCost) -> _Move | None:
-        """The best re-clustering of any table, or re-split of any table of several cells."""
+        """The best re-clustering of any table, re-split of any table of several cells, or dissolution
+        of a sharding group."""
         best = None
+        for change in self._dissolutions(step.rank_load_ms):
+            best = _best(best, self._evaluate(change))
         for name in self.names:
             layouts = list(self._reclusters(name, step.rank_load_ms))
             if self.s.layouts[name].num_row_slices * self.s.layouts[name].num_col_slices > 1:

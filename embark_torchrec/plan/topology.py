@@ -37,16 +37,19 @@ class Hardware:
 
 # Lookups are random row gathers: we take half of peak HBM bandwidth as achieved (NVIDIA's planners
 # use a similar work ratio). Dense cost: DCNv2's dense part on H100 at ~2 ms per 8k samples.
-# Per-ID costs (lookup_ns_per_id, unique_ns_per_id) stay 0 in the GPU presets, estimates: no published per-ID
-# cost of fbgemm's TBE on these GPUs apart from its bytes was found (its GPU kernels are bandwidth-bound: their
-# time grows with the width), and unique-based de-duplication runs on the device. Calibrate a cluster
-# (python -m embark_torchrec.calibrate) to measure all of them.
-# collective_us stays 0 in the GPU presets, an estimate. The one public figure found is a proxy: nccl-tests
-# alltoall_perf of 128 B to 4 KB took 10.5-11.1 us (10.6 us at 128 B) on one node of NVIDIA H20, a Hopper GPU on
-# the NVLink 4 / NVSwitch fabric of DGX H100 and H200 (deepseek-ai/DeepEP issue #303; intra-node only, none of
-# H100 or H200 themselves, none of A100 found). Priced at 10.6 us, the greedy search misses the exhaustive optimum
-# by more than 5% on small dgx-h100 models (tests/test_plan_search.py), so it waits for a search that weighs
-# sharding groups' collectives.
+# collective_us, per collective whatever its size, from nccl-tests' time at 8 bytes (its launch and
+# synchronisation). Plans of these presets span nodes, so the figures are inter-node ones:
+# - Hopper (dgx-h100, h200): 47.6 us, all_reduce_perf at 8 B over 2 nodes x 8 H20 (Hopper on the NVLink 4 /
+#   NVSwitch and ConnectX-7 NDR InfiniBand fabric of DGX H100 and H200), NCCL 2.21.5 (NVIDIA/nccl issue #1244).
+#   Inside one DGX H100 it is 13.67 us (all_reduce_perf, 8 B, 8 x H100, NVIDIA/dgxc-benchmarking nccl/README.md);
+#   no H100 or H200 inter-node figure was found.
+# - A100 (dgx-a100): 19.9 us, all_reduce_perf at 8 B between 2 nodes of A100 80GB over HDR InfiniBand, one GPU
+#   per node (NVIDIA/nccl-tests issue #150): two ranks only, a lower bound for a full cluster.
+# unique_ns_per_id: 0.05 ns on Hopper, torch.sort of 1e8 int32 keys in 5.0 ms on H100 (pytorch/pytorch PR #167094;
+# torch.unique sorts with the same radix sort); UB's routing and expansion passes are not in it. None found for
+# A100: 0 there. lookup_ns_per_id stays 0 in the GPU presets: no per-ID cost of fbgemm's TBE on a named GPU was
+# found (its GPU kernels are bandwidth-bound: their time grows with the width, which hbm_bw_gbps prices).
+# Calibrate a cluster (python -m embark_torchrec.calibrate) to measure all of them.
 PRESETS: dict[str, Hardware] = {
     "dgx-h100": Hardware(
         name="dgx-h100",
@@ -56,6 +59,8 @@ PRESETS: dict[str, Hardware] = {
         intra_node_bw_gbps=450.0,
         inter_node_bw_gbps=50.0,
         dense_ms_per_ksample=0.25,
+        collective_us=47.6,
+        unique_ns_per_id=0.05,
     ),
     "dgx-a100": Hardware(
         name="dgx-a100",
@@ -65,6 +70,7 @@ PRESETS: dict[str, Hardware] = {
         intra_node_bw_gbps=300.0,
         inter_node_bw_gbps=25.0,
         dense_ms_per_ksample=0.5,
+        collective_us=19.9,
     ),
     "h200": Hardware(
         name="h200",
@@ -74,25 +80,27 @@ PRESETS: dict[str, Hardware] = {
         intra_node_bw_gbps=450.0,
         inter_node_bw_gbps=50.0,
         dense_ms_per_ksample=0.2,
+        collective_us=47.6,
+        unique_ns_per_id=0.05,
     ),
-    # Gloo over loopback on a CPU box: what our CPU tests and the e2e benchmark run on. Measured with 4 ranks
-    # on this 2-core host by the script python -m embark_torchrec.calibrate replaced (README, "The cost
-    # model"; medians of three runs on 2026-12-01): ~0.75 ms per collective whatever its size, all-to-all at ~0.86 GB/s
-    # per rank (loopback: no slower "network"), TBE lookups at ~27 ns per ID plus ~8.5 GB/s of lookup
-    # bytes on one rank alone (the ranks share the 2 cores: host_cores); unique-based tables' own host
-    # work (de-duplication, routing, expansion) at ~320 ns per ID (UB against table-wise on IDs that
-    # never repeat). The dense figure is not calibrated (it is the same for every plan).
+    # Gloo over loopback on a CPU box: what our CPU tests and the e2e benchmark run on. The medians of three runs
+    # of python -m embark_torchrec.calibrate with 4 ranks as 2 nodes x 2 on this 2-core host on 2026-12-01, each
+    # field's median over the runs (README, "The cost model"): a sharding group's collective costs ~6.2 ms of a
+    # real DMP step (a bare all-to-all ~2 ms), all-to-all at ~0.62 GB/s per rank inside a "node" and ~0.71 GB/s
+    # across (both loopback), TBE lookups (forward + backward, fused row-wise Adagrad) at ~317 ns per ID plus
+    # ~10.3 GB/s of lookup bytes on rank 0 alone (the ranks share the 2 cores: host_cores), unique-based
+    # tables' own host work at ~292 ns per ID. The dense figure is not calibrated (it is the same for every plan).
     "cpu-gloo": Hardware(
         name="cpu-gloo",
         hbm_gb=16.0,
         hbm_reserve_gb=4.0,
-        hbm_bw_gbps=8.5,
-        intra_node_bw_gbps=0.86,
-        inter_node_bw_gbps=0.86,
+        hbm_bw_gbps=10.3,
+        intra_node_bw_gbps=0.62,
+        inter_node_bw_gbps=0.71,
         dense_ms_per_ksample=50.0,
-        unique_ns_per_id=320.0,
-        collective_us=750.0,
-        lookup_ns_per_id=27.0,
+        unique_ns_per_id=292.0,
+        collective_us=6150.0,
+        lookup_ns_per_id=317.0,
         host_cores=2,
     ),
 }
