@@ -3,7 +3,8 @@ planned by embark, TorchRec's default planner and table-row-wise (TWRW), in inte
 
 Each run is `torchrun --standalone --nproc_per_node N examples/dlrm/train.py --local-world-size L --planner P
 [--model SPEC]` (same model, same synthetic data, same seed); we parse its RESULT line. Interleaving (embark,
-torchrec, trw, embark, ...) spreads the machine's noise over all planners; medians over rounds. Counted bytes
+torchrec, trw, then trw, torchrec, embark, ...: every other round in reverse, so that no planner always runs
+first) spreads the machine's noise over all planners; medians over rounds. Counted bytes
 are exact (the same every round); samples/s is a wall-clock measurement. `embark-no-ub` runs embark's plan of
 the same round with its unique-based (UB) tables made row-based (RB): whether UB, where embark chooses it, is
 faster than the same tables without it. Writes a markdown table (and embeds the simulated-cluster table of
@@ -183,7 +184,7 @@ def markdown(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, sp
     title = f"# End to end: the DLRM example on {ws} CPU ranks as {ws // lws} nodes x {lws} (gloo)"
     setup = (
         f"{describe(spec, args.model)}, synthetic data, batch {args.batch_size} per rank, {args.steps} steps per run, "
-        f"{args.rounds} interleaved rounds of {', '.join(planners)}, "
+        f"{args.rounds} interleaved rounds of {', '.join(planners)} (every other round in reverse order), "
         f"{'without pipelining' if args.no_pipeline else 'TrainPipelineSparseDist'}; {seconds / 60:.1f} min in all. "
         + (
             "embark-no-ub: embark's plan of the same round with every unique-based (ub) table made row-based (rb), "
@@ -381,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         plan_files = {p: Path(tmp) / f"{p}.json" for p in args.planners}
         no_ub_in = Path(tmp) / f"{NO_UB}-in.json"
         for i in range(args.rounds):
-            for p in args.planners:
+            for p in args.planners if i % 2 == 0 else args.planners[::-1]:  # embark's plan file exists from round 0
                 if p == NO_UB:
                     without_ub(plan_files["embark"], no_ub_in)
                 result = run_example(p, args, plan_files[p], no_ub_in if p == NO_UB else None)

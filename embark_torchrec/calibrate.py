@@ -19,6 +19,9 @@ min and max go into the file):
   the fused optimizer, at two poolings and two widths: time = fixed + IDs x (per ID + width x per element),
   so two poolings give one more ID's cost, two widths one more element's; hbm_bw_gbps prices an element as
   the cost model does (4 bytes x (1 + backward multiplier));
+- dp_ns_per_element: a data-parallel table's step, TorchRec's dense TBE (DenseTableBatchedEmbeddingBagsCodegen)
+  forward + backward, which makes a gradient of every row, and the dense optimizer (Adagrad; SGD for exact_sgd)
+  over the whole table, at two table sizes: the time's difference per element;
 - dedup_ns_per_id (not a field): torch.unique over the IDs of many features, as the unique-based input dist
   runs it;
 - unique_ns_per_id: a unique-based table's own host work per ID (de-duplication, routing, expansion), as the
@@ -75,6 +78,8 @@ class Settings:
     allreduce_floats: int = 1 << 20
     lookup_rows: int = 100_000
     lookup_batch: int = 2048
+    dp_rows: tuple[int, int] = (50_000, 400_000)
+    dp_dim: int = 16
     dedup_features: int = 26
     dedup_batch: int = 2048
     ub_tables: int = 26
@@ -93,6 +98,8 @@ GPU_SETTINGS = Settings(
     allreduce_floats=1 << 26,
     lookup_rows=4_000_000,
     lookup_batch=32768,
+    dp_rows=(1_000_000, 8_000_000),
+    dp_dim=128,
     dedup_batch=65536,
     ub_rows=1_000_000,
     ub_batch=8192,
@@ -380,6 +387,57 @@ def measure_lookups(job: Job, s: Settings, optimizer: str) -> dict[str, dict[str
     }
 
 
+def _dp_step_times(s: Settings, device: torch.device, optimizer: str) -> list[float]:
+    """Per round, seconds per element of a data-parallel table's step beyond the same step of a smaller table:
+    dense TBE forward + backward (a gradient of every row) and the dense optimizer over the whole table."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import DenseTableBatchedEmbeddingBagsCodegen
+
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    steps = []
+    for rows in s.dp_rows:
+        tbe = DenseTableBatchedEmbeddingBagsCodegen([(rows, s.dp_dim)], use_cpu=device.type == "cpu").to(device)
+        params = list(tbe.parameters())
+        dense = torch.optim.SGD(params, lr=0.01) if optimizer == "exact_sgd" else torch.optim.Adagrad(params, lr=0.01)
+        n = s.lookup_batch * FEW
+        ids = torch.randint(0, rows, (n,), generator=generator).to(device)
+        offsets = torch.arange(0, n + 1, FEW).to(device)
+
+        def step(tbe: Any = tbe, dense: Any = dense, ids: torch.Tensor = ids, offsets: torch.Tensor = offsets) -> None:
+            tbe(ids, offsets).sum().backward()
+            dense.step()
+            dense.zero_grad()
+
+        steps.append(step)
+    for step in steps:  # warm-up
+        step()
+    elements = (s.dp_rows[1] - s.dp_rows[0]) * s.dp_dim
+    out = []
+    for _ in range(s.repeats):
+        seconds = []
+        for step in steps:
+            _sync(device)
+            start = time.perf_counter()
+            step()
+            _sync(device)
+            seconds.append(time.perf_counter() - start)
+        out.append((seconds[1] - seconds[0]) / elements)
+    return out
+
+
+def measure_dp_steps(job: Job, s: Settings, optimizer: str) -> dict[str, dict[str, Any]]:
+    """dp_ns_per_element, on rank 0 alone on one shared host (as lookups), else on every rank at once."""
+    where = "rank 0 alone" if job.shared_host_cores else "every rank at once"
+    dense = "SGD" if optimizer == "exact_sgd" else "Adagrad"
+    return {
+        "dp_ns_per_element": stats(
+            [x * 1e9 for x in _alone_or_all(job, lambda: _dp_step_times(s, job.device, optimizer))],
+            "ns",
+            f"dense TBE forward + backward and torch.optim.{dense} of {s.dp_rows[1]} rows x {s.dp_dim} less the "
+            f"same of {s.dp_rows[0]} rows, per element, {where}",
+        )
+    }
+
+
 def _dedup_times(s: Settings, device: torch.device) -> list[float]:
     """Seconds per ID of the unique-based input dist's de-duplication: one sorted torch.unique (with the
     inverse) over every feature's IDs offset per feature, and each feature's first key found by searchsorted."""
@@ -594,6 +652,7 @@ def calibrate(
     job = _job()
     measured = measure_collectives(job, settings)
     measured |= measure_lookups(job, settings, optimizer)
+    measured |= measure_dp_steps(job, settings, optimizer)
     so_far = _hardware(base_hw, measured, job)
     measured |= measure_sharded_steps(job, settings, optimizer, replace(so_far, collective_us=0.0))
     if dense is not None:
@@ -615,8 +674,9 @@ def _hardware(
 ) -> Hardware:
     """`base` with every figure measured so far (medians), the machine's and the model's."""
     figures: dict[str, Any] = {f: measured[f]["median"] for f in _MEASURED_FIELDS if f in measured}
-    if "lookup_ns_per_id" in figures:
-        figures["lookup_ns_per_id"] = max(0.0, figures["lookup_ns_per_id"])  # noise around a zero cost
+    for figure in ("lookup_ns_per_id", "dp_ns_per_element"):
+        if figure in figures:
+            figures[figure] = max(0.0, figures[figure])  # noise around a zero cost
     if "collective_us" in figures:
         figures["collective_us"] = max(figures["collective_us"], measured["alltoall_latency_us"]["median"])
     if "unique_ns_per_id" in measured:
@@ -637,6 +697,7 @@ _MEASURED_FIELDS = (
     "inter_node_bw_gbps",
     "hbm_bw_gbps",
     "lookup_ns_per_id",
+    "dp_ns_per_element",
     "dense_ms_per_ksample",
 )
 

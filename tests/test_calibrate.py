@@ -40,7 +40,7 @@ from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 
 ROOT = Path(__file__).resolve().parent.parent
 MEASURED = {"collective_us", "intra_node_bw_gbps", "inter_node_bw_gbps", "hbm_bw_gbps", "lookup_ns_per_id"}
-MEASURED |= {"unique_ns_per_id"}
+MEASURED |= {"unique_ns_per_id", "dp_ns_per_element"}
 SPEC = ModelSpec(
     "small",
     256,
@@ -62,7 +62,8 @@ def calibrated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 def test_quick_calibration_measures_every_figure_it_can_with_its_spread(calibrated: tuple[Path, str]) -> None:
     """Every figure the cost model uses is in the file: those 4 ranks on one host can measure (latency, both
-    bandwidths across the simulated nodes, per-ID and per-byte lookup cost, UB host work) are measured,
+    bandwidths across the simulated nodes, per-ID and per-byte lookup cost, a DP table's update per element, UB
+    host work) are measured,
     positive and finite, each with its median, quartiles, range and sample count; host_cores is read off the
     machine; the rest are the base preset's, marked so; the run says when, where and on what it ran."""
     path, printed = calibrated

@@ -127,9 +127,7 @@ def test_cost_model_charges_each_distinct_group_once() -> None:
 
 
 def _groups(plan: Plan, spec: ModelSpec) -> set[str]:
-    return {sharding_type(plan[t.name], t.rows, plan.world_size, plan.local_world_size) for t in spec.tables} - {
-        "data_parallel"
-    }
+    return {sharding_type(plan[t.name], t.rows, plan.world_size, plan.local_world_size) for t in spec.tables}
 
 
 def test_costly_collectives_keep_the_plan_in_one_group() -> None:

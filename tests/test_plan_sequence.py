@@ -184,7 +184,7 @@ def test_cost_model_prices_a_sequence_table_per_id_by_hand() -> None:
     assert list(flat.groups) == list(hier.groups) == ["sequence/embark_rb"]
     ub = TableLayout("ub", (0, 250, 1000), (0, 16), ((0,), (2,)))
     seq_ub, pooled_ub = seq.table_load("t", ub), pooled.table_load("t", ub)
-    for row in ("send_intra", "send_inter", "recv_intra", "recv_inter", "lookup_bytes", "dedup_ms"):
+    for row in ("send_intra", "send_inter", "recv_intra", "recv_inter", "lookup_bytes", "host_ms"):
         np.testing.assert_array_equal(getattr(seq_ub, row), getattr(pooled_ub, row))
     dp = seq.table_load("t", TableLayout.data_parallel())
     assert not (dp.send_intra + dp.send_inter + dp.recv_intra + dp.recv_inter).any()

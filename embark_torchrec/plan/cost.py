@@ -17,7 +17,10 @@ same traffic message by message, and the runtime's dists send exactly that):
 - UB: IDs are de-duplicated per destination: F x (U_r x 4 + 4) bytes in to each distinct holder
   of row slice r (IDs and one int32 count per feature), F x U_r x w_c x e_fwd bytes back from each
   cell (one vector per distinct ID), and the same back in backward at e_bwd.
-- DP: no forward traffic; the gradient (rows x dim x e_bwd bytes) is all-reduced as NCCL's ring
+- DP: every rank also updates every row of its copy each step (TorchRec's dense TBE makes a dense
+  gradient, the dense optimizer steps all of it): rows x dim x dp_ns_per_element of host work (measured by
+  python -m embark_torchrec.calibrate; 17 ns on the CPU box, zero in the GPU presets, where it streams
+  through HBM). No forward traffic; the gradient (rows x dim x e_bwd bytes) is all-reduced as NCCL's ring
   all-reduce runs (its algorithm for large messages; tree and NVLS are not modelled): each rank sends
   2 (W-1)/W of it to its ring neighbour; with N > 1 nodes, 1/L of that crosses nodes (each ring
   channel leaves a node through a different GPU's NIC, so the node's L NICs share the inter-node
@@ -91,7 +94,7 @@ def _to_ms(nbytes: np.ndarray | float, gbps: float) -> np.ndarray | float:
     return nbytes / (gbps * 1e6)
 
 
-_ROWS = ("lookup_bytes", "send_intra", "recv_intra", "send_inter", "recv_inter", "memory", "dedup_ms", "lookup_ids")
+_ROWS = ("lookup_bytes", "send_intra", "recv_intra", "send_inter", "recv_inter", "memory", "host_ms", "lookup_ids")
 
 
 def _row_accessors(i: int) -> tuple:
@@ -109,8 +112,9 @@ def _row_accessors(i: int) -> tuple:
 class RankLoad:
     """Per-rank quantities, summed over tables, as the rows of one [8, W] array (so that adding a
     table is one array operation): lookup bytes, bytes sent / received intra and inter node,
-    memory bytes, de-duplication ms, IDs looked up; plus the DP all-reduce bytes per rank, intra and inter node,
-    and the tables per sharding group (a group costs its collectives while it has any table)."""
+    memory bytes, host work ms (UB's own per ID, DP tables' updates), IDs looked up; plus the DP
+    all-reduce bytes per rank, intra and inter node, and the tables per sharding group (a group costs
+    its collectives while it has any table)."""
 
     def __init__(
         self, rows: np.ndarray, dp_intra: float = 0.0, dp_inter: float = 0.0, groups: Mapping[str, int] | None = None
@@ -139,7 +143,7 @@ class RankLoad:
     send_inter = property(*_row_accessors(3))
     recv_inter = property(*_row_accessors(4))
     memory = property(*_row_accessors(5))
-    dedup_ms = property(*_row_accessors(6))
+    host_ms = property(*_row_accessors(6))
     lookup_ids = property(*_row_accessors(7))
 
     def add(self, other: "RankLoad", sign: float = 1.0) -> None:
@@ -326,6 +330,7 @@ class CostModel:
             load.lookup_bytes += b * feats * t.pooling * t.dim * lookup_factor
             load.lookup_ids += b * feats * t.pooling
             load.memory += t.rows * self.row_memory(name, t.dim)
+            load.host_ms += t.rows * t.dim * self.topology.hardware.dp_ns_per_element / 1e6
             load.dp_intra, load.dp_inter = self.ring_allreduce_bytes(t.rows * vector_bytes(t.dim, bwd))
             return load
         rows = layout.row_bounds
@@ -339,7 +344,7 @@ class CostModel:
         if ub or t.is_sequence:
             load.lookup_bytes += b * feats * t.pooling * t.dim * lookup_factor
             load.lookup_ids += b * feats * t.pooling
-            load.dedup_ms += b * feats * t.pooling * self.topology.hardware.unique_ns_per_id / 1e6
+            load.host_ms += b * feats * t.pooling * self.topology.hardware.unique_ns_per_id / 1e6
         for r in range(layout.num_row_slices):
             n_rows = rows[r + 1] - rows[r]
             ids = distinct[r] if ub else b * t.pooling * mass[r]
@@ -420,8 +425,8 @@ class CostModel:
         columns of such arrays stacked): elementwise, so a column costs the same bits here as in
         the whole array (the search prices single ranks of many tables at once)."""
         hw = self.topology.hardware
-        lookup_bytes, send_intra, recv_intra, send_inter, recv_inter, _, dedup_ms, lookup_ids = rows  # as _ROWS
-        lookup = _to_ms(lookup_bytes, hw.hbm_bw_gbps) + lookup_ids * hw.lookup_ns_per_id / 1e6 + dedup_ms
+        lookup_bytes, send_intra, recv_intra, send_inter, recv_inter, _, host_ms, lookup_ids = rows  # as _ROWS
+        lookup = _to_ms(lookup_bytes, hw.hbm_bw_gbps) + lookup_ids * hw.lookup_ns_per_id / 1e6 + host_ms
         intra = _to_ms(np.maximum(send_intra, recv_intra), hw.intra_node_bw_gbps)
         inter = _to_ms(np.maximum(send_inter, recv_inter), hw.inter_node_bw_gbps)
         return lookup, intra, inter

@@ -25,6 +25,7 @@ class Hardware:
     unique_ns_per_id: float = 0.0  # a UB table's own host work per ID (de-duplication, routing, expansion)
     collective_us: float = 0.0  # launching and synchronising one collective, whatever its size
     lookup_ns_per_id: float = 0.0  # per ID a cell looks up (forward + backward), whatever its width
+    dp_ns_per_element: float = 0.0  # per element of a data-parallel table per step: its dense gradient and update
     host_cores: int = 0  # > 0: every rank runs on one host with this many cores, so lookups share them
 
     def with_overrides(self, **overrides: Any) -> "Hardware":
@@ -89,7 +90,8 @@ PRESETS: dict[str, Hardware] = {
     # real DMP step (a bare all-to-all ~2 ms), all-to-all at ~0.62 GB/s per rank inside a "node" and ~0.71 GB/s
     # across (both loopback), TBE lookups (forward + backward, fused row-wise Adagrad) at ~317 ns per ID plus
     # ~10.3 GB/s of lookup bytes on rank 0 alone (the ranks share the 2 cores: host_cores), unique-based
-    # tables' own host work at ~292 ns per ID. The dense figure is not calibrated (it is the same for every plan).
+    # tables' own host work at ~292 ns per ID; a data-parallel table's step (dense gradient, Adagrad over every row)
+    # at ~11.4 ns per element (one run, the fourth). The dense figure is not calibrated (it is the same for every plan).
     "cpu-gloo": Hardware(
         name="cpu-gloo",
         hbm_gb=16.0,
@@ -101,6 +103,7 @@ PRESETS: dict[str, Hardware] = {
         unique_ns_per_id=292.0,
         collective_us=6150.0,
         lookup_ns_per_id=317.0,
+        dp_ns_per_element=11.4,
         host_cores=2,
     ),
 }
