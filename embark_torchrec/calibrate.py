@@ -197,6 +197,25 @@ def stats(samples: Sequence[float], unit: str, what: str) -> dict[str, Any]:
 # ---------------------------------------------------------------- collectives
 
 
+def _local_rounds(steps: Sequence[Callable[[], object]], repeats: int, device: torch.device) -> list[list[float]]:
+    """Per round, seconds of each of `steps` on this rank alone (no barrier: rank 0 may measure while the others
+    wait), after three warm-up calls of each; the steps take turns, so that each round sees the same load."""
+    for step in steps:
+        for _ in range(3):
+            step()
+    rounds = []
+    for _ in range(repeats):
+        seconds = []
+        for step in steps:
+            _sync(device)
+            start = time.perf_counter()
+            step()
+            _sync(device)
+            seconds.append(time.perf_counter() - start)
+        rounds.append(seconds)
+    return rounds
+
+
 def _times(
     fns: Sequence[Callable[[], object]], repeats: int, device: torch.device, group: Any = None, calls: int = 1
 ) -> list[list[float]]:
@@ -335,20 +354,7 @@ def _lookup_rounds(s: Settings, device: torch.device, optimizer: str) -> list[tu
         ids = torch.randint(0, s.lookup_rows, (n,), generator=generator).to(device)
         offsets = torch.arange(0, n + 1, pooling).to(device)
         steps.append(lambda tbe=tbe, ids=ids, offsets=offsets: tbe(ids, offsets).sum().backward())
-    for step in steps:  # warm-up
-        for _ in range(3):
-            step()
-    rounds = []
-    for _ in range(s.repeats):
-        seconds = []
-        for step in steps:
-            _sync(device)
-            start = time.perf_counter()
-            step()
-            _sync(device)
-            seconds.append(time.perf_counter() - start)
-        rounds.append((seconds[0], seconds[1], seconds[2]))
-    return rounds
+    return [(few, narrow, wide) for few, narrow, wide in _local_rounds(steps, s.repeats, device)]
 
 
 def measure_lookups(job: Job, s: Settings, optimizer: str) -> dict[str, dict[str, Any]]:
@@ -408,20 +414,8 @@ def _dp_step_times(s: Settings, device: torch.device, optimizer: str) -> list[fl
             dense.zero_grad()
 
         steps.append(step)
-    for step in steps:  # warm-up
-        step()
     elements = (s.dp_rows[1] - s.dp_rows[0]) * s.dp_dim
-    out = []
-    for _ in range(s.repeats):
-        seconds = []
-        for step in steps:
-            _sync(device)
-            start = time.perf_counter()
-            step()
-            _sync(device)
-            seconds.append(time.perf_counter() - start)
-        out.append((seconds[1] - seconds[0]) / elements)
-    return out
+    return [(large - small) / elements for small, large in _local_rounds(steps, s.repeats, device)]
 
 
 def measure_dp_steps(job: Job, s: Settings, optimizer: str) -> dict[str, dict[str, Any]]:
