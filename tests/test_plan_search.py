@@ -400,7 +400,7 @@ def test_ub_chosen_when_dedup_pays() -> None:
         "ub",
         65536,
         (
-            TableSpec("repeats", 5_000_000, 128, 100.0, unique_ratio=0.01),
+            TableSpec("repeats", 5_000_000, 128, 100.0, unique_ratio=0.001),
             TableSpec("distinct", 5_000_000, 128, 100.0, unique_ratio=1.0),
         ),
     )

@@ -46,10 +46,14 @@ class Hardware:
 #   no H100 or H200 inter-node figure was found.
 # - A100 (dgx-a100): 19.9 us, all_reduce_perf at 8 B between 2 nodes of A100 80GB over HDR InfiniBand, one GPU
 #   per node (NVIDIA/nccl-tests issue #150): two ranks only, a lower bound for a full cluster.
-# unique_ns_per_id: 0.05 ns on Hopper, torch.sort of 1e8 int32 keys in 5.0 ms on H100 (pytorch/pytorch PR #167094;
-# torch.unique sorts with the same radix sort); UB's routing and expansion passes are not in it. None found for
-# A100: 0 there. lookup_ns_per_id stays 0 in the GPU presets: no per-ID cost of fbgemm's TBE on a named GPU was
-# found (its GPU kernels are bandwidth-bound: their time grows with the width, which hbm_bw_gbps prices).
+# unique_ns_per_id: 0.23 ns on Hopper, fbgemm's jagged_unique_indices (de-duplication with the inverse index, what
+# UB's de-duplication needs) of ~23M int64 IDs in 5.4 ms on H100 (pytorch/FBGEMM PR #5769, "on H100" in its stack's
+# #5718; at::_unique took 5.87 ms, 0.26 ns); UB's routing and expansion passes are not in it. None found for A100: 0.
+# lookup_ns_per_id stays 0 in the GPU presets, checked against fbgemm's TBE (SplitTableBatchedEmbeddingBagsCodegen)
+# training on an "NVIDIA H100 80GB HBM3" (NVIDIA/recsys-examples corelib/dynamicemb/benchmark/benchmark_results.json,
+# commit ccbdb100, PR #396): 10 tables x 1.68M rows x dim 128, fp32, 1,048,570 IDs per step, forward + backward with
+# SGD in 0.959 ms, 0.914 ns per ID, where the byte pricing alone (128 x 4 B x 3 per ID at hbm_bw_gbps) gives
+# 0.917 ns: nothing is left for a per-ID term (with Adam, 1.29 ns: the optimizer state's bytes, not priced here).
 # Calibrate a cluster (python -m embark_torchrec.calibrate) to measure all of them.
 PRESETS: dict[str, Hardware] = {
     "dgx-h100": Hardware(
@@ -61,7 +65,7 @@ PRESETS: dict[str, Hardware] = {
         inter_node_bw_gbps=50.0,
         dense_ms_per_ksample=0.25,
         collective_us=47.6,
-        unique_ns_per_id=0.05,
+        unique_ns_per_id=0.23,
     ),
     "dgx-a100": Hardware(
         name="dgx-a100",
@@ -82,7 +86,7 @@ PRESETS: dict[str, Hardware] = {
         inter_node_bw_gbps=50.0,
         dense_ms_per_ksample=0.2,
         collective_us=47.6,
-        unique_ns_per_id=0.05,
+        unique_ns_per_id=0.23,
     ),
     # Gloo over loopback on a CPU box: what our CPU tests and the e2e benchmark run on. The medians of three runs
     # of python -m embark_torchrec.calibrate with 4 ranks as 2 nodes x 2 on this 2-core host on 2026-12-01, each
