@@ -13,12 +13,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embark_torchrec.plan.layout import TableLayout
-from embark_torchrec.testing import run_ranks
+from embark_torchrec.sharding.grid import CellRoute
+from embark_torchrec.sharding.unique import KEY_INT32_LIMIT, UniqueLayout, UniqueSparseFeaturesDist
+from embark_torchrec.testing import fake_world, run_ranks
 from embark_torchrec.testing.training import compare_sharded_training
 
 ATOL = 1e-5
@@ -150,3 +155,37 @@ def test_full_width_unique_based_matches_unsharded(ws: int) -> None:
             assert any(k.endswith(".fw_rw.weight") for k in diffs), "the row-split tables' weights were not compared"
             bad = {k: v for k, v in diffs.items() if v > ATOL}
             assert not bad, f"{ws} ranks, rank {rank}, {config}: {bad}"
+
+
+@pytest.mark.parametrize("rows", [1_000, 2**30 + 7])
+def test_de_duplication_keys_exact_at_either_key_width(rows: int) -> None:
+    """The input dist de-duplicates (feature, ID) keys as int32 while every key fits and as int64 beyond that
+    (two features of 2^30 + 7 rows: 2^31 + 14 keys); either way each feature's distinct IDs, the per-group counts
+    and every ID's inverse equal numpy's unique over (feature, ID), also for the largest IDs."""
+    cut = rows // 2
+    layout = UniqueLayout.build(
+        ["f0", "f1"],
+        [8, 8],
+        [rows, rows],
+        [[0, rows], [0, cut, rows]],
+        [[CellRoute(0, 0, 0), CellRoute(1, 0, 0), CellRoute(1, 1, 0)]],
+        [[8, 8, 8]],
+    )
+    ids = [[rows - 1, 3, rows - 1, 0], [cut, rows - 1, cut - 1, cut, 5]]
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=["f0", "f1"], values=torch.tensor(ids[0] + ids[1]), lengths=torch.tensor([2, 2, 3, 2])
+    )
+    with fake_world(1) as pg:
+        input_dist = UniqueSparseFeaturesDist(
+            pg, layout, weighted=False, mean=[False, False], device=torch.device("cpu")
+        )
+        input_dist(kjt)
+    state = input_dist.last_state
+    assert state is not None
+    assert (layout.key_start[-1] > KEY_INT32_LIMIT) == (rows > 2**30)
+    keys = np.array([0 * rows + i for i in ids[0]] + [rows + i for i in ids[1]], dtype=np.int64)
+    distinct, inverse = np.unique(keys, return_inverse=True)
+    group = np.searchsorted(np.array(layout.key_start[1:]), distinct, side="right")
+    assert state.inverse.tolist() == inverse.tolist()
+    assert state.group_counts == np.bincount(group, minlength=layout.num_groups).tolist()
+    assert state.key_group.tolist() == group.tolist()

@@ -48,6 +48,8 @@ from .torchrec_compat import VARIABLE_BATCH_OPTIMIZERS, emb_dims_per_rank, shard
 from .grid import CellRoute, GridPooledEmbeddingSharding, _ledger_hook, bag_weights
 from .variable_batch import FeatureMajor, RowGather, pad_to_uniform
 
+# the largest key space whose keys (IDs offset per feature and row slice) de-duplicate as int32
+KEY_INT32_LIMIT = 2**31 - 1
 # how a UB holder looks up the distinct IDs it receives (EmbarkEmbeddingBagCollectionSharder's unique_lookup)
 UNIQUE_LOOKUPS = ("auto", "variable_batch", "padded")
 
@@ -144,13 +146,15 @@ class UniqueSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor], BatchS
         self._layout = layout
         self._weighted = weighted or any(mean)
         self._mean = torch.tensor(mean, device=device)
-        self._key_start = torch.tensor(layout.key_start, dtype=torch.int64, device=device)
+        # int32 keys where every key fits (sorting them takes half the time of int64 keys, on CPUs and GPUs)
+        self._key_dtype = torch.int32 if layout.key_start[-1] <= KEY_INT32_LIMIT else torch.int64
+        self._key_start = torch.tensor(layout.key_start, dtype=self._key_dtype, device=device)
         self._group_bounds = torch.tensor(  # each group's first and end key
-            [layout.key_start[:-1], layout.key_start[1:]], dtype=torch.int64, device=device
+            [layout.key_start[:-1], layout.key_start[1:]], dtype=self._key_dtype, device=device
         )
         first_group = [layout.group_feature.index(f) for f in range(len(layout.features))]
         self._feature_key_start = torch.tensor(
-            [layout.key_start[g] for g in first_group], dtype=torch.int64, device=device
+            [layout.key_start[g] for g in first_group], dtype=self._key_dtype, device=device
         )
         self._bag_key_start: Dict[int, torch.Tensor] = {}  # per batch size: each bag's feature's first key
         send_groups = [g for groups in layout.groups_on for g in groups]
@@ -172,7 +176,7 @@ class UniqueSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor], BatchS
         kjt = pad_to_uniform(sparse_features)
         stride = kjt.stride()
         lengths = kjt.lengths()
-        ids = kjt.values().long()
+        ids = kjt.values().to(self._key_dtype)
         offset = self._bag_offsets(stride).repeat_interleave(lengths, output_size=ids.numel())
         keys, inverse = torch.unique(ids + offset, sorted=True, return_inverse=True)
         first, end = torch.searchsorted(keys, self._group_bounds, out_int32=True).unbind()
@@ -387,9 +391,17 @@ class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.T
         if len(set(self._cell_widths.tolist())) == 1:  # (the padded lookup runs on CPUs: the index is built there)
             cell = np.tile(np.arange(cells), world)
             base = first_row * cells + cell - out_start * cells
-            index = np.repeat(base, rows) + np.arange(int(rows.sum())) * cells
+            n = int(rows.sum())
+            index = np.repeat(base, rows) + np.arange(n) * cells
             rows_of = padded.reshape(-1, int(self._cell_widths[0]))
-            return RowGather.apply(rows_of, torch.from_numpy(index).to(device)).reshape(-1)
+            index_t = torch.from_numpy(index).to(device, non_blocking=True)
+            if not n:
+                return RowGather.apply(rows_of, index_t).reshape(-1)
+            # backward gathers: the padding rows, empty bags, take row 0's gradient, which the lookup never reads
+            inverse = np.zeros(rows_of.size(0), dtype=np.int64)
+            inverse[index] = np.arange(n)
+            inverse_t = torch.from_numpy(inverse).to(device, non_blocking=True)
+            return RowGather.apply(rows_of, index_t, inverse_t).reshape(-1)
         widths = np.tile(self._cell_widths, world)
         columns = np.tile(np.concatenate([[0], np.cumsum(self._cell_widths)])[:-1], world)
         elems = rows * widths
