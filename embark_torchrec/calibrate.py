@@ -435,11 +435,14 @@ def measure_dp_steps(job: Job, s: Settings, optimizer: str) -> dict[str, dict[st
 def _dedup_times(s: Settings, device: torch.device) -> list[float]:
     """Seconds per ID of the unique-based input dist's de-duplication: one sorted torch.unique (with the
     inverse) over every feature's IDs offset per feature, and each feature's first key found by searchsorted."""
+    from .sharding.unique import key_dtype
+
     generator = torch.Generator().manual_seed(dist.get_rank())
     rows = s.ub_rows
     n = s.dedup_features * s.dedup_batch
-    ids = torch.randint(0, rows, (n,), generator=generator).to(device)
-    key_start = torch.arange(s.dedup_features + 1, device=device) * rows
+    keys_dtype = key_dtype(s.dedup_features * rows)  # as the input dist sorts them
+    ids = torch.randint(0, rows, (n,), generator=generator).to(device, keys_dtype)
+    key_start = torch.arange(s.dedup_features + 1, device=device, dtype=keys_dtype) * rows
     offset = key_start[:-1].repeat_interleave(s.dedup_batch)
 
     def dedup() -> None:

@@ -50,6 +50,14 @@ from .variable_batch import FeatureMajor, RowGather, pad_to_uniform
 
 # the largest key space whose keys (IDs offset per feature and row slice) de-duplicate as int32
 KEY_INT32_LIMIT = 2**31 - 1
+
+
+def key_dtype(key_space: int) -> torch.dtype:
+    """The dtype UB's de-duplication sorts keys in: int32 where every key fits (sorting them takes half
+    the time of int64 keys, on CPUs and GPUs), int64 beyond."""
+    return torch.int32 if key_space <= KEY_INT32_LIMIT else torch.int64
+
+
 # how a UB holder looks up the distinct IDs it receives (EmbarkEmbeddingBagCollectionSharder's unique_lookup)
 UNIQUE_LOOKUPS = ("auto", "variable_batch", "padded")
 
@@ -146,8 +154,7 @@ class UniqueSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor], BatchS
         self._layout = layout
         self._weighted = weighted or any(mean)
         self._mean = torch.tensor(mean, device=device)
-        # int32 keys where every key fits (sorting them takes half the time of int64 keys, on CPUs and GPUs)
-        self._key_dtype = torch.int32 if layout.key_start[-1] <= KEY_INT32_LIMIT else torch.int64
+        self._key_dtype = key_dtype(layout.key_start[-1])
         self._key_start = torch.tensor(layout.key_start, dtype=self._key_dtype, device=device)
         self._group_bounds = torch.tensor(  # each group's first and end key
             [layout.key_start[:-1], layout.key_start[1:]], dtype=self._key_dtype, device=device
