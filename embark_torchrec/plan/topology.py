@@ -48,7 +48,9 @@ class Hardware:
 #   per node (NVIDIA/nccl-tests issue #150): two ranks only, a lower bound for a full cluster.
 # unique_ns_per_id: 0.23 ns on Hopper, fbgemm's jagged_unique_indices (de-duplication with the inverse index, what
 # UB's de-duplication needs) of ~23M int64 IDs in 5.4 ms on H100 (pytorch/FBGEMM PR #5769, "on H100" in its stack's
-# #5718; at::_unique took 5.87 ms, 0.26 ns); UB's routing and expansion passes are not in it. None found for A100: 0.
+# #5718; at::_unique took 5.87 ms, 0.26 ns); UB's routing and expansion passes are not in it. A100: 0.05 ns, CUB's
+# radix sort of 32-bit keys (torch's), ~1.5x slower than Onesweep's 29.4 GKey/s on 256M keys on an A100 (Adinets and
+# Merrill, arXiv 2206.01784): a sort alone, a floor (on H100 the de-duplication costs ~5x its sort passes, #5769).
 # lookup_ns_per_id stays 0 in the GPU presets, checked against fbgemm's TBE (SplitTableBatchedEmbeddingBagsCodegen)
 # training on an "NVIDIA H100 80GB HBM3" (NVIDIA/recsys-examples corelib/dynamicemb/benchmark/benchmark_results.json,
 # commit ccbdb100, PR #396): 10 tables x 1.68M rows x dim 128, fp32, 1,048,570 IDs per step, forward + backward with
@@ -76,6 +78,7 @@ PRESETS: dict[str, Hardware] = {
         inter_node_bw_gbps=25.0,
         dense_ms_per_ksample=0.5,
         collective_us=19.9,
+        unique_ns_per_id=0.05,
     ),
     "h200": Hardware(
         name="h200",

@@ -175,7 +175,8 @@ CONSTRAINED = {"mixed": MIXED_TYPES, "rw_tw": RW_TW_TYPES}
 #: hand-built layouts on our sharding types (see _embark_layouts)
 EMBARK_PLANS = ("grid", "grid_cuts", "grid_shared", "hier", "ub", "ub_shared")
 #: planners' own plans: TorchRec's (TorchRec's own sharder's types), ours with the device's preset (cpu-gloo: these
-#: tiny tables replicated) and with dgx-h100's figures at free collectives (which put them on our UB type at 4 ranks)
+#: tiny tables replicated) and with dgx-h100's figures at free collectives and de-duplication (which put them on our UB
+#: type at 4 ranks)
 PLANNER_PLANS = ("torchrec_planner", "embark_planner", "embark_planner_h100")
 PLANS = BUILTIN_TYPES + tuple(CONSTRAINED) + EMBARK_PLANS + PLANNER_PLANS
 
@@ -288,8 +289,10 @@ def make_plan(case: Case, model: nn.Module) -> Any:
         planner = EmbeddingShardingPlanner(topology=_topology(world_size))
         return planner.plan(model, [EmbeddingBagCollectionSharder(fused_params=fused)])
     if case.plan in ("embark_planner", "embark_planner_h100"):
-        # dgx-h100 at free collectives: with its 47.6 us per collective these tiny tables stay whole
-        hardware = PRESETS["dgx-h100"].with_overrides(collective_us=0.0) if case.plan.endswith("h100") else None
+        # dgx-h100 at free collectives and de-duplication: with its 47.6 us per collective and 0.23 ns per ID these tiny
+        # tables stay whole and reduction-based
+        h100 = PRESETS["dgx-h100"].with_overrides(collective_us=0.0, unique_ns_per_id=0.0)
+        hardware = h100 if case.plan.endswith("h100") else None
         planner = EmbarkPlanner(topology=_topology(world_size), batch_size=BATCH_SIZE, hardware=hardware)
         return planner.plan(model, [EmbarkEmbeddingBagCollectionSharder(fused_params=fused)])
     layouts = _embark_layouts(case.plan, world_size)

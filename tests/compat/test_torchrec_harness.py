@@ -256,7 +256,8 @@ def test_torchrec_sharder(case: Case, outcomes: Any) -> None:
 def test_plans_have_the_layouts_they_name(world: int, outcomes: Any) -> None:
     """The configurations are not vacuous: each forced built-in type is what the plan holds for every table, the
     hand-built plans put tables on our grid, hierarchical and unique-based types (the shared features' tables too in
-    the *_shared plans), and EmbarkPlanner with dgx-h100's figures (free collectives) plans our types at 4 ranks."""
+    the *_shared plans), and EmbarkPlanner with dgx-h100's figures (free collectives and de-duplication) plans our types
+    at 4 ranks."""
     from compat_driver import MIXED_TYPES, RW_TW_TYPES
 
     def types(plan: str) -> dict[str, str]:
