@@ -183,7 +183,7 @@ def test_de_duplication_keys_exact_at_either_key_width(rows: int) -> None:
     state = input_dist.last_state
     assert state is not None
     assert (layout.key_start[-1] > KEY_INT32_LIMIT) == (rows > 2**30)
-    keys = np.array([0 * rows + i for i in ids[0]] + [rows + i for i in ids[1]], dtype=np.int64)
+    keys = np.array(ids[0] + [rows + i for i in ids[1]], dtype=np.int64)  # f1's keys follow f0's rows
     distinct, inverse = np.unique(keys, return_inverse=True)
     group = np.searchsorted(np.array(layout.key_start[1:]), distinct, side="right")
     assert state.inverse.tolist() == inverse.tolist()
