@@ -480,9 +480,11 @@ class Trainer:
             sharders=[sharder],
             device=world.device,
         )
+        replicated = dict(in_backward_optimizer_filter(self.model.named_parameters()))
+        # what DDP all-reduces every step: the dense part's and data-parallel tables' gradients, not counted by stats
+        self.allreduce_bytes = sum(p.numel() * p.element_size() for p in replicated.values())
         dense = KeyedOptimizerWrapper(
-            dict(in_backward_optimizer_filter(self.model.named_parameters())),
-            lambda params: torch.optim.Adagrad(params, lr=args.dense_lr, eps=DEFAULTS.adagrad_eps),
+            replicated, lambda params: torch.optim.Adagrad(params, lr=args.dense_lr, eps=DEFAULTS.adagrad_eps)
         )
         self.optimizer = CombinedOptimizer([self.model.fused_optimizer, dense])
         self.start_step = self._resume()
@@ -558,6 +560,7 @@ class Trainer:
                 "inter_node_bytes_per_step": comm["inter_node_bytes"] // per_step,
                 "comm_bytes_by_rank": comm["comm_bytes_by_rank"],
                 "inter_node_bytes_by_rank": comm["inter_node_bytes_by_rank"],
+                "allreduce_bytes_per_step": self.allreduce_bytes,
                 "estimated_step_ms": round(self.estimated_step_ms, 4),
             }
             print("RESULT " + json.dumps(result), flush=True)
