@@ -74,15 +74,18 @@ def run_example(
     planner: str, args: argparse.Namespace, plan_out: Path, plan_in: Path | None = None, extra: Sequence[str] = ()
 ) -> dict[str, Any]:
     """One torchrun job of the example (`extra`: more of its flags); its RESULT as a dict (raises with the output's
-    tail on failure)."""
+    tail on failure). `args.launcher`, where set (cluster_e2e.py: the emulated cluster), is the command that starts
+    the ranks instead of torchrun --standalone on this box."""
     model = (
         []
         if args.model is None
         else ["--model", str(Path(args.model).resolve()) if Path(args.model).exists() else args.model]
     )
+    launcher = getattr(args, "launcher", None) or [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.world_size)
+    ]  # fmt: skip
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.world_size),
-        str(TRAIN), *RUNS[planner], *model, "--local-world-size", str(args.local_world_size),
+        *launcher, str(TRAIN), *RUNS[planner], *model, "--local-world-size", str(args.local_world_size),
         "--steps", str(args.steps),
         "--batch-size", str(args.batch_size), "--log-every", str(args.steps), "--plan-out", str(plan_out),
     ] + (["--plan-in", str(plan_in)] if plan_in else []) + (["--no-pipeline"] if args.no_pipeline else [])  # fmt: skip
