@@ -10,9 +10,9 @@ min and max go into the file):
 
 - alltoall_latency_us (not a field): a tiny all_to_all_single (16 floats per peer) over every rank, a few back to
   back per sample, slowest rank;
-- intra/inter_node_bw_gbps: all-to-all inside each node and between the ranks of equal local rank on
-  different nodes (every group at once, as in training), bytes each rank sends to its peers / (time of a
-  large all-to-all - time of a tiny one in the same groups);
+- intra/inter_node_bw_gbps: all-to-all inside each node (every node at once), and over all ranks with messages
+  to the ranks of other nodes only (a node's ranks share its links, as in training's all-to-alls): bytes each
+  rank sends to its peers / (time of a large all-to-all - time of a tiny one to the same peers);
 - allreduce_bus_gbps (not a Hardware field: the cost model prices all-reduces on the two bandwidths above
   with the ring's 2 (n-1)/n bytes): nccl-tests' bus bandwidth of an all_reduce over every rank;
 - lookup_ns_per_id and hbm_bw_gbps: fbgemm's SplitTableBatchedEmbeddingBagsCodegen forward + backward with
@@ -239,23 +239,33 @@ def _times(
     return [_slowest(samples) for samples in out]
 
 
-def _all_to_all(per_peer: int, device: torch.device, group: Any = None) -> Callable[[], object]:
+def _all_to_all(
+    per_peer: int, device: torch.device, group: Any = None, peers: Sequence[bool] | None = None
+) -> Callable[[], object]:
+    """An all_to_all_single of `group` sending `per_peer` floats to each rank, or, with `peers` (one flag per
+    rank of the group), to the flagged ranks only (nothing to the others)."""
     n = dist.get_world_size(group)
-    send = torch.randn(per_peer * n, device=device)
-    recv = torch.empty_like(send)
-    return lambda: dist.all_to_all_single(recv, send, group=group)
+    sizes = [per_peer if peers is None or peers[k] else 0 for k in range(n)]
+    send = torch.randn(sum(sizes), device=device)
+    recv = torch.empty_like(send)  # what a rank sends to a flagged peer it receives from it: the flags are symmetric
+    return lambda: dist.all_to_all_single(recv, send, sizes, sizes, group=group)
 
 
-def _bandwidth(job: Job, s: Settings, group: Any, size: int, what: str) -> dict[str, Any]:
-    """GB/s each rank sends to its `size` - 1 peers in a large all-to-all of `group` (every group at once):
-    per sample, its bytes / (the large all-to-all's time - the tiny one's just before it)."""
+def _bandwidth(job: Job, s: Settings, group: Any, peers: Sequence[bool] | None, what: str) -> dict[str, Any]:
+    """GB/s each rank sends to its peers (every rank of `group` but itself, or the flagged ones) in a large
+    all-to-all, every rank at once: per sample, its bytes / (the large all-to-all's time - the tiny one's just
+    before it)."""
     tiny, large = _times(
-        [_all_to_all(s.tiny_floats, job.device, group), _all_to_all(s.large_floats, job.device, group)],
+        [
+            _all_to_all(s.tiny_floats, job.device, group, peers),
+            _all_to_all(s.large_floats, job.device, group, peers),
+        ],
         s.repeats,
         job.device,
         group,
     )
-    peer_bytes = (size - 1) * s.large_floats * 4
+    count = dist.get_world_size(group) - 1 if peers is None else sum(peers)
+    peer_bytes = count * s.large_floats * 4
     gbps = [peer_bytes / (b - a) / 1e9 for a, b in zip(tiny, large) if b > a]
     if len(gbps) * 2 < len(large):
         raise CalibrationError(
@@ -265,16 +275,14 @@ def _bandwidth(job: Job, s: Settings, group: Any, size: int, what: str) -> dict[
     return stats(gbps, "GB/s", f"{what}: {peer_bytes} bytes sent per rank, less a tiny all-to-all's time")
 
 
-def _node_groups(job: Job) -> tuple[Any, Any]:
-    """This rank's intra-node group (its node's ranks) and cross-node group (the ranks of its local rank
-    on every node); None where the group would have one rank. Every rank creates every group."""
-    lws, nodes = job.local_world_size, job.num_nodes
-    intra = cross = None
-    if lws > 1:
-        intra, _ = dist.new_subgroups_by_enumeration([list(range(n * lws, (n + 1) * lws)) for n in range(nodes)])
-    if nodes > 1:
-        cross, _ = dist.new_subgroups_by_enumeration([list(range(j, job.world_size, lws)) for j in range(lws)])
-    return intra, cross
+def _intra_node_group(job: Job) -> Any:
+    """This rank's intra-node group (its node's ranks); None where it would have one rank. Every rank creates
+    every node's group."""
+    lws = job.local_world_size
+    if lws == 1:
+        return None
+    group, _ = dist.new_subgroups_by_enumeration([list(range(n * lws, (n + 1) * lws)) for n in range(job.num_nodes)])
+    return group
 
 
 def measure_collectives(job: Job, s: Settings) -> dict[str, dict[str, Any]]:
@@ -286,14 +294,21 @@ def measure_collectives(job: Job, s: Settings) -> dict[str, dict[str, Any]]:
         f"all_to_all_single of {s.tiny_floats} floats per peer over all {job.world_size} ranks, {TINY_CALLS} calls "
         "back to back per sample, slowest rank (not a Hardware field: collective_us is at least this)",
     )
-    intra, cross = _node_groups(job)
+    intra = _intra_node_group(job)
     if intra is not None:
         out["intra_node_bw_gbps"] = _bandwidth(
-            job, s, intra, job.local_world_size, f"all-to-all inside each node of {job.local_world_size} ranks"
+            job, s, intra, None, f"all-to-all inside each node of {job.local_world_size} ranks"
         )
-    if cross is not None:
+    if job.num_nodes > 1:
+        node = job.rank // job.local_world_size
+        remote = [k // job.local_world_size != node for k in range(job.world_size)]
         out["inter_node_bw_gbps"] = _bandwidth(
-            job, s, cross, job.num_nodes, f"all-to-all across {job.num_nodes} nodes, one rank per node"
+            job,
+            s,
+            None,
+            remote,
+            f"all-to-all of all {job.world_size} ranks, each sending to every rank of the other nodes only "
+            f"(as training's all-to-alls cross nodes: a node's {job.local_world_size} ranks share its links)",
         )
     if job.world_size > 1:
         grad = torch.randn(s.allreduce_floats, device=job.device)

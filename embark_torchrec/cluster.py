@@ -6,7 +6,9 @@
 Each emulated node is a network namespace whose ranks reach each other over the namespace's own loopback
 (fast; `--link-mbit-intra` shapes it too), while nodes reach each other only through one veth link each to a
 bridge in a hub namespace, shaped by a token bucket (`tc ... tbf`) at `--link-mbit` in each direction (both
-ends of the veth: node -> hub and hub -> node). One torchrun agent per node joins a static rendezvous on node
+ends of the veth: node -> hub and hub -> node), whose queue is deep enough that no packet is dropped: the fabrics
+it models (InfiniBand, NVLink) are lossless, and a dropped segment at a message's tail would stall TCP for its
+200 ms retransmission timeout. One torchrun agent per node joins a static rendezvous on node
 0's address, with GLOO_SOCKET_IFNAME (and NCCL's and TensorPipe's) set to the node's veth, so a script runs
 unchanged as it would on N machines. It streams node 0's output (rank 0's lines; other ranks of node 0 print
 only on error, as the examples do), keeps the other nodes' output in log files (their tail is printed when
@@ -42,7 +44,7 @@ from types import FrameType, TracebackType
 
 SUBNET = "10.213.0"  # node i is SUBNET.(i + 1)/24, inside this run's namespaces only
 MASTER_PORT = 29500
-LATENCY_MS = 100  # tbf: how long a packet may wait in the bucket's queue before it is dropped
+QUEUE_BYTES = 64 * 1024 * 1024  # tbf queue: TCP's small queues keep each socket's share far below this
 BURST_S = 0.01  # tbf bucket: 10 ms of the rate (at least MIN_BURST_BYTES), so that short messages see the rate too
 MIN_BURST_BYTES = 32 * 1024  # above one GSO-less packet; tbf splits larger GSO packets itself
 LOOPBACK_MIN_BURST_BYTES = 128 * 1024  # the loopback's 64 KiB MTU must fit the bucket
@@ -175,7 +177,7 @@ class EmulatedCluster:
         burst = _burst_bytes(mbit, floor)
         try:
             _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{mbit * 1000:.0f}kbit",
-                  "burst", str(burst), "latency", f"{LATENCY_MS}ms"])  # fmt: skip
+                  "burst", str(burst), "limit", str(QUEUE_BYTES)])  # fmt: skip
         except ClusterError as e:
             raise ClusterError(f"shaping {dev} with tc's tbf failed (is the sch_tbf kernel module available?): {e}")
 

@@ -74,7 +74,7 @@ from .groups import DENSE_COLLECTIVES, collectives_per_step, id_bytes, sharding_
 from .layout import Plan, TableLayout
 from .spec import ModelSpec, TableSpec
 from .topology import Topology
-from .wire import LENGTH_BYTES, vector_bytes
+from .wire import ELEMENT_BYTES, LENGTH_BYTES, vector_bytes
 
 WEIGHT_BYTES = 4  # an fp32 weight in the table (lookup work, not wire)
 SEQUENCE_GROUP = "sequence/"  # prefixes the sharding groups of sequence tables in RankLoad.groups
@@ -453,11 +453,14 @@ class CostModel:
         lookup, intra, inter = self.rank_times(rows)
         return lookup + intra + inter
 
-    def step_cost(self, load: RankLoad) -> StepCost:
+    def step_cost(self, load: RankLoad, allreduce_precision: str = "fp32") -> StepCost:
+        """The step of a plan's load; `allreduce_precision`: DDP's, at which the dense gradients travel
+        (Plan.allreduce_precision; the data-parallel tables' are priced by their layouts)."""
         hw = self.topology.hardware
         lookup, intra, inter = self.rank_times(load.rows)
         dp = self.ring_allreduce_ms(load.dp_intra, load.dp_inter)
-        dense_ar = self.ring_allreduce_ms(*self.ring_allreduce_bytes(hw.dense_params_mb * 1e6))
+        dense_bytes = hw.dense_params_mb * 1e6 / WEIGHT_BYTES * ELEMENT_BYTES[allreduce_precision]
+        dense_ar = self.ring_allreduce_ms(*self.ring_allreduce_bytes(dense_bytes))
         if hw.dense_params_mb > 0:
             dense_ar += DENSE_COLLECTIVES * hw.collective_us / 1e3
         slowest = float(lookup.max())
@@ -476,4 +479,4 @@ class CostModel:
         )
 
     def evaluate(self, plan: Plan) -> StepCost:
-        return self.step_cost(self.rank_load(plan))
+        return self.step_cost(self.rank_load(plan), plan.allreduce_precision)

@@ -29,10 +29,12 @@ from .fields import (
 
 CLUSTERS = ("dp", "rb", "ub")
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
+ALLREDUCE_PRECISIONS = ("fp32", "fp16", "bf16")  # what TorchRec's DefaultDataParallelWrapper runs DDP's all-reduce at
 PLAN_FORMAT = "embark-plan"
 PLAN_VERSION = 1
 SHARDING_TYPE_PREFIX = "embark_"
-_PLAN_KEYS = ("format", "version", "world_size", "local_world_size", "tables")
+_REQUIRED_PLAN_KEYS = ("format", "version", "world_size", "local_world_size", "tables")
+_PLAN_KEYS = (*_REQUIRED_PLAN_KEYS, "allreduce_precision")
 _LAYOUT_KEYS = ("cluster", "kind", "precision", "shards", "hierarchical")
 _PRECISION_KEYS = ("forward", "backward")
 _SHARD_KEYS = ("rows", "cols", "rank")
@@ -175,12 +177,23 @@ class TableLayout:
 class Plan:
     """{table: TableLayout} for a world of world_size ranks in nodes of local_world_size; `kinds`:
     the table kind (spec.py) of the tables it was planned for, where recorded (with_kinds): plan
-    files say which tables are sequence tables, and a table left out is pooled."""
+    files say which tables are sequence tables, and a table left out is pooled. `allreduce_precision`: the
+    precision of DDP's gradient all-reduce, which carries the dense part's gradients and the data-parallel
+    tables' together across every rank (TorchRec's DefaultDataParallelWrapper(allreduce_comm_precision=);
+    sharding.data_parallel.data_parallel_wrapper gives DMP that wrapper)."""
 
     world_size: int
     local_world_size: int
     tables: Mapping[str, TableLayout]
     kinds: Mapping[str, str] = field(default_factory=dict)
+    allreduce_precision: str = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.allreduce_precision not in ALLREDUCE_PRECISIONS:
+            raise PlanError(
+                f"allreduce_precision: expected one of {list(ALLREDUCE_PRECISIONS)} (DDP's all-reduce), "
+                f"got {self.allreduce_precision!r}"
+            )
 
     def __getitem__(self, table: str) -> TableLayout:
         return self.tables[table]
@@ -234,6 +247,7 @@ class Plan:
             "version": PLAN_VERSION,
             "world_size": self.world_size,
             "local_world_size": self.local_world_size,
+            **({"allreduce_precision": self.allreduce_precision} if self.allreduce_precision != "fp32" else {}),
             "tables": tables,
         }
 
@@ -248,7 +262,8 @@ class Plan:
                 raise PlanError(
                     f"not an {PLAN_FORMAT} version {PLAN_VERSION} file (format={header[0]!r}, version={header[1]!r})"
                 )
-            keys(m, "", _PLAN_KEYS, required=_PLAN_KEYS)
+            keys(m, "", _PLAN_KEYS, required=_REQUIRED_PLAN_KEYS)
+            allreduce = choice(m.get("allreduce_precision", "fp32"), "allreduce_precision", ALLREDUCE_PRECISIONS)
             ws = integer(m["world_size"], "world_size", minimum=1)
             lws = integer(m["local_world_size"], "local_world_size", minimum=1)
             if ws % lws:
@@ -262,7 +277,7 @@ class Plan:
             if "kind" in entry:  # a mapping with known keys: _layout_from_dict checked it
                 with reading(PlanError, where=f"table {name!r}"):
                     kinds[name] = table_kind(entry["kind"], "kind")
-        return cls(ws, lws, tables, kinds)
+        return cls(ws, lws, tables, kinds, allreduce)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n")

@@ -311,7 +311,9 @@ class EmbarkPlanner(ShardingPlanner):
         result = ShardingPlan(plan={})
         for m in modules:
             layouts = {t.name: planned.plan[m.names[t.name]] for t in m.spec.tables}
-            plan = Plan(topology.world_size, topology.local_world_size, layouts).with_kinds(m.spec)
+            plan = Plan(
+                topology.world_size, topology.local_world_size, layouts, {}, planned.plan.allreduce_precision
+            ).with_kinds(m.spec)
             self.plans[m.path] = replace(
                 planned,
                 spec=m.spec,

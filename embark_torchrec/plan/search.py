@@ -609,4 +609,5 @@ class GreedySearch:
         self._improve()
         topo = self.cost.topology
         order = [t.name for t in self.cost.spec.tables]
-        return Plan(topo.world_size, topo.local_world_size, {n: self.layouts[n] for n in order})
+        allreduce = self.config.precision.get("dp", WirePrecision()).backward  # DDP's, dense gradients included
+        return Plan(topo.world_size, topo.local_world_size, {n: self.layouts[n] for n in order}, {}, allreduce)

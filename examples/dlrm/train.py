@@ -54,10 +54,12 @@ from embark_torchrec import calibrate as calibration
 from embark_torchrec import checkpoint
 from embark_torchrec.plan.baselines import table_row_wise_plan
 from embark_torchrec.plan.cost import CostModel
-from embark_torchrec.plan.layout import PRECISIONS, Plan, WirePrecision
+from embark_torchrec.plan.layout import ALLREDUCE_PRECISIONS, PRECISIONS, Plan, WirePrecision
 from embark_torchrec.plan.profile import profile_features
+from embark_torchrec.sharding.data_parallel import data_parallel_wrapper
 from embark_torchrec.plan.report import ScoredPlan, render
 from embark_torchrec.plan.search import SearchConfig
+from embark_torchrec.plan.wire import ELEMENT_BYTES
 from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec, builtin_model, load_model_spec
 from embark_torchrec.plan.hardware_file import check_document, resolve_hardware, save_hardware
 from embark_torchrec.plan.topology import Hardware, Topology
@@ -144,7 +146,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--wire-precision",
         choices=PRECISIONS,
         default="fp32",
-        help="embark planner: precision of embeddings and gradients on the wire, for every model-parallel cluster",
+        help="embark planner: precision of embeddings and gradients on the wire, for every model-parallel cluster, "
+        "and of DDP's all-reduce (dense part and data-parallel tables) where DDP runs it (fp16, bf16)",
     )
     p.add_argument("--plan-in", type=Path, help="run this plan file instead of planning")
     p.add_argument("--plan-out", type=Path, help="write the plan that runs (any planner) as a plan file")
@@ -285,6 +288,15 @@ def job_hardware(args: argparse.Namespace, world: World, dense: calibration.Dens
     return check_document(document)
 
 
+def allreduce_precision(args: argparse.Namespace) -> str:
+    """DDP's all-reduce precision (dense part and data-parallel tables), the same on every rank: a plan file's;
+    the embark planner's --wire-precision where DDP can run it (fp16, bf16); else fp32."""
+    if args.plan_in:
+        return Plan.load(args.plan_in).allreduce_precision
+    wire = args.wire_precision
+    return wire if args.planner == "embark" and wire in ALLREDUCE_PRECISIONS else "fp32"
+
+
 def make_plan(
     args: argparse.Namespace, model: DLRMTrain, spec: ModelSpec, topology: Topology, world: World, sharder: Any
 ) -> tuple[ShardingPlan, Plan | None, float]:
@@ -305,7 +317,10 @@ def make_plan(
             compute_device=device_type,
             measured=spec,
             config=SearchConfig(
-                precision={c: WirePrecision(args.wire_precision, args.wire_precision) for c in ("rb", "ub")}
+                precision={
+                    **{c: WirePrecision(args.wire_precision, args.wire_precision) for c in ("rb", "ub")},
+                    "dp": WirePrecision("fp32", allreduce_precision(args)),
+                }
             ),
         )
         sharding_plan = planner.collective_plan(model, [sharder])
@@ -479,10 +494,12 @@ class Trainer:
             plan=sharding_plan,
             sharders=[sharder],
             device=world.device,
+            data_parallel_wrapper=data_parallel_wrapper(allreduce_precision(args)),
         )
         replicated = dict(in_backward_optimizer_filter(self.model.named_parameters()))
         # what DDP all-reduces every step: the dense part's and data-parallel tables' gradients, not counted by stats
-        self.allreduce_bytes = sum(p.numel() * p.element_size() for p in replicated.values())
+        elements = sum(p.numel() for p in replicated.values())
+        self.allreduce_bytes = int(elements * ELEMENT_BYTES[allreduce_precision(args)])
         dense = KeyedOptimizerWrapper(
             replicated, lambda params: torch.optim.Adagrad(params, lr=args.dense_lr, eps=DEFAULTS.adagrad_eps)
         )
