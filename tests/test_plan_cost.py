@@ -205,3 +205,18 @@ def test_ranks_sharing_a_hosts_cores_look_up_no_faster_than_the_cores_allow() ->
         per_rank = step.rank_lookup_ms
         assert step.lookup_ms == pytest.approx(max(per_rank.max(), per_rank.sum() / cores) if cores else per_rank.max())
         assert (step.lookup_ms > per_rank.max()) == (0 < cores < 4)
+
+
+def test_dense_all_reduce_is_priced_at_the_plans_allreduce_precision() -> None:
+    """The dense gradients' ring all-reduce crosses nodes at DDP's precision (Plan.allreduce_precision): fp16
+    halves its bytes, so its time on a network-bound cluster, and nothing else of the step."""
+    spec = ModelSpec("m", 64, (TableSpec("t", rows=10, dim=8, pooling=1.0),))
+    hw = PRESETS["dgx-h100"].with_overrides(dense_params_mb=100.0, inter_node_bw_gbps=1.0, collective_us=0.0)
+    cost = CostModel(spec, Topology(16, 8, hw))
+    layouts = {"t": TableLayout.table_wise(10, 8, 0)}
+    fp32, fp16 = (cost.evaluate(Plan(16, 8, layouts, {}, p)) for p in ("fp32", "fp16"))
+    compute = 4 / 1000 * hw.dense_ms_per_ksample
+    inter = 2 * 15 / 16 * 100e6 / 8  # a rank's ring bytes through its NIC
+    assert fp32.dense_ms - compute == pytest.approx(inter / 1e6)
+    assert fp16.dense_ms - compute == pytest.approx(inter / 2 / 1e6)
+    assert (fp16.lookup_ms, fp16.comm_ms, fp16.collective_ms) == (fp32.lookup_ms, fp32.comm_ms, fp32.collective_ms)

@@ -278,3 +278,16 @@ def test_layout_edits_keep_the_tiling() -> None:
     lay.validate("t", 1000, 32, 4)
     assert [s.rank for s in lay.shards()] == [0, 2, 1, 3]
     assert lay.with_ranks(((3, 3), (3, 3))).used_ranks() == {3}
+
+
+def test_allreduce_precision_round_trips_and_is_checked() -> None:
+    """DDP's all-reduce precision is written only when not fp32 (older files read as fp32), read back, and refused
+    by name where DDP cannot run it."""
+    plan = Plan(W, L, _plan().tables, {}, "bf16")
+    d = plan.to_dict()
+    assert d["allreduce_precision"] == "bf16" and Plan.from_dict(json.loads(json.dumps(d))) == plan
+    assert "allreduce_precision" not in _plan().to_dict()
+    with pytest.raises(PlanError, match="allreduce_precision"):
+        Plan.from_dict({**d, "allreduce_precision": "fp8"})
+    with pytest.raises(PlanError, match="allreduce_precision"):
+        Plan(W, L, {}, {}, "fp8")
