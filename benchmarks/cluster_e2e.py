@@ -44,6 +44,7 @@ from e2e import (  # noqa: E402 (e2e.py, next to this file, needs the path above
     describe,
     medians,
     ratio,
+    round_flags,
     round_ratio,
     run_example,
     without_ub,
@@ -323,13 +324,8 @@ def command(args: argparse.Namespace) -> str:
         f"--nodes {args.nodes}",
         f"--gpus-per-node {args.gpus_per_node}",
         f"--link-mbit {','.join(f'{r:g}' for r in args.link_mbit)}",
-        f"--planners {','.join(args.planners)}",
-        f"--rounds {args.rounds}",
-        f"--steps {args.steps}",
-        f"--batch-size {args.batch_size}",
+        *round_flags(args, TIMEOUT_S),
     ]
-    flags += [f"--timeout-s {args.timeout_s:g}"] if args.timeout_s != TIMEOUT_S else []
-    flags += ["--no-pipeline"] if args.no_pipeline else []
     flags += [f"--out {display(args.out)}"] if args.out.resolve() != OUT else []
     flags += [f"--hardware-dir {display(args.hardware_dir)}"] if args.hardware_dir.resolve() != HARDWARE_DIR else []
     return f"PYTHONPATH=. .venv/bin/python benchmarks/cluster_e2e.py {' '.join(flags)}"

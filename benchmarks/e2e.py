@@ -313,19 +313,23 @@ def plot(
     plt.close(fig)
 
 
-def command(args: argparse.Namespace) -> str:
-    """This run's command line, every flag that changes it included (so the markdown can be reproduced)."""
-    flags = [f"--model {args.model}"] if args.model else []
-    flags += [
-        f"--world-size {args.world_size}",
-        f"--local-world-size {args.local_world_size}",
+def round_flags(args: argparse.Namespace, timeout_s: float = TIMEOUT_S) -> list[str]:
+    """The flags of the runs and rounds (planners, rounds, steps, batch, timeout unless `timeout_s`, pipelining),
+    as a command line gives them: this benchmark's and cluster_e2e.py's."""
+    flags = [
         f"--planners {','.join(args.planners)}",
         f"--rounds {args.rounds}",
         f"--steps {args.steps}",
         f"--batch-size {args.batch_size}",
     ]
-    flags += [f"--timeout-s {args.timeout_s:g}"] if args.timeout_s != TIMEOUT_S else []
-    flags += ["--no-pipeline"] if args.no_pipeline else []
+    flags += [f"--timeout-s {args.timeout_s:g}"] if args.timeout_s != timeout_s else []
+    return flags + (["--no-pipeline"] if args.no_pipeline else [])
+
+
+def command(args: argparse.Namespace) -> str:
+    """This run's command line, every flag that changes it included (so the markdown can be reproduced)."""
+    flags = [f"--model {args.model}"] if args.model else []
+    flags += [f"--world-size {args.world_size}", f"--local-world-size {args.local_world_size}", *round_flags(args)]
     flags += ["--calibrate"] if args.calibrate else [f"--hardware {args.hardware}"] if args.hardware else []
     flags += [f"--out {args.out}"] if args.out != OUT else []
     flags += [f"--plot {args.plot}"] if args.plot else []
