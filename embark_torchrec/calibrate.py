@@ -15,9 +15,11 @@ min and max go into the file):
   rank sends to its peers / (time of a large all-to-all - time of a tiny one to the same peers);
 - allreduce_bus_gbps (not a Hardware field: the cost model prices all-reduces on the two bandwidths above
   with the ring's 2 (n-1)/n bytes): nccl-tests' bus bandwidth of an all_reduce over every rank;
-- lookup_ns_per_id and hbm_bw_gbps: fbgemm's SplitTableBatchedEmbeddingBagsCodegen forward + backward with
-  the fused optimizer, at two poolings and two widths: time = fixed + IDs x (per ID + width x per element),
-  so two poolings give one more ID's cost, two widths one more element's; hbm_bw_gbps prices an element as
+- lookup_ns_per_id, update_ns_per_row and hbm_bw_gbps: fbgemm's SplitTableBatchedEmbeddingBagsCodegen forward
+  + backward with the fused optimizer, at two poolings and two widths, and at the larger pooling over a table of
+  REPEAT_ROWS rows: time = fixed + IDs x (per ID + width x per element) + distinct rows x per row (the backward
+  and the optimizer work per distinct row), so the few-row table gives a distinct row's cost, two poolings one
+  more ID's, two widths one more element's; hbm_bw_gbps prices an element as
   the cost model does (4 bytes x (1 + backward multiplier));
 - dp_ns_per_element: a data-parallel table's step, TorchRec's dense TBE (DenseTableBatchedEmbeddingBagsCodegen)
   forward + backward, which makes a gradient of every row, and the dense optimizer (Adagrad; SGD for exact_sgd)
@@ -65,6 +67,7 @@ from .plan.topology import Hardware
 
 OPTIMIZERS = ("exact_rowwise_adagrad", "exact_adagrad", "exact_sgd")  # fbgemm's EmbOptimType values by name
 NARROW, WIDE, FEW, MANY = 8, 128, 5, 20  # TBE widths and poolings
+REPEAT_ROWS = 64  # a table whose rows a batch's IDs all repeat: its backward and optimizer touch few rows
 TINY_CALLS = 5  # tiny collectives per latency sample
 
 
@@ -345,8 +348,12 @@ def _optimizer(name: str) -> Any:
     return getattr(EmbOptimType, name.upper())
 
 
-def _lookup_rounds(s: Settings, device: torch.device, optimizer: str) -> list[tuple[float, float, float]]:
-    """Per round, seconds of TBE forward+backward at (NARROW, FEW), (NARROW, MANY), (WIDE, MANY)."""
+def _lookup_rounds(
+    s: Settings, device: torch.device, optimizer: str
+) -> tuple[list[tuple[float, float, float, float]], tuple[int, int, int]]:
+    """Per round, seconds of TBE forward+backward at (NARROW, FEW), (NARROW, MANY), (WIDE, MANY) on lookup_rows
+    rows, and at (NARROW, MANY) on REPEAT_ROWS rows (the same IDs' count over few distinct rows); and the
+    distinct IDs of the (NARROW, FEW), (NARROW, MANY) and repeating batches."""
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
         ComputeDevice,
@@ -357,43 +364,55 @@ def _lookup_rounds(s: Settings, device: torch.device, optimizer: str) -> list[tu
     location = EmbeddingLocation.DEVICE if on_gpu else EmbeddingLocation.HOST
     compute = ComputeDevice.CUDA if on_gpu else ComputeDevice.CPU
     generator = torch.Generator().manual_seed(dist.get_rank())
-    steps = []
-    for dim, pooling in ((NARROW, FEW), (NARROW, MANY), (WIDE, MANY)):
+    steps, distinct = [], []
+    for dim, pooling, rows in (
+        (NARROW, FEW, s.lookup_rows),
+        (NARROW, MANY, s.lookup_rows),
+        (WIDE, MANY, s.lookup_rows),
+        (NARROW, MANY, REPEAT_ROWS),
+    ):
         tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            [(s.lookup_rows, dim, location, compute)],
+            [(rows, dim, location, compute)],
             optimizer=_optimizer(optimizer),
             learning_rate=0.01,
             device=device,
         )
         n = s.lookup_batch * pooling
-        ids = torch.randint(0, s.lookup_rows, (n,), generator=generator).to(device)
-        offsets = torch.arange(0, n + 1, pooling).to(device)
+        ids = torch.randint(0, rows, (n,), generator=generator)
+        distinct.append(len(torch.unique(ids)))
+        ids, offsets = ids.to(device), torch.arange(0, n + 1, pooling).to(device)
         steps.append(lambda tbe=tbe, ids=ids, offsets=offsets: tbe(ids, offsets).sum().backward())
-    return [(few, narrow, wide) for few, narrow, wide in _local_rounds(steps, s.repeats, device)]
+    rounds = [(few, narrow, wide, repeat) for few, narrow, wide, repeat in _local_rounds(steps, s.repeats, device)]
+    return rounds, (distinct[0], distinct[1], distinct[3])
 
 
 def measure_lookups(job: Job, s: Settings, optimizer: str) -> dict[str, dict[str, Any]]:
-    """lookup_ns_per_id and hbm_bw_gbps, from each round's three TBE timings."""
+    """lookup_ns_per_id, update_ns_per_row and hbm_bw_gbps, from each round's four TBE timings."""
 
     def measure() -> list[float]:
         flat = []
-        for few, narrow, wide in _lookup_rounds(s, job.device, optimizer):
+        rounds, (d_few, d_many, d_repeating) = _lookup_rounds(s, job.device, optimizer)
+        for few, narrow, wide, repeating in rounds:
+            # time = fixed + IDs x (per ID + width x per element) + distinct rows x per row
             per_element = (wide - narrow) / (s.lookup_batch * MANY * (WIDE - NARROW))
-            per_id = (narrow - few) / (s.lookup_batch * (MANY - FEW)) - NARROW * per_element
-            flat += [per_id, per_element]
+            per_row = (narrow - repeating) / (d_many - d_repeating)
+            per_more = (narrow - few) / (s.lookup_batch * (MANY - FEW))  # one more (mostly distinct) ID's cost
+            per_id = per_more - (d_many - d_few) * per_row / (s.lookup_batch * (MANY - FEW))
+            flat += [per_id - NARROW * per_element, per_element, per_row, per_more]
         return flat
 
     flat = _alone_or_all(job, measure)
-    per_id, per_element = flat[0::2], flat[1::2]
+    per_id, per_element, per_row, per_more = flat[0::4], flat[1::4], flat[2::4], flat[3::4]
     if sum(x > 0 for x in per_element) * 2 < len(per_element):
         raise CalibrationError(
             f"TBE lookups of width {WIDE} were mostly no slower than of width {NARROW}: the machine is too noisy"
         )
-    if job.device.type == "cpu" and sum(x <= 0 for x in per_id) * 4 > len(per_id):
-        # a CPU lookup costs hundreds of ns per ID: a quarter of the rounds at or below zero means other work
-        # on the host drowned the difference between the poolings (on GPUs a per-ID cost near zero is real)
+    stalled = sum(x <= 0 for x in per_more)
+    if job.device.type == "cpu" and stalled * 4 > len(per_more):
+        # a CPU lookup of a new row costs hundreds of ns: a quarter of the rounds at or below zero means other work
+        # on the host drowned the difference between the poolings (on GPUs a cost near zero is real)
         raise CalibrationError(
-            f"TBE lookups at pooling {MANY} were in {sum(x <= 0 for x in per_id)} of {len(per_id)} rounds no slower "
+            f"TBE lookups at pooling {MANY} were in {stalled} of {len(per_more)} rounds no slower "
             f"per ID than at pooling {FEW}: the host is too busy to measure lookup_ns_per_id; rerun when it is idle"
         )
     element_bytes = WEIGHT_BYTES * (1.0 + BACKWARD_COMPUTE_MULTIPLIER)
@@ -404,6 +423,9 @@ def measure_lookups(job: Job, s: Settings, optimizer: str) -> dict[str, dict[str
     )
     return {
         "lookup_ns_per_id": stats([x * 1e9 for x in per_id], "ns", what),
+        "update_ns_per_row": stats(
+            [x * 1e9 for x in per_row], "ns", f"{what}; less the same IDs' count over {REPEAT_ROWS} rows, per row"
+        ),
         "hbm_bw_gbps": stats([element_bytes / x / 1e9 for x in per_element if x > 0], "GB/s", what),
     }
 
@@ -686,7 +708,7 @@ def _hardware(
 ) -> Hardware:
     """`base` with every figure measured so far (medians), the machine's and the model's."""
     figures: dict[str, Any] = {f: measured[f]["median"] for f in _MEASURED_FIELDS if f in measured}
-    for figure in ("lookup_ns_per_id", "dp_ns_per_element"):
+    for figure in ("lookup_ns_per_id", "update_ns_per_row", "dp_ns_per_element"):
         if figure in figures:
             figures[figure] = max(0.0, figures[figure])  # noise around a zero cost
     if "collective_us" in figures:
@@ -709,6 +731,7 @@ _MEASURED_FIELDS = (
     "inter_node_bw_gbps",
     "hbm_bw_gbps",
     "lookup_ns_per_id",
+    "update_ns_per_row",
     "dp_ns_per_element",
     "dense_ms_per_ksample",
 )

@@ -40,7 +40,7 @@ from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 
 ROOT = Path(__file__).resolve().parent.parent
 MEASURED = {"collective_us", "intra_node_bw_gbps", "inter_node_bw_gbps", "hbm_bw_gbps", "lookup_ns_per_id"}
-MEASURED |= {"unique_ns_per_id", "dp_ns_per_element"}
+MEASURED |= {"unique_ns_per_id", "dp_ns_per_element", "update_ns_per_row"}
 SPEC = ModelSpec(
     "small",
     256,
@@ -75,7 +75,8 @@ def test_quick_calibration_measures_every_figure_it_can_with_its_spread(calibrat
     for field in MEASURED:
         value = getattr(hardware, field)
         # a per-ID lookup cost is a regression slope: on a busy 2-core box its noise can reach zero (kept at 0)
-        assert math.isfinite(value) and (value >= 0 if field == "lookup_ns_per_id" else value > 0), (field, value)
+        non_negative = field in ("lookup_ns_per_id", "update_ns_per_row")
+        assert math.isfinite(value) and (value >= 0 if non_negative else value > 0), (field, value)
         spread = document["measurements"][field]
         assert spread["samples"] >= 2 and spread["min"] <= spread["p25"] <= spread["median"] <= spread["p75"]
         assert spread["p75"] <= spread["max"] and spread["unit"] and spread["what"]
@@ -273,16 +274,20 @@ def test_lookups_drowned_by_a_busy_host_are_refused(tmp_path: Path, monkeypatch:
 
     settings = calibrate.quick(calibrate.CPU_SETTINGS)
     ids_few, ids_many = settings.lookup_batch * calibrate.FEW, settings.lookup_batch * calibrate.MANY
-    steady = (ids_few * 300e-9, ids_many * 300e-9, ids_many * 320e-9)  # 300 ns per ID, slower when wider
-    busy = (ids_many * 300e-9, ids_many * 300e-9, ids_many * 320e-9)  # a stall made the few-ID round as slow
+    distinct = (ids_few, ids_many, calibrate.REPEAT_ROWS)  # IDs that never repeat but over the small table
+    repeating = ids_many * 300e-9 - (ids_many - calibrate.REPEAT_ROWS) * 100e-9  # 100 ns of it per distinct row
+    steady = (ids_few * 300e-9, ids_many * 300e-9, ids_many * 320e-9, repeating)  # 300 ns per ID, slower when wider
+    busy = (ids_many * 300e-9, ids_many * 300e-9, ids_many * 320e-9, repeating)  # a stall made the few-ID one as slow
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         job = calibrate._job()
-        monkeypatch.setattr(calibrate, "_lookup_rounds", lambda *_: [steady] * 6 + [busy] * 2)
-        assert calibrate.measure_lookups(job, settings, "exact_sgd")["lookup_ns_per_id"]["median"] == pytest.approx(
-            300 - calibrate.NARROW * 20 / (calibrate.WIDE - calibrate.NARROW), rel=1e-6
+        monkeypatch.setattr(calibrate, "_lookup_rounds", lambda *_: ([steady] * 6 + [busy] * 2, distinct))
+        measured = calibrate.measure_lookups(job, settings, "exact_sgd")
+        assert measured["lookup_ns_per_id"]["median"] == pytest.approx(
+            200 - calibrate.NARROW * 20 / (calibrate.WIDE - calibrate.NARROW), rel=1e-6
         )
-        monkeypatch.setattr(calibrate, "_lookup_rounds", lambda *_: [steady] * 5 + [busy] * 3)
+        assert measured["update_ns_per_row"]["median"] == pytest.approx(100, rel=1e-6)
+        monkeypatch.setattr(calibrate, "_lookup_rounds", lambda *_: ([steady] * 5 + [busy] * 3, distinct))
         with pytest.raises(calibrate.CalibrationError, match="too busy to measure lookup_ns_per_id"):
             calibrate.measure_lookups(job, settings, "exact_sgd")
     finally:

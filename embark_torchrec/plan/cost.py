@@ -33,8 +33,12 @@ same traffic message by message, and the runtime's dists send exactly that):
   the distinct IDs, the expansion back into bags (measured against table-wise on IDs that never
   repeat, python -m embark_torchrec.calibrate; zero in the GPU presets, where it runs on the device). Every
   ID a cell looks up (the same counts, without the width) also costs lookup_ns_per_id: indexing and
-  optimizer bookkeeping per ID, whatever its width, which is why a column split is not free on a CPU
-  (zero in the GPU presets).
+  pooling per ID, whatever its width, which is why a column split is not free on a CPU (zero in the GPU
+  presets). A TBE's backward and its fused optimizer work per distinct row: each distinct row a cell
+  touches in a step costs update_ns_per_row (zero in the presets, whose lookup_ns_per_id holds it). A
+  cell of row slice r touches min(its rows, m_r x D) rows, D being the table's expected distinct IDs
+  among the whole batch's B x F x p lookups (at most W x one rank's, by its unique ratio): on Zipf IDs
+  over small tables far fewer than its IDs.
 - Sequence tables (one vector per ID, not per bag; sharding/sequence.py): inputs as above; nothing
   is summed, so an RB cell (r, c) sends each other rank F x b x p x m_r x w_c x e_fwd bytes, one
   vector of its columns per ID of that rank in row slice r (m_r-weighted: a row split does not
@@ -205,6 +209,7 @@ class CostModel:
         self.local_batch = spec.batch_size // topology.world_size
         self._tables: dict[str, TableSpec] = {t.name: t for t in spec.tables}
         self.unique_ratios: dict[str, float] = {}
+        self._touched: dict[str, float] = {}  # per table: expected distinct IDs among a step's lookups (rows_touched)
         self._loads: dict[tuple[tuple, TableLayout], RankLoad] = {}
         # what a table's cost depends on: tables with equal signatures cost the same in any layout
         self.signature = {
@@ -233,6 +238,20 @@ class CostModel:
         if ratio is None:
             ratio = self.unique_ratios[name] = self.spec.expected_unique_ratio(t, self.topology.world_size)
         return ratio * self.local_batch * t.pooling * self.row_mass(name, row_bounds)
+
+    def rows_touched(self, name: str, row_bounds: tuple[int, ...]) -> np.ndarray:
+        """Expected distinct rows of each row slice that a step's lookups touch (all ranks, all features): the
+        rows its backward and fused optimizer update."""
+        t = self._tables[name]
+        distinct = self._touched.get(name)
+        if distinct is None:
+            feats = len(t.feature_names)
+            draws = self.spec.batch_size * t.pooling * feats
+            every_rank = self.topology.world_size * float(self.row_distinct(name, (0, t.rows))[0]) * feats
+            distinct = min(self.spec.distribution(t).expected_distinct(t.rows, draws), every_rank)
+            self._touched[name] = distinct
+        sizes = np.diff(np.asarray(row_bounds, dtype=np.float64))
+        return np.minimum(sizes, distinct * self.row_mass(name, row_bounds))
 
     def row_memory(self, name: str, width: int) -> float:
         """Bytes per row of a cell `width` columns wide: weights + optimizer state."""
@@ -337,6 +356,8 @@ class CostModel:
         mass = self.row_mass(name, rows)
         ub = layout.cluster == "ub"
         distinct = self.row_distinct(name, rows) if ub else None
+        per_row = self.topology.hardware.update_ns_per_row
+        updates_ms = self.rows_touched(name, rows) * per_row / 1e6 if per_row else np.zeros(len(rows) - 1)
         widths = np.diff(layout.col_bounds)
         to_all, from_all = np.zeros(w), np.zeros(w)
         # every rank de-duplicates its IDs and expands the unique vectors back into its bags (UB), or
@@ -354,6 +375,7 @@ class CostModel:
             for c, k in enumerate(layout.ranks[r]):
                 width = int(widths[c])
                 load.memory[k] += n_rows * self.row_memory(name, width)
+                load.host_ms[k] += updates_ms[r]
                 if ub:
                     load.lookup_bytes[k] += w * feats * distinct[r] * width * lookup_factor
                     load.lookup_ids[k] += w * feats * distinct[r]
@@ -407,7 +429,12 @@ class CostModel:
         looked_up = (w * ids) if ub else (self.spec.batch_size * t.pooling * mass)
         lookup = feats * looked_up[:, None] * widths[None, :] * WEIGHT_BYTES * (1.0 + BACKWARD_COMPUTE_MULTIPLIER)
         per_id = feats * looked_up[:, None] * hw.lookup_ns_per_id / 1e6
-        return lookup / (hw.hbm_bw_gbps * 1e6) + per_id + per_peer * peers_ms
+        updates = (
+            self.rows_touched(name, layout.row_bounds)[:, None] * hw.update_ns_per_row / 1e6
+            if hw.update_ns_per_row
+            else 0.0
+        )
+        return lookup / (hw.hbm_bw_gbps * 1e6) + per_id + updates + per_peer * peers_ms
 
     # ---- whole plans ----------------------------------------------------------------------
 

@@ -11,7 +11,9 @@ write them by hand. The format (README "Hardware files"):
      "run"?: {"date", "host", "hosts", "backend", "device", "world_size", "local_world_size", ...}}
 
 Reading is strict, as for spec and plan files (fields.py): unknown keys are refused with a did-you-mean,
-every Hardware field is required, numbers are finite, and every error names the file and the field.
+every Hardware field is required (but those added since files were first written, OPTIONAL_FIELDS, which default
+to the Hardware's default, as the cost model had no such term before), numbers are finite, and every error names
+the file and the field.
 Pure Python: plan/ imports it.
 """
 
@@ -46,6 +48,7 @@ VERSION = 1
 SOURCES = ("measured", "machine", "model", "preset")
 
 # figures the cost model divides by: zero would be a division by zero, not a free resource
+OPTIONAL_FIELDS = ("update_ns_per_row",)
 _POSITIVE = frozenset({"hbm_gb", "hbm_bw_gbps", "intra_node_bw_gbps", "inter_node_bw_gbps"})
 _TOP_KEYS = ("format", "version", "hardware", "base", "sources", "measurements", "run")
 _STAT_NUMBERS = ("median", "p25", "p75", "min", "max")
@@ -93,8 +96,8 @@ def hardware_from_dict(d: Any, file: str = "") -> Hardware:
     declared = {f.name: str(f.type) for f in fields(Hardware)}
     with reading(HardwareError, parent="hardware", file=file):
         m = mapping(d, "")
-        keys(m, "", declared, required=declared)
-        values = {name: _figure(name, m[name], kind) for name, kind in declared.items()}
+        keys(m, "", declared, required=sorted(set(declared) - set(OPTIONAL_FIELDS)))
+        values = {name: _figure(name, m[name], kind) for name, kind in declared.items() if name in m}
         if values["hbm_reserve_gb"] >= values["hbm_gb"]:
             limit = values["hbm_gb"]
             raise FieldError(f"the reserve leaves no memory: it must be below hbm_gb ({limit:g})", "hbm_reserve_gb")

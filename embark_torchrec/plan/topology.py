@@ -25,6 +25,9 @@ class Hardware:
     unique_ns_per_id: float = 0.0  # a UB table's own host work per ID (de-duplication, routing, expansion)
     collective_us: float = 0.0  # launching and synchronising one collective, whatever its size
     lookup_ns_per_id: float = 0.0  # per ID a cell looks up (forward + backward), whatever its width
+    # per distinct row a cell's lookups touch in a step: the backward's per-row gradient and the fused optimizer's
+    # row update, whatever its width (measured by calibrate; 0 in the presets, whose lookup_ns_per_id holds it)
+    update_ns_per_row: float = 0.0
     dp_ns_per_element: float = 0.0  # per element of a data-parallel table per step: its dense gradient and update
     host_cores: int = 0  # > 0: every rank runs on one host with this many cores, so lookups share them
 
