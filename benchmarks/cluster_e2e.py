@@ -126,6 +126,7 @@ def run_args(
         timeout_s=args.timeout_s + STOP_S,
         hardware=hardware,
         launcher=launcher(args, link_mbit),
+        quick_calibration=args.quick_calibration,
         out=args.hardware_dir / f"cluster_e2e_{model_label(model)}_{rate_label(link_mbit)}.md",
     )
 
@@ -328,6 +329,7 @@ def command(args: argparse.Namespace) -> str:
     ]
     flags += [f"--out {display(args.out)}"] if args.out.resolve() != OUT else []
     flags += [f"--hardware-dir {display(args.hardware_dir)}"] if args.hardware_dir.resolve() != HARDWARE_DIR else []
+    flags += ["--quick-calibration"] if args.quick_calibration else []
     return f"PYTHONPATH=. .venv/bin/python benchmarks/cluster_e2e.py {' '.join(flags)}"
 
 
@@ -358,6 +360,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-pipeline", action="store_true", help="run the example without TrainPipelineSparseDist")
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--hardware-dir", type=Path, default=HARDWARE_DIR, help="where the calibrated hardware files go")
+    p.add_argument(
+        "--quick-calibration",
+        action="store_true",
+        help="calibrate with the example's --calibrate quick (fewer repeats: minutes less on slow links)",
+    )
     args = p.parse_args(argv)
     args.hardware_dir = args.hardware_dir.resolve()  # the runs' working directory is the repository's
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]

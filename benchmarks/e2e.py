@@ -103,7 +103,8 @@ def calibrate(args: argparse.Namespace, tmp: Path) -> Path:
     """The hardware file of one calibration job of the example on the runs' ranks (python -m
     embark_torchrec.calibrate's figures and the model's dense part), kept next to --out."""
     once = argparse.Namespace(**{**vars(args), "hardware": None, "steps": 2})
-    run_example("embark", once, tmp / "calibration.json", extra=("--calibrate",))
+    quick = ("quick",) if getattr(args, "quick_calibration", False) else ()  # cluster_e2e.py's --quick-calibration
+    run_example("embark", once, tmp / "calibration.json", extra=("--calibrate", *quick))
     kept = args.out.with_suffix(".hardware.json")
     kept.write_text((tmp / "calibration.hardware.json").read_text())
     return kept
