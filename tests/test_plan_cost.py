@@ -223,16 +223,16 @@ def test_dense_all_reduce_is_priced_at_the_plans_allreduce_precision() -> None:
 
 
 def test_each_distinct_row_a_cell_touches_costs_update_ns_per_row() -> None:
-    """A TBE's backward and optimizer work per distinct row: a small Zipf table's cell touches (about) all its rows
+    """A TBE's backward and optimizer work per distinct row: a small table's cells touch (about) all its rows
     however many IDs the batch holds, a large table's about one row per ID; row slices share them by their rows,
     and the cost lands on each cell's holder."""
     spec = ModelSpec("m", 4096, (TableSpec("small", 300, 16, 30.0), TableSpec("large", 10_000_000, 16, 1.0)))
     hw = PRESETS["cpu-gloo"].with_overrides(update_ns_per_row=400.0)
     cost = CostModel(spec, Topology(4, 2, hw))
     small = cost.rows_touched("small", (0, 100, 300))
-    assert small == pytest.approx([100, 200], rel=1e-3)  # 122,880 Zipf draws over 300 rows hit every row
+    assert small == pytest.approx([100, 200], rel=1e-3)  # 122,880 draws over 300 rows hit every row
     large = cost.rows_touched("large", (0, 10_000_000))
-    assert large[0] == pytest.approx(4096, rel=1e-3)  # 4,096 draws over 10M uniform-hashed rows: nearly all distinct
+    assert large[0] == pytest.approx(4096, rel=1e-3)  # 4,096 draws over 10M rows: nearly all distinct
     split = TableLayout("rb", (0, 100, 300), (0, 16), ((1,), (2,)))
     without = CostModel(spec, Topology(4, 2, PRESETS["cpu-gloo"])).table_load("small", split)
     extra = cost.table_load("small", split).host_ms - without.host_ms
