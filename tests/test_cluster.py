@@ -144,6 +144,19 @@ def _network_state() -> tuple[str, str]:
     return netns, "\n".join(sorted(line.split(":")[1] for line in links.splitlines()))
 
 
+def _processes_running(script: Path) -> list[str]:
+    """Command lines of the processes whose arguments name `script`."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:  # the process ended meanwhile
+            continue
+        if str(script).encode() in args:
+            found.append(b" ".join(args).decode(errors="replace"))
+    return found
+
+
 def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "embark_torchrec.cluster", "--nodes", str(NODES), "--gpus-per-node", "1",
             "--link-mbit", str(LINK_MBIT), *args]  # fmt: skip
@@ -194,8 +207,7 @@ def test_cli_interrupted_leaves_nothing(emulated: cluster.EmulatedCluster, tmp_p
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert _network_state() == before
-    leftover = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True).stdout
-    assert not leftover.strip(), leftover
+    assert not _processes_running(script)
 
 
 def test_refusals_name_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
