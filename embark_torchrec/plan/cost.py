@@ -253,6 +253,13 @@ class CostModel:
         sizes = np.diff(np.asarray(row_bounds, dtype=np.float64))
         return np.minimum(sizes, distinct * self.row_mass(name, row_bounds))
 
+    def update_ms(self, name: str, row_bounds: tuple[int, ...]) -> np.ndarray:
+        """Per row slice, the ms its holder spends in the backward's and optimizer's per-row work each step."""
+        per_row = self.topology.hardware.update_ns_per_row
+        if not per_row:  # the presets: no term, and no distinct-ID estimate to compute
+            return np.zeros(len(row_bounds) - 1)
+        return self.rows_touched(name, row_bounds) * per_row / 1e6
+
     def row_memory(self, name: str, width: int) -> float:
         """Bytes per row of a cell `width` columns wide: weights + optimizer state."""
         return width * (WEIGHT_BYTES + self.optimizer.bytes_per_element) + self.optimizer.bytes_per_row
@@ -356,8 +363,7 @@ class CostModel:
         mass = self.row_mass(name, rows)
         ub = layout.cluster == "ub"
         distinct = self.row_distinct(name, rows) if ub else None
-        per_row = self.topology.hardware.update_ns_per_row
-        updates_ms = self.rows_touched(name, rows) * per_row / 1e6 if per_row else np.zeros(len(rows) - 1)
+        updates_ms = self.update_ms(name, rows)
         widths = np.diff(layout.col_bounds)
         to_all, from_all = np.zeros(w), np.zeros(w)
         # every rank de-duplicates its IDs and expands the unique vectors back into its bags (UB), or
@@ -429,11 +435,7 @@ class CostModel:
         looked_up = (w * ids) if ub else (self.spec.batch_size * t.pooling * mass)
         lookup = feats * looked_up[:, None] * widths[None, :] * WEIGHT_BYTES * (1.0 + BACKWARD_COMPUTE_MULTIPLIER)
         per_id = feats * looked_up[:, None] * hw.lookup_ns_per_id / 1e6
-        updates = (
-            self.rows_touched(name, layout.row_bounds)[:, None] * hw.update_ns_per_row / 1e6
-            if hw.update_ns_per_row
-            else 0.0
-        )
+        updates = self.update_ms(name, layout.row_bounds)[:, None]
         return lookup / (hw.hbm_bw_gbps * 1e6) + per_id + updates + per_peer * peers_ms
 
     # ---- whole plans ----------------------------------------------------------------------
