@@ -100,8 +100,11 @@ def test_dp_allreduce_and_step_parts() -> None:
     assert (one_node.dp_intra, one_node.dp_inter) == (pytest.approx(2 * 7 / 8 * grad), 0.0)
     assert step.dense_ms == pytest.approx(4 / 1000 * hw.dense_ms_per_ksample)
     assert step.collective_ms == pytest.approx(hw.collective_us / 1e3)  # one: the DP group's own DDP all-reduce
+    # DDP all-reduces during the backward: the overlap is the all-reduce, up to the backward's share of the compute
+    backward = (step.lookup_ms + 4 / 1000 * hw.dense_ms_per_ksample) * 2 / 3
+    assert step.overlap_ms == pytest.approx(min(step.dp_allreduce_ms, backward)) and step.overlap_ms > 0
     assert step.step_ms == pytest.approx(
-        step.lookup_ms + step.comm_ms + step.collective_ms + step.dp_allreduce_ms + step.dense_ms
+        step.lookup_ms + step.comm_ms + step.collective_ms + step.dp_allreduce_ms + step.dense_ms - step.overlap_ms
     )
 
 

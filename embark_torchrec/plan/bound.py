@@ -1,10 +1,12 @@
 """A lower bound on the estimated step time of any plan of a model, under the cost model.
 
 The step is the slowest rank's lookups + the slowest rank's communication + collectives + DP
-all-reduce + dense. A maximum is at least the mean, and a rank's max(sent, received) at least
-their mean, so
+all-reduce + dense - the all-reduces' overlap with the backward (at most the backward's share h of
+the lookups and dense compute, and at most the all-reduces). A maximum is at least the mean, and a
+rank's max(sent, received) at least their mean, so with L = sum of lookups / W, C = sum of
+(sent + received) / 2 / W and D the dense compute
 
-    step >= sum of lookups / W  +  sum of (sent + received) / 2 / W  +  DP all-reduce  +  dense
+    step >= max(L + C + D,  (1 - h) (L + D) + C + DP all-reduce + dense all-reduce)  +  collectives
 
 (with host_cores, the lookups also take at least their sum / host_cores). The DP all-reduce takes
 its slower link's time (or both links' sum): at least any mix m x intra + (1 - m) x inter of them,
@@ -24,7 +26,7 @@ from typing import Mapping
 import numpy as np
 
 from .constraints import TableConstraints
-from .cost import CostModel, RankLoad
+from .cost import BACKWARD_COMPUTE_MULTIPLIER, CostModel, RankLoad
 from .groups import DATA_PARALLEL_COLLECTIVES, FLAT_COLLECTIVES, HIERARCHICAL_COLLECTIVES, UNIQUE_COLLECTIVES
 from .layout import TableLayout, WirePrecision
 
@@ -94,7 +96,7 @@ def step_lower_bound(
     hw = cost.topology.hardware
     w = cost.topology.world_size
     lookup_div = min(w, hw.host_cores) if hw.host_cores else w
-    options: list[np.ndarray] = []  # per table: [option, (balanced ms, DP intra ms, DP inter ms)]
+    options: list[np.ndarray] = []  # per table: [option, (lookup ms, traffic ms, DP intra ms, DP inter ms)]
     fixed_kinds: set[str] = set()
     least_group = 0.0  # the cheapest group some table must join
     for t in cost.spec.tables:
@@ -107,20 +109,26 @@ def step_lower_bound(
             for cluster in allowed_clusters(c):
                 wire = c.precision or precision.get(cluster, WirePrecision())
                 layouts += _candidates(cost, t.name, cluster, wire, c.min_cuts)
-        rows = []
-        for layout in layouts:
-            lookup, comm, intra_dp, inter_dp = _parts_ms(cost, cost.table_load(t.name, layout))
-            rows.append((lookup / lookup_div + comm / w, intra_dp, inter_dp))
-        options.append(np.array(rows))
+        rows = [_parts_ms(cost, cost.table_load(t.name, layout)) for layout in layouts]
+        options.append(np.array(rows) / np.array([lookup_div, w, 1.0, 1.0]))
         least_group = max(least_group, _least_group_ms(cost, allowed_clusters(c)))
-    # the DP all-reduce of the whole plan, a max (or a sum) of its intra- and inter-node times, is at
-    # least any mix of the two, which adds up table by table: the best of a few mixes is the bound
-    best = 0.0
-    for mix in _DP_MIXES:
-        weights = np.array([1.0, mix, 1.0 - mix])
-        best = max(best, sum(float((o @ weights).min()) for o in options))
     collectives = max(sum(cost.group_ms(k) for k in fixed_kinds), least_group)
-    return best + collectives + cost.step_cost(RankLoad.zeros(w)).dense_ms
+    idle = cost.step_cost(RankLoad.zeros(w))  # no table: the dense part alone
+    dense_compute = cost.local_batch / 1000.0 * hw.dense_ms_per_ksample
+    dense_allreduce = idle.dense_ms - dense_compute
+    # DDP's all-reduces hide behind the backward's share `hidden` of the compute, up to their length
+    # (StepCost.overlap_ms), so a step is at least its compute with nothing of the all-reduces ...
+    compute_only = sum(float(o[:, :2].sum(axis=1).min()) for o in options) + dense_compute
+    # ... and at least the all-reduces in full with the compute less its backward share; the DP all-reduce of
+    # the whole plan, a max (or a sum) of its intra- and inter-node times, is at least any mix m x intra +
+    # (1 - m) x inter of them, which adds up table by table: the best of a few mixes
+    hidden = BACKWARD_COMPUTE_MULTIPLIER / (1.0 + BACKWARD_COMPUTE_MULTIPLIER)
+    with_allreduce = 0.0
+    for mix in _DP_MIXES:
+        weights = np.array([1.0 - hidden, 1.0, mix, 1.0 - mix])
+        tables = sum(float((o @ weights).min()) for o in options)
+        with_allreduce = max(with_allreduce, tables + (1.0 - hidden) * dense_compute + dense_allreduce)
+    return max(compute_only, with_allreduce) + collectives
 
 
 def _least_group_ms(cost: CostModel, clusters: tuple[str, ...]) -> float:
