@@ -290,8 +290,9 @@ def make_plan(case: Case, model: nn.Module) -> Any:
         return planner.plan(model, [EmbeddingBagCollectionSharder(fused_params=fused)])
     if case.plan in ("embark_planner", "embark_planner_h100"):
         # dgx-h100 at free collectives and de-duplication: with its 47.6 us per collective and 0.23 ns per ID these tiny
-        # tables stay whole and reduction-based
-        h100 = PRESETS["dgx-h100"].with_overrides(collective_us=0.0, unique_ns_per_id=0.0)
+        # tables stay whole and reduction-based; and with no dense compute, behind whose backward DDP would hide the
+        # tiny tables' all-reduces and make them all data-parallel (the case is here to run our types)
+        h100 = PRESETS["dgx-h100"].with_overrides(collective_us=0.0, unique_ns_per_id=0.0, dense_ms_per_ksample=0.0)
         hardware = h100 if case.plan.endswith("h100") else None
         planner = EmbarkPlanner(topology=_topology(world_size), batch_size=BATCH_SIZE, hardware=hardware)
         return planner.plan(model, [EmbarkEmbeddingBagCollectionSharder(fused_params=fused)])
