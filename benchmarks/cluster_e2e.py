@@ -36,9 +36,9 @@ from embark_torchrec.plan.spec import ModelSpec
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from e2e import (  # noqa: E402 (e2e.py, next to this file, needs the path above; it puts train.py's on the path)
-    DEFAULT_PLANNERS,
     NO_UB,
     RUNS,
+    add_round_arguments,
     calibrate,
     cluster_counts,
     describe,
@@ -348,15 +348,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=",".join(f"{r:g}" for r in LINK_MBIT),
         help="comma-separated rates of each node's link, Mbit/s per direction",
     )
-    p.add_argument(
-        "--planners",
-        default=",".join(DEFAULT_PLANNERS),
-        help=f"comma-separated, of {', '.join(RUNS)}; each round runs them in that order ({NO_UB} needs embark)",
-    )
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="per rank")
-    p.add_argument("--timeout-s", type=float, default=TIMEOUT_S, help="per run (the calibration job too)")
+    add_round_arguments(p, batch_size=BATCH_SIZE, timeout_s=TIMEOUT_S, timeout_help="per run (the calibration job too)")
     p.add_argument("--no-pipeline", action="store_true", help="run the example without TrainPipelineSparseDist")
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--hardware-dir", type=Path, default=HARDWARE_DIR, help="where the calibrated hardware files go")

@@ -327,6 +327,19 @@ def round_flags(args: argparse.Namespace, timeout_s: float = TIMEOUT_S) -> list[
     return flags + (["--no-pipeline"] if args.no_pipeline else [])
 
 
+def add_round_arguments(p: argparse.ArgumentParser, batch_size: int, timeout_s: float, timeout_help: str) -> None:
+    """The run and round flags this benchmark and cluster_e2e.py share (round_flags writes them back)."""
+    p.add_argument(
+        "--planners",
+        default=",".join(DEFAULT_PLANNERS),
+        help=f"comma-separated, of {', '.join(RUNS)}; each round runs them in that order ({NO_UB} needs embark)",
+    )
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--batch-size", type=int, default=batch_size, help="per rank")
+    p.add_argument("--timeout-s", type=float, default=timeout_s, help=timeout_help)
+
+
 def command(args: argparse.Namespace) -> str:
     """This run's command line, every flag that changes it included (so the markdown can be reproduced)."""
     flags = [f"--model {args.model}"] if args.model else []
@@ -345,15 +358,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--world-size", type=int, default=4, help="ranks (torchrun's --nproc_per_node)")
     p.add_argument("--local-world-size", type=int, default=2, help="ranks per simulated node")
-    p.add_argument(
-        "--planners",
-        default=",".join(DEFAULT_PLANNERS),
-        help=f"comma-separated, of {', '.join(RUNS)}; each round runs them in that order ({NO_UB} needs embark)",
-    )
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--batch-size", type=int, default=512, help="per rank")
-    p.add_argument("--timeout-s", type=float, default=TIMEOUT_S, help="per run")
+    add_round_arguments(p, batch_size=512, timeout_s=TIMEOUT_S, timeout_help="per run")
     p.add_argument("--no-pipeline", action="store_true", help="run the example without TrainPipelineSparseDist")
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--plot", type=Path, help="PNG of per-rank estimated load and measured bytes of each plan")
