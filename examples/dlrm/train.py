@@ -488,18 +488,19 @@ class Trainer:
         self.planner_name = "file" if args.plan_in else args.planner
         sharding_plan, plan, plan_s = make_plan(args, model, spec, topology, world, sharder)
         self.estimated_step_ms = self._report(plan, plan_s, spec, topology)
+        allreduce = allreduce_precision(args)  # every rank's, where only rank 0 holds the plan
         self.model = DistributedModelParallel(
             model,
             env=ShardingEnv.from_process_group(dist.group.WORLD),
             plan=sharding_plan,
             sharders=[sharder],
             device=world.device,
-            data_parallel_wrapper=data_parallel_wrapper(allreduce_precision(args)),
+            data_parallel_wrapper=data_parallel_wrapper(allreduce),
         )
         replicated = dict(in_backward_optimizer_filter(self.model.named_parameters()))
         # what DDP all-reduces every step: the dense part's and data-parallel tables' gradients, not counted by stats
         elements = sum(p.numel() for p in replicated.values())
-        self.allreduce_bytes = int(elements * ELEMENT_BYTES[allreduce_precision(args)])
+        self.allreduce_bytes = int(elements * ELEMENT_BYTES[allreduce])
         dense = KeyedOptimizerWrapper(
             replicated, lambda params: torch.optim.Adagrad(params, lr=args.dense_lr, eps=DEFAULTS.adagrad_eps)
         )
