@@ -50,7 +50,6 @@ MIN_BURST_BYTES = 32 * 1024  # above one GSO-less packet; tbf splits larger GSO 
 LOOPBACK_MIN_BURST_BYTES = 128 * 1024  # the loopback's 64 KiB MTU must fit the bucket
 TERM_GRACE_S = 10.0  # SIGTERM to SIGKILL when stopping the agents
 IFNAME_ENV = "EMBARK_CLUSTER_IFNAME"  # set for every rank: its node's veth (where the kernel counts inter-node bytes)
-NODE_ENV = "EMBARK_CLUSTER_NODE"
 TIMEOUT_EXIT = 124
 
 
@@ -225,7 +224,7 @@ class EmulatedCluster:
         env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")}
         dev = self.ifname(node)
         env.update(GLOO_SOCKET_IFNAME=dev, NCCL_SOCKET_IFNAME=dev, TP_SOCKET_IFNAME=dev)
-        env.update({IFNAME_ENV: dev, NODE_ENV: str(node)})
+        env[IFNAME_ENV] = dev
         return env
 
     def run(
@@ -387,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if not keep and code == 0:
             shutil.rmtree(log_dir, ignore_errors=True)
-        elif code != 0 and not keep:
+        elif not keep:
             print(f"embark_torchrec.cluster: the nodes' output is kept in {log_dir}", file=sys.stderr)
     return code
 
