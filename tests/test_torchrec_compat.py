@@ -1,10 +1,13 @@
 """The TorchRec and fbgemm internals torchrec_compat.py relies on still exist on the installed versions, so a
-TorchRec upgrade that moves them fails here, by name, rather than deep inside a training step."""
+TorchRec upgrade that moves them fails here, by name, rather than deep inside a training step.  Run on every
+TorchRec we support: 1.8 by `make test`, 1.9 by `make test-torchrec19`."""
 
 from __future__ import annotations
 
 import inspect
 
+import fbgemm_gpu
+import pytest
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
@@ -14,7 +17,12 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 )
 from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
 
-from embark_torchrec.sharding.torchrec_compat import VARIABLE_BATCH_OPTIMIZERS, lookup_tbes, supports_variable_batch
+from embark_torchrec.sharding.torchrec_compat import (
+    VARIABLE_BATCH_OPTIMIZERS,
+    fbgemm_release,
+    lookup_tbes,
+    supports_variable_batch,
+)
 
 
 def _tbe(optimizer: EmbOptimType) -> SplitTableBatchedEmbeddingBagsCodegen:
@@ -24,12 +32,22 @@ def _tbe(optimizer: EmbOptimType) -> SplitTableBatchedEmbeddingBagsCodegen:
 
 
 def test_tbe_optimizer_attribute_and_variable_batch_rule() -> None:
-    """fbgemm's TBE keeps its optimizer in `optimizer`, and its variable-batch check lists exactly the optimizers
-    we treat as variable-batch capable (read off the source of the check)."""
+    """fbgemm's TBE keeps its optimizer in `optimizer`, and the installed fbgemm's variable-batch check lists exactly
+    the optimizers we treat as variable-batch capable for its release (read off the source of the check)."""
     assert _tbe(EmbOptimType.EXACT_SGD).optimizer == EmbOptimType.EXACT_SGD
     source = inspect.getsource(SplitTableBatchedEmbeddingBagsCodegen._generate_vbe_metadata)
     listed = {o for o in EmbOptimType if f"OptimType.{o.name}," in source or f"OptimType.{o.name}\n" in source}
-    assert listed == set(VARIABLE_BATCH_OPTIMIZERS)
+    assert listed == set(VARIABLE_BATCH_OPTIMIZERS), fbgemm_gpu.__version__
+
+
+def test_fbgemm_release_reads_major_and_minor() -> None:
+    """The release that picks fbgemm's internals is read off version strings as fbgemm's wheels spell them, and one
+    that is not a version is refused by name rather than read as some release."""
+    assert fbgemm_release("1.8.0") == (1, 8)
+    assert fbgemm_release("1.9.0+cpu") == (1, 9)
+    assert fbgemm_release("1.10.1") == (1, 10)
+    with pytest.raises(ValueError, match="'nightly'"):
+        fbgemm_release("nightly")
 
 
 def test_grouped_lookup_keeps_its_tbes_in_emb_modules() -> None:

@@ -6,21 +6,42 @@ still exists on the installed TorchRec.
 
 from __future__ import annotations
 
+import re
 from typing import Any, List
 
+import fbgemm_gpu
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 # fbgemm's TBE accepts variable batch sizes per feature only with these optimizers
-# (SplitTableBatchedEmbeddingBagsCodegen._generate_vbe_metadata asserts it)
+# (SplitTableBatchedEmbeddingBagsCodegen._generate_vbe_metadata asserts it), keyed by the fbgemm release
+# whose check first lists them.
+_VARIABLE_BATCH_OPTIMIZERS_SINCE = {
+    (1, 8): (
+        "EXACT_ROWWISE_ADAGRAD",
+        "EXACT_SGD",
+        "ENSEMBLE_ROWWISE_ADAGRAD",
+        "EMAINPLACE_ROWWISE_ADAGRAD",
+        "NONE",
+        "ADAM",
+    ),
+    (1, 9): ("ROWWISE_RMSPROP_AR",),
+}
+
+
+def fbgemm_release(version: str) -> tuple[int, int]:
+    """fbgemm_gpu's major and minor release in a version string ("1.9.0+cpu" -> (1, 9)), which decides the
+    internals it has."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None:
+        raise ValueError(f"fbgemm_gpu version {version!r} does not start with <major>.<minor>")
+    return int(match.group(1)), int(match.group(2))
+
+
 VARIABLE_BATCH_OPTIMIZERS = frozenset(
-    {
-        EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-        EmbOptimType.EXACT_SGD,
-        EmbOptimType.ENSEMBLE_ROWWISE_ADAGRAD,
-        EmbOptimType.EMAINPLACE_ROWWISE_ADAGRAD,
-        EmbOptimType.NONE,
-        EmbOptimType.ADAM,
-    }
+    EmbOptimType[name]
+    for since, names in _VARIABLE_BATCH_OPTIMIZERS_SINCE.items()
+    if since <= fbgemm_release(fbgemm_gpu.__version__)
+    for name in names
 )
 
 
