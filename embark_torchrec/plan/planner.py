@@ -99,9 +99,9 @@ def _sharders_accept(module: Any, sharders: list[Any]) -> bool:
 def _collection(module: Any) -> Any:
     """The table collection a module plans: an EmbeddingBagCollection or EmbeddingCollection itself,
     or the EmbeddingBagCollection inside a managed-collision one (None for other modules)."""
-    from ..sharding.torchrec_compat import managed_collision_embedding_bags
+    from ..sharding.torchrec_compat import managed_collision_embeddings
 
-    inner = managed_collision_embedding_bags(module)
+    inner = managed_collision_embeddings(module)
     if inner is not None:
         return inner
     return module if hasattr(module, "embedding_bag_configs") or hasattr(module, "embedding_configs") else None

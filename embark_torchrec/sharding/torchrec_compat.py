@@ -55,12 +55,13 @@ def has_rowwise_state(optimizer: Any) -> bool:
     return "ROWWISE" in name and name in EmbOptimType.__members__
 
 
-def managed_collision_embedding_bags(module: Any) -> Any:
-    """The EmbeddingBagCollection inside a ManagedCollisionEmbeddingBagCollection (its
+def managed_collision_embeddings(module: Any) -> Any:
+    """The EmbeddingBagCollection or EmbeddingCollection inside a managed-collision module
+    (ManagedCollisionEmbeddingBagCollection or ManagedCollisionEmbeddingCollection: its
     `_embedding_module`), or None for any other module."""
-    from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
+    from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
 
-    return module._embedding_module if isinstance(module, ManagedCollisionEmbeddingBagCollection) else None
+    return module._embedding_module if isinstance(module, BaseManagedCollisionEmbeddingCollection) else None
 
 
 def in_backward_optimizers(module: Any) -> List[Any]:
