@@ -4,6 +4,7 @@ TorchRec we support: 1.8 by `make test`, 1.9 by `make test-torchrec19`."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import fbgemm_gpu
@@ -101,7 +102,8 @@ def test_qcomms_codecs_keep_their_precision() -> None:
 def test_collective_and_sharding_internals_exist() -> None:
     """The private attributes torchrec_compat reads off TorchRec's collective modules, output dists and shardings
     are still set where it expects them (read off TorchRec's source, as they need process groups to build)."""
-    from torchrec.distributed.dist_data import KJTAllToAll, PooledEmbeddingsAllToAll
+    from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbedding, BaseBatchedEmbeddingBag
+    from torchrec.distributed.dist_data import KJTAllToAll, PooledEmbeddingsAllToAll, PooledEmbeddingsReduceScatter
     from torchrec.distributed.sharding.tw_sharding import BaseTwEmbeddingSharding, TwPooledEmbeddingDist
     from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingDist
 
@@ -112,11 +114,35 @@ def test_collective_and_sharding_internals_exist() -> None:
     assert "self._pg" in kjt and "self._splits" in kjt
     pooled = source(PooledEmbeddingsAllToAll.__init__)
     assert "self._pg" in pooled and "self._codecs" in pooled and "self._dim_sum_per_rank" in pooled
+    reduce_scatter = source(PooledEmbeddingsReduceScatter.__init__)
+    assert "self._pg" in reduce_scatter and "self._codecs" in reduce_scatter
+    for kernel in (BaseBatchedEmbeddingBag, BaseBatchedEmbedding):  # what a grouped lookup's _emb_modules hold
+        assert isinstance(inspect.getattr_static(kernel, "emb_module"), property), kernel
     assert "self._dist" in source(TwPooledEmbeddingDist.__init__)
     assert callable(TwPooledEmbeddingDist._create_output_dist_module)
     assert "self._intra_dist" in source(TwRwPooledEmbeddingDist.__init__)
     assert callable(TwRwPooledEmbeddingDist._create_output_dist_modules)
     assert callable(BaseTwEmbeddingSharding._emb_dim_per_rank_per_feature)
+
+
+def test_in_backward_optimizers_and_managed_collision_inner_module() -> None:
+    """apply_optimizer_in_backward leaves each parameter's optimizer class in `_optimizer_classes`, which
+    in_backward_optimizers maps to fbgemm's type through TorchRec's own mapping; a managed-collision module keeps the
+    collection it wraps in `_embedding_module`."""
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    from embark_torchrec.sharding.torchrec_compat import in_backward_optimizers
+
+    table = EmbeddingBagConfig(name="t0", num_embeddings=10, embedding_dim=4, feature_names=["f0"])
+    ebc = EmbeddingBagCollection(tables=[table], device=torch.device("meta"))
+    assert in_backward_optimizers(ebc) == []
+    apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": 0.1})
+    assert in_backward_optimizers(ebc) == [EmbOptimType.EXACT_ROWWISE_ADAGRAD]
+    assert "self._embedding_module" in inspect.getsource(BaseManagedCollisionEmbeddingCollection.__init__)
 
 
 def test_fused_optimizer_sizes_grid_rowwise_state_by_node_group() -> None:
@@ -171,13 +197,23 @@ def test_sharded_ec_state_our_subclass_reads() -> None:
     from torchrec.distributed.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
     from torchrec.distributed.embedding_sharding import EmbeddingSharding
     from torchrec.distributed.sharding.tw_sharding import BaseTwEmbeddingSharding
+    from torchrec.modules.embedding_configs import EmbeddingConfig
 
     def sets(cls: type, attr: str) -> bool:
         source = "".join(inspect.getsource(c) for c in cls.__mro__ if c.__module__.startswith("torchrec"))
         return f"self.{attr} =" in source or f"self.{attr}:" in source
 
-    for attr in ("_embedding_configs", "_sharding_type_to_sharding", "_input_dists", "_output_dists", "_lookups"):
+    for attr in (
+        "_embedding_configs",
+        "_sharding_type_to_sharding",
+        "_input_dists",
+        "_output_dists",
+        "_lookups",
+        "_model_parallel_name_to_local_shards",
+        "_table_name_to_config",
+    ):
         assert sets(ShardedEmbeddingCollection, attr), attr
+    assert "use_virtual_table" in {f.name for f in dataclasses.fields(EmbeddingConfig)}
     assert sets(EmbeddingCollectionSharder, "_use_index_dedup")
     for attr in ("_env", "_grouped_embedding_configs"):
         assert sets(BaseTwEmbeddingSharding, attr) or sets(EmbeddingSharding, attr), attr
