@@ -64,6 +64,12 @@ def managed_collision_embeddings(module: Any) -> Any:
     return module._embedding_module if isinstance(module, BaseManagedCollisionEmbeddingCollection) else None
 
 
+def storage_reservation_share(reservation: Any) -> Any:
+    """The share of device memory a TorchRec storage reservation keeps free (`_percentage`, which
+    HeuristicalStorageReservation and FixedPercentageStorageReservation hold), 0.0 for one without."""
+    return getattr(reservation, "_percentage", 0.0)
+
+
 def in_backward_optimizers(module: Any) -> List[Any]:
     """The fused optimizers apply_optimizer_in_backward gave the module's parameters (TorchRec keeps
     them on each parameter as `_optimizer_classes`), as fbgemm types (None for one it has no type for)."""
