@@ -1,11 +1,16 @@
-"""Plan quality: EMBark's estimated step time against TWRW and TorchRec's default planner.
+"""Plan quality: EMBark's estimated step time against an independent search, TWRW and TorchRec's default planner.
 
-All three plans of a case are scored by the same CostModel.evaluate, so the speedups measure the
-planners, not differences between cost models. How close EMBark's search comes to the best plan is
-shown twice: against the same search with a 20x larger improvement budget (--long-factor), and
-against a lower bound on any plan's step (bound.step_lower_bound). TorchRec's planner takes minutes on the large cases,
-so it runs in a subprocess under a time limit, and every plan it finishes is cached in
-benchmarks/cache/ (committed) so that the table regenerates in seconds.
+Every plan of a case is scored by the same CostModel.evaluate, so the ratios measure the planners,
+not differences between cost models. How close EMBark's greedy search comes to the best plan is
+shown against the yardstick (benchmarks/yardstick.py: simulated annealing over whole-table re-cuts,
+node confinement, cluster and group changes and cell moves, from the greedy's plan, TWRW, TorchRec's
+plan and a random one; it shares only the cost model with the planner) and against a lower bound on
+any plan's step (bound.step_lower_bound). Per plan, the busiest rank's embedding communication over
+the average rank's is reported too. The cases are the public models (dcnv2, t180, t200, t510) and
+adversarial ones (benchmarks/models/, written by make_adversarial.py); a case is MODEL@W or
+MODEL@WxL (L GPUs per node; default --local-world-size), its global batch --batch-size rounded down
+to a multiple of W. TorchRec's planner takes minutes on the large cases, so it runs in a subprocess
+under a time limit, and every plan it finishes is cached in benchmarks/cache/ (committed).
 
     PYTHONPATH=. python benchmarks/plan_quality.py --out benchmarks/plan_quality.md
 """
@@ -34,16 +39,21 @@ from embark_torchrec.sharding.torchrec_plans import torchrec_default_plan
 from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.layout import Plan
 from embark_torchrec.plan.plan_model import plan_model
-from embark_torchrec.plan.search import SearchConfig
-from embark_torchrec.plan.spec import ModelSpec, builtin_model
+from embark_torchrec.plan.spec import ModelSpec, builtin_model, load_model_spec
 from embark_torchrec.plan.topology import DEFAULT_HARDWARE, PRESETS, Hardware, Topology
+from yardstick import Yardstick, YardstickConfig, YardstickResult, comm_imbalance, plan_differences
 
-CACHE_DIR = Path(__file__).resolve().parent / "cache"
+BENCHMARKS = Path(__file__).resolve().parent
+CACHE_DIR = BENCHMARKS / "cache"
+MODELS_DIR = BENCHMARKS / "models"
+PUBLIC = ("dcnv2", "t180", "t200", "t510")
+ADVERSARIAL = ("skewed_dcnv2@24", "skewed_dcnv2@128", "tiny_big@16x4", "tiny_big@64", "mixed300@32", "mixed300@96")
+DEFAULT_CASES = tuple(f"{m}@{w}" for m in PUBLIC for w in (64, 128)) + ADVERSARIAL
 # Extra seconds the TorchRec subprocess gets to import torch and torchrec before its limit counts;
 # a plan that still took longer than the limit is reported as timed out (but cached as finished).
 IMPORT_GRACE_S = 30.0
 SLOW_EMBARK_S = 60.0
-LONG_FACTOR = 20  # the long search's improvement budget, in default budgets
+YARDSTICK_EVALUATIONS = 40000
 
 
 @dataclass(frozen=True)
@@ -72,31 +82,12 @@ class Baseline:
 
 @dataclass(frozen=True)
 class Scored:
-    """A plan's estimated step time and whether some rank is over the per-rank memory cap."""
+    """A plan's estimated step time, whether some rank is over the per-rank memory cap, and the
+    busiest rank's embedding communication over the average rank's (yardstick.comm_imbalance)."""
 
     ms: float
     over_memory: bool
-
-
-@dataclass(frozen=True)
-class Case:
-    model: str
-    world_size: int
-    embark: Scored | None  # None when embark's planner raised; embark_error says why
-    embark_error: str
-    embark_s: float
-    long_search: Scored | None  # the same search with --long-factor times the improvement budget
-    bound_ms: float
-    twrw: Scored
-    torchrec: Baseline
-    torchrec_scored: Scored | None
-
-    def speedup(self, baseline: Scored | None) -> float | None:
-        return baseline.ms / self.embark.ms if baseline and self.embark else None
-
-    def long_ratio(self) -> float | None:
-        """embark's step over the long search's: how much a longer search would still gain."""
-        return self.embark.ms / self.long_search.ms if self.embark and self.long_search else None
+    comm_ratio: float
 
 
 def short_reason(e: BaseException, width: int = 80) -> str:
@@ -223,58 +214,122 @@ def torchrec_baseline(
 # --- the cases and the table -----------------------------------------------------------------------
 
 
-def run_case(model: str, world_size: int, args: argparse.Namespace) -> Case:
-    spec = builtin_model(model).with_batch_size(args.batch_size)
-    topology = Topology(world_size, args.local_world_size, PRESETS[args.hardware])
+@dataclass(frozen=True)
+class CaseSpec:
+    """MODEL@W or MODEL@WxL: a model (built-in, or benchmarks/models/MODEL.json) on W GPUs in nodes of L."""
+
+    model: str
+    world_size: int
+    local_world_size: int
+
+    @classmethod
+    def parse(cls, text: str, local_world_size: int) -> "CaseSpec":
+        model, at, world = text.partition("@")
+        ws, x, lws = world.partition("x")
+        if not at or not model or not ws.isdigit() or (x and not lws.isdigit()):
+            raise argparse.ArgumentTypeError(f"case {text!r}: expected MODEL@W or MODEL@WxL, e.g. tiny_big@16x4")
+        case = cls(model, int(ws), int(lws) if x else local_world_size)
+        if case.world_size % case.local_world_size:
+            raise argparse.ArgumentTypeError(f"case {text!r}: {case.local_world_size} GPUs per node do not divide {ws}")
+        return case
+
+    def __str__(self) -> str:
+        return f"{self.model}@{self.world_size}x{self.local_world_size}"
+
+    def spec(self, batch_size: int) -> ModelSpec:
+        """The model with the global batch rounded down to a multiple of the world size."""
+        path = MODELS_DIR / f"{self.model}.json"
+        spec = load_model_spec(path) if path.exists() else builtin_model(self.model)
+        return spec.with_batch_size(batch_size // self.world_size * self.world_size)
+
+
+@dataclass(frozen=True)
+class Case:
+    case: CaseSpec
+    batch_size: int
+    embark: Scored | None  # None when embark's planner raised; embark_error says why
+    embark_error: str
+    embark_s: float
+    yardstick: Scored | None  # None when embark's planner raised (its plan is a seed)
+    yardstick_s: float
+    yardstick_result: YardstickResult | None
+    differences: tuple[str, ...]  # where the yardstick's plan differs from embark's, heaviest first
+    bound_ms: float
+    twrw: Scored
+    torchrec: Baseline
+    torchrec_scored: Scored | None
+
+    def speedup(self, baseline: Scored | None) -> float | None:
+        return baseline.ms / self.embark.ms if baseline and self.embark else None
+
+    def yardstick_ratio(self) -> float | None:
+        """embark's step over the yardstick's: how much better a plan the cost model admits."""
+        return self.embark.ms / self.yardstick.ms if self.embark and self.yardstick else None
+
+
+def run_case(case: CaseSpec, args: argparse.Namespace) -> Case:
+    spec = case.spec(args.batch_size)
+    topology = Topology(case.world_size, case.local_world_size, PRESETS[args.hardware])
     cost = CostModel(spec, topology)
 
     def scored(plan: Plan) -> Scored:
         plan.validate(spec)
         step = cost.evaluate(plan)
-        return Scored(step.step_ms, bool(step.rank_memory.max() > topology.hbm_cap_bytes))
+        return Scored(step.step_ms, bool(step.rank_memory.max() > topology.hbm_cap_bytes), comm_imbalance(step))
 
-    start, embark, embark_error = time.perf_counter(), None, ""
+    start, embark_plan, embark, embark_error = time.perf_counter(), None, None, ""
     try:
-        embark = scored(plan_model(spec, topology).plan)
+        embark_plan = plan_model(spec, topology, progress=False).plan
+        embark = scored(embark_plan)
     except ValueError as e:  # PlanError, e.g. the model does not fit: a row to report, not a crash
         embark_error = short_reason(e)
     embark_s = time.perf_counter() - start
     if embark_s > SLOW_EMBARK_S:
-        print(f"  note: embark took {embark_s:.0f} s to plan {model} at {world_size} GPUs", file=sys.stderr)
-    long_search = None
-    if embark is not None and args.long_factor > 0:
-        budget = args.long_factor * SearchConfig().improve_evaluations
-        long_search = scored(plan_model(spec, topology, config=SearchConfig(improve_evaluations=budget)).plan)
-    twrw = scored(table_row_wise_plan(spec, topology))
-    baseline, cached = torchrec_baseline(model, spec, topology, args.torchrec_limit_s, args.refresh)
-    case = Case(
-        model,
-        world_size,
+        print(f"  note: embark took {embark_s:.0f} s to plan {case}", file=sys.stderr)
+    twrw_plan = table_row_wise_plan(spec, topology)
+    baseline, cached = torchrec_baseline(case.model, spec, topology, args.torchrec_limit_s, args.refresh)
+    yard, yard_s, differences = None, 0.0, ()
+    if embark_plan is not None:
+        config = YardstickConfig(evaluations=args.yardstick_evaluations, seed=args.yardstick_seed)
+        seeds = {"embark": embark_plan, "TWRW": twrw_plan, "TorchRec": baseline.plan}
+        yard = Yardstick(cost, config).run(seeds)
+        yard_s = yard.seconds
+        differences = tuple(plan_differences(cost, embark_plan, yard.plan))
+    result = Case(
+        case,
+        spec.batch_size,
         embark,
         embark_error,
         embark_s,
-        long_search,
+        scored(yard.plan) if yard else None,
+        yard_s,
+        yard,
+        differences,
         step_lower_bound(cost),
-        twrw,
+        scored(twrw_plan),
         baseline,
         scored(baseline.plan) if baseline.plan is not None else None,
     )
     print(
-        f"done {model} at {world_size} GPUs: "
-        + ", ".join(f"{k} {v}" for k, v in row(case, args).items() if k not in ("model", "GPUs"))
+        f"done {case}: "
+        + ", ".join(f"{k} {v}" for k, v in row(result, args).items() if k not in ("model", "GPUs"))
         + (" [TorchRec from cache]" if cached else ""),
         file=sys.stderr,
     )
-    return case
+    return result
 
 
 def fmt_ms(s: Scored | None) -> str:
-    return "" if s is None else f"{s.ms:.2f}" + (" (over memory)" if s.over_memory else "")
+    return "" if s is None else f"{s.ms:.3f}" + (" (over memory)" if s.over_memory else "")
 
 
 def fmt_speedup(case: Case, baseline: Scored | None) -> str:
     x = case.speedup(baseline)
     return "n/a" if x is None else f"{x:.2f}x" + ("*" if baseline.over_memory else "")
+
+
+def fmt_comm(s: Scored | None) -> str:
+    return "n/a" if s is None else f"{s.comm_ratio:.2f}"
 
 
 def row(case: Case, args: argparse.Namespace) -> dict[str, str]:
@@ -286,36 +341,45 @@ def row(case: Case, args: argparse.Namespace) -> dict[str, str]:
         "crashed": f"crashed: {tr.reason}",
     }[tr.status]
     torchrec_s = f"> {args.torchrec_limit_s:g} s" if tr.status == "timeout" else f"{tr.seconds:.1f}"
+    ratio = case.yardstick_ratio()
+    c = case.case
     return {
-        "model": case.model,
-        "GPUs": str(case.world_size),
+        "model": c.model,
+        "GPUs": f"{c.world_size} ({c.local_world_size}/node)",
         "embark ms": fmt_ms(case.embark) or f"failed: {case.embark_error}",
-        "long search ms": fmt_ms(case.long_search) or "n/a",
-        "embark / long search": "n/a" if case.long_ratio() is None else f"{case.long_ratio():.3f}",
-        "bound ms": f"{case.bound_ms:.2f}",
+        "yardstick ms": fmt_ms(case.yardstick) or "n/a",
+        "embark / yardstick": "n/a" if ratio is None else f"{ratio:.3f}",
+        "bound ms": f"{case.bound_ms:.3f}",
         "TWRW ms": fmt_ms(case.twrw),
         "TorchRec ms": torchrec_ms,
-        "speedup vs TWRW": fmt_speedup(case, case.twrw),
-        "speedup vs TorchRec": fmt_speedup(case, case.torchrec_scored),
-        "embark plan s": f"{case.embark_s:.1f}",
-        "TorchRec plan s": torchrec_s,
+        "vs TWRW": fmt_speedup(case, case.twrw),
+        "vs TorchRec": fmt_speedup(case, case.torchrec_scored),
+        "comm max/avg: embark": fmt_comm(case.embark),
+        "yardstick": fmt_comm(case.yardstick),
+        "TWRW": fmt_comm(case.twrw),
+        "TorchRec": fmt_comm(case.torchrec_scored),
+        "embark s": f"{case.embark_s:.1f}",
+        "yardstick s": f"{case.yardstick_s:.0f}",
+        "TorchRec s": torchrec_s,
     }
+
+
+def geomean(xs: list[float]) -> float | None:
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
 
 
 def geomean_speedup(cases: list[Case], pick: str) -> tuple[float | None, int]:
     """Geometric mean of embark's speedup over the cases whose baseline plan exists and fits."""
-    xs = [c.speedup(b) for c in cases if (b := getattr(c, pick)) is not None and not b.over_memory]
-    return (math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None), len(xs)
+    xs = [c.speedup(b) for c in cases if (b := getattr(c, pick)) is not None and not b.over_memory and c.embark]
+    return geomean(xs), len(xs)
 
 
 def command(args: argparse.Namespace) -> str:
     argv = [
         "python",
         "benchmarks/plan_quality.py",
-        "--models",
-        ",".join(args.models),
-        "--world-sizes",
-        ",".join(map(str, args.world_sizes)),
+        "--cases",
+        ",".join(args.case_names),
         "--local-world-size",
         str(args.local_world_size),
         "--batch-size",
@@ -324,8 +388,64 @@ def command(args: argparse.Namespace) -> str:
         args.hardware,
         "--torchrec-limit-s",
         f"{args.torchrec_limit_s:g}",
-    ] + (["--long-factor", str(args.long_factor)] if args.long_factor != LONG_FACTOR else [])
+        "--yardstick-evaluations",
+        str(args.yardstick_evaluations),
+        "--yardstick-seed",
+        str(args.yardstick_seed),
+    ]
     return "PYTHONPATH=. " + shlex.join(argv + (["--out", args.out] if args.out else []))
+
+
+def acceptance(cases: list[Case]) -> list[str]:
+    """Issue 26's acceptance, criterion by criterion, with the cases that miss it."""
+    ratios = [(r, c) for c in cases if (r := c.yardstick_ratio()) is not None]
+    lines = []
+    if ratios:
+        worst, wc = max(ratios, key=lambda rc: rc[0])
+        mean = sum(r for r, _ in ratios) / len(ratios)
+        over = [str(c.case) for r, c in ratios if r > 1.03]
+        lines.append(
+            f"- embark / yardstick <= 1.03 on every case: worst {worst:.3f} ({wc.case}), "
+            + (f"over on {len(over)} of {len(ratios)}: {', '.join(over)}" if over else "met")
+            + f"; mean {mean:.3f} (<= 1.02: {'met' if mean <= 1.02 else 'not met'})."
+        )
+    for name, pick in (("TWRW", "twrw"), ("TorchRec", "torchrec_scored")):
+        pairs = [(x, c) for c in cases if (x := c.speedup(getattr(c, pick))) is not None]
+        behind = [f"{c.case} ({x:.2f}x)" for x, c in pairs if x < 1.0]
+        lines.append(
+            f"- embark >= 1.0x {name} ({len(pairs)} cases with a plan): "
+            + (f"behind on {', '.join(behind)}" if behind else "met")
+            + "."
+        )
+    adversarial = [c for c in cases if c.embark and (MODELS_DIR / f"{c.case.model}.json").exists()]
+    if adversarial:
+        over = [f"{c.case} ({c.embark.comm_ratio:.2f})" for c in adversarial if c.embark.comm_ratio > 1.10]
+        lines.append(
+            "- embark's busiest / average rank communication <= 1.10 on the adversarial models: "
+            + (f"over on {', '.join(over)}" if over else "met")
+            + "."
+        )
+    return lines
+
+
+def where_yardstick_wins(cases: list[Case]) -> list[str]:
+    """Per case where the yardstick's plan is faster: the step's parts of both plans and the tables
+    whose layouts differ most."""
+    lines = []
+    for c in cases:
+        ratio = c.yardstick_ratio()
+        if ratio is None or ratio <= 1.0005:
+            continue
+        y = c.yardstick_result
+        lines.append(f"- **{c.case}** ({ratio:.3f}x): " + "; ".join(c.differences[:1]))
+        lines += [f"  - {d}" for d in c.differences[1:]]
+        moves = ", ".join(f"{k} {n}" for k, n in sorted(y.improved.items(), key=lambda kv: -kv[1]))
+        seeds = ", ".join(
+            f"{s.name} {s.start_ms:.3f} -> {s.end_ms:.3f}" if s.start_ms is not None else f"{s.name}: {s.reason}"
+            for s in y.seeds
+        )
+        lines.append(f"  - seeds (ms, start -> annealed): {seeds}; new-best moves: {moves}")
+    return lines
 
 
 def markdown(cases: list[Case], args: argparse.Namespace) -> str:
@@ -333,10 +453,13 @@ def markdown(cases: list[Case], args: argparse.Namespace) -> str:
     header = list(rows[0]) if rows else []
     lines = [
         f"Estimated step time (ms) of each plan, all scored by embark's CostModel: hardware {args.hardware}, "
-        f"global batch {args.batch_size}, {args.local_world_size} GPUs per node; TorchRec's planner limited to "
-        f"{args.torchrec_limit_s:g} s per case. Speedup = baseline ms / embark ms. Long search: embark's search "
-        f"with {args.long_factor}x the improvement budget (SearchConfig.improve_evaluations); bound: no plan's "
-        "step under the cost model is below it (bound.step_lower_bound).",
+        f"global batch {args.batch_size} (rounded down to a multiple of the GPUs); TorchRec's planner limited to "
+        f"{args.torchrec_limit_s:g} s per case. vs X = X's ms / embark's ms. Yardstick: benchmarks/yardstick.py, "
+        f"simulated annealing priced by the same cost model ({args.yardstick_evaluations} priced candidates, seed "
+        f"{args.yardstick_seed}), seeded with embark's plan, TWRW, TorchRec's (where it finished) and a random plan; "
+        "bound: no plan's step under the cost model is below it (bound.step_lower_bound). comm max/avg: the busiest "
+        "rank's embedding communication (intra + inter-node ms) over the average rank's. Public models: "
+        f"{', '.join(PUBLIC)}; adversarial: benchmarks/models/ (make_adversarial.py).",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "|".join("---" for _ in header) + "|",
@@ -347,33 +470,35 @@ def markdown(cases: list[Case], args: argparse.Namespace) -> str:
     for name, pick in (("TWRW", "twrw"), ("TorchRec", "torchrec_scored")):
         g, n = geomean_speedup(cases, pick)
         means.append(f"{g:.2f}x vs {name} ({n} of {len(cases)} cases)" if g else f"n/a vs {name}")
-    large = [c.speedup(c.twrw) for c in cases if c.world_size >= 64 and c.twrw is not None and c.speedup(c.twrw)]
-    if large:
-        means.append(f"mean {sum(large) / len(large):.2f}x vs TWRW at 64+ GPUs ({len(large)} cases)")
+    over_bound = geomean([c.embark.ms / c.bound_ms for c in cases if c.embark and c.bound_ms > 0])
+    yard_bound = geomean([c.yardstick.ms / c.bound_ms for c in cases if c.yardstick and c.bound_ms > 0])
     lines += [
         "Geometric-mean speedup of embark: " + ", ".join(means) + ". "
         "(over memory): some rank needs more than the per-rank cap; * marks a speedup against such a plan, "
-        "left out of the geometric mean.",
+        "left out of the geometric mean."
+        + (
+            f" Over the lower bound (geometric mean): embark {over_bound:.2f}x, the yardstick {yard_bound:.2f}x."
+            if over_bound and yard_bound
+            else ""
+        ),
         "",
-        *long_search_summary(cases),
-        f"Reproduce: `{command(args)}`",
+        "Issue 26's acceptance:",
+        "",
+        *acceptance(cases),
+        "",
     ]
+    wins = where_yardstick_wins(cases)
+    if wins:
+        lines += [
+            "Where the yardstick's plan is faster (the step's parts, sharding groups, and the tables whose layouts "
+            "differ, by their load on the ranks; a layout reads cluster rows x columns, hier(archical), the nodes "
+            "and ranks its cells use):",
+            "",
+            *wins,
+            "",
+        ]
+    lines.append(f"Reproduce: `{command(args)}`")
     return "\n".join(lines) + "\n"
-
-
-def long_search_summary(cases: list[Case]) -> list[str]:
-    """The worst case of embark against its long search, and the geometric mean over the bound."""
-    ratios = [(r, c) for c in cases if (r := c.long_ratio()) is not None]
-    if not ratios:
-        return []
-    worst, case = max(ratios, key=lambda rc: rc[0])
-    over_bound = [c.embark.ms / c.bound_ms for c in cases if c.embark and c.bound_ms > 0]
-    mean = math.exp(sum(map(math.log, over_bound)) / len(over_bound))
-    return [
-        f"Embark within {worst:.3f}x of its long search on every case (worst: {case.model} at {case.world_size} "
-        f"GPUs); {mean:.2f}x the lower bound (geometric mean).",
-        "",
-    ]
 
 
 def as_json(cases: list[Case], args: argparse.Namespace) -> str:
@@ -382,13 +507,16 @@ def as_json(cases: list[Case], args: argparse.Namespace) -> str:
 
     out = [
         {
-            "model": c.model,
-            "world_size": c.world_size,
+            "case": str(c.case),
+            "batch_size": c.batch_size,
             "embark": scored(c.embark),
             "embark_error": c.embark_error,
             "embark_plan_s": c.embark_s,
-            "long_search": scored(c.long_search),
-            "embark_over_long_search": c.long_ratio(),
+            "yardstick": scored(c.yardstick),
+            "yardstick_s": c.yardstick_s,
+            "embark_over_yardstick": c.yardstick_ratio(),
+            "yardstick_seeds": [dataclasses.asdict(s) for s in c.yardstick_result.seeds] if c.yardstick_result else [],
+            "differences": list(c.differences),
             "bound_ms": c.bound_ms,
             "twrw": scored(c.twrw),
             "torchrec": scored(c.torchrec_scored),
@@ -403,33 +531,32 @@ def as_json(cases: list[Case], args: argparse.Namespace) -> str:
     return json.dumps({"command": command(args), "cases": out}, indent=1)
 
 
-def csv_list(kind: type) -> Any:
-    return lambda s: [kind(x) for x in s.split(",") if x]
-
-
 def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", type=csv_list(str), default=["dcnv2", "t180", "t200", "t510"])
-    p.add_argument("--world-sizes", type=csv_list(int), default=[8, 16, 64, 128])
-    p.add_argument("--local-world-size", type=int, default=8)
+    p.add_argument(
+        "--cases", default=",".join(DEFAULT_CASES), help="MODEL@W or MODEL@WxL, comma-separated (see the docstring)"
+    )
+    p.add_argument("--local-world-size", type=int, default=8, help="GPUs per node of a case that names none")
     p.add_argument("--batch-size", type=int, default=65536, help="global batch")
     p.add_argument("--hardware", default=DEFAULT_HARDWARE, choices=sorted(PRESETS))
     p.add_argument("--torchrec-limit-s", type=float, default=300.0, help="per-case limit on TorchRec's planner")
-    p.add_argument(
-        "--long-factor", type=int, default=LONG_FACTOR, help="the long search's budget in default budgets; 0: none"
-    )
+    p.add_argument("--yardstick-evaluations", type=int, default=YARDSTICK_EVALUATIONS, help="its budget per case")
+    p.add_argument("--yardstick-seed", type=int, default=0)
     p.add_argument("--refresh", action="store_true", help="rerun TorchRec's planner even when cached")
     p.add_argument("--out", help="also write the markdown table to this file")
     p.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     p.add_argument("--torchrec-worker", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.case_names = [x for x in args.cases.split(",") if x]
+    args.case_specs = [CaseSpec.parse(x, args.local_world_size) for x in args.case_names]
+    return args
 
 
 def main(argv: Iterable[str] | None = None) -> None:
     args = parse_args(argv)
     if args.torchrec_worker:
         return torchrec_worker(args.torchrec_worker)
-    cases = [run_case(m, ws, args) for m in args.models for ws in args.world_sizes]
+    cases = [run_case(c, args) for c in args.case_specs]
     table = markdown(cases, args)
     if args.out:
         Path(args.out).write_text(table)
