@@ -106,6 +106,7 @@ def test_collective_and_sharding_internals_exist() -> None:
     from torchrec.distributed.dist_data import KJTAllToAll, PooledEmbeddingsAllToAll, PooledEmbeddingsReduceScatter
     from torchrec.distributed.sharding.tw_sharding import BaseTwEmbeddingSharding, TwPooledEmbeddingDist
     from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingDist
+    from torchrec.distributed.types import Awaitable
 
     def source(obj: object) -> str:
         return inspect.getsource(obj)  # type: ignore[arg-type]
@@ -123,6 +124,7 @@ def test_collective_and_sharding_internals_exist() -> None:
     assert "self._intra_dist" in source(TwRwPooledEmbeddingDist.__init__)
     assert callable(TwRwPooledEmbeddingDist._create_output_dist_modules)
     assert callable(BaseTwEmbeddingSharding._emb_dim_per_rank_per_feature)
+    assert "_wait_impl" in Awaitable.__abstractmethods__  # what collectives.AllToAllAwaitable implements
 
 
 def test_in_backward_optimizers_and_managed_collision_inner_module() -> None:
@@ -219,3 +221,4 @@ def test_sharded_ec_state_our_subclass_reads() -> None:
         assert sets(BaseTwEmbeddingSharding, attr) or sets(EmbeddingSharding, attr), attr
     assert callable(getattr(ShardedEmbeddingCollection, "_embedding_dim_for_sharding_type"))
     assert callable(getattr(ShardedEmbeddingCollection, "_create_input_dist"))
+    assert callable(getattr(ShardedEmbeddingCollection, "_pre_load_state_dict_hook"))
