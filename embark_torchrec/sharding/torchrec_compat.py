@@ -222,6 +222,14 @@ def module_lookups(module: Any) -> List[Any]:
     return module._lookups
 
 
+def data_parallel_lookup_ddps(module: Any) -> List[Any]:
+    """The DDPs a sharded embedding module wraps its data-parallel shardings' lookups in (`_lookups`, a plain list,
+    so not among the module's submodules); none for a sharded module without lookups."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return [lookup for lookup in getattr(module, "_lookups", ()) if isinstance(lookup, DistributedDataParallel)]
+
+
 def mean_fixup_features(module: Any) -> Any:
     """TorchRec's MEAN fix-up for row-wise / table-row-wise tables: its features per pooling type
     (`_pooling_type_to_rs_features`), or None when the module has no such fix-up
@@ -271,3 +279,26 @@ def sharding_env(sharding: Any) -> Any:
 def sharding_grouped_configs(sharding: Any) -> List[Any]:
     """The grouped table configs a sharding's lookup takes (`_grouped_embedding_configs`)."""
     return sharding._grouped_embedding_configs
+
+
+# KJTAllToAll (distributed/dist_data.py) and what TrainPipelineSparseDist's forward of it returns
+# (KJTSplitsAllToAllMeta, distributed/embedding_sharding.py): what input_exchange.py reads.
+
+
+def input_dist_all_to_all(input_dist: Any) -> Any:
+    """The KJTAllToAll an input dist sends its KJT with (`_dist`, which TrainPipelineSparseDist also requires to be
+    one), or None for an input dist without one (data-parallel)."""
+    from torchrec.distributed.dist_data import KJTAllToAll
+
+    a2a = getattr(input_dist, "_dist", None)
+    return a2a if isinstance(a2a, KJTAllToAll) else None
+
+
+def kjt_stagger(a2a: Any) -> int:
+    """How a KJTAllToAll staggers what it receives (`_stagger`; table-row-wise: by node)."""
+    return int(a2a._stagger)
+
+
+def split_meta_input(meta: Any) -> Any:
+    """The KJT a KJTSplitsAllToAllMeta would send (`_input`)."""
+    return meta._input
