@@ -65,15 +65,23 @@ def from_torchrec(constraints: Mapping[str, Any] | None) -> dict[str, TableConst
     row cuts, column-wise, table-column-wise and grid column cuts, only grid both at once,
     table-wise neither (one cell on any rank); a list without table_wise (or data_parallel) asks
     for cuts: rows when a row type is listed, else columns, both for grid alone. min_partition is
-    the narrowest column slice; compute_kernels must list one our plans run (fused, or dense for
-    data-parallel). sharding_types that is not a list of strings, unknown type names and kernels
-    we cannot run are SpecErrors naming the table."""
+    the narrowest column slice; compute_kernels must list one our plans run: fused, or dense, which
+    in TorchRec runs data-parallel tables only, so that dense alone replicates the table (TorchRec's
+    train_dlrm_data_parallel.py says "replicate" so). sharding_types that is not a list of strings,
+    unknown type names, kernels we cannot run and a plain dict in place of a ParameterConstraints
+    (whose fields TorchRec's planner would not read either) are SpecErrors naming the table."""
     out: dict[str, TableConstraints] = {}
     for name, c in (constraints or {}).items():
         if isinstance(c, TableConstraints):
             out[name] = c
             continue
         with reading(SpecError, where=f"table {name!r}"):
+            if isinstance(c, Mapping):
+                raise FieldError(
+                    f"expected a TorchRec ParameterConstraints or an embark TableConstraints, got a plain "
+                    f"{type(c).__name__} {shown(c)}: write ParameterConstraints(**...) (TorchRec's planner reads "
+                    "its constraints' attributes, which a dict does not have)"
+                )
             raw = getattr(c, "sharding_types", None)
             types = list(texts(raw, "sharding_types", allow_empty=True)) if raw is not None else []
             unknown = sorted(set(types) - set(TORCHREC_SHARDING_TYPES))
@@ -82,7 +90,15 @@ def from_torchrec(constraints: Mapping[str, Any] | None) -> dict[str, TableConst
                 raise FieldError(f"unknown sharding types {unknown} in its ParameterConstraints; known: {known}")
             kernels = getattr(c, "compute_kernels", None)
             kernels = list(texts(kernels, "compute_kernels")) if kernels is not None else []
-            runnable = [k for k in kernels if k in PLANNED_KERNELS and (k != "dense" or "data_parallel" in types)]
+            replicable = not types or "data_parallel" in types
+            runnable = [k for k in kernels if k in PLANNED_KERNELS and (k != "dense" or replicable)]
+            if kernels and not runnable and "dense" in kernels:
+                raise FieldError(
+                    f"compute_kernels {kernels}: the dense kernel runs data-parallel tables only (as in TorchRec), "
+                    f"which its sharding_types {types} leave out; add 'data_parallel' to them to replicate the "
+                    "table, or list 'fused' to shard it",
+                    "compute_kernels",
+                )
             if kernels and not runnable:
                 raise FieldError(
                     f"compute_kernels {kernels} lists none the embark plans run ({PLANNED_KERNELS}); "

@@ -8,7 +8,10 @@ shards is planned in one search: their tables share the ranks' memory, lookups a
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
+import pickle
 from dataclasses import dataclass, replace
 import warnings
 from typing import Any, Mapping
@@ -18,14 +21,19 @@ from torchrec.distributed.types import ShardingPlan, ShardingPlanner
 
 from .constraints import TableConstraints, from_torchrec
 from .cost import CostModel, OptimizerMemory
-from .layout import SHARDING_TYPE_PREFIX, Plan, TableLayout, ceil_row_bounds
+from .fields import FieldError, boolean, choice, integer, reading, shown
+from .layout import SHARDING_TYPE_PREFIX, Plan, PlanError, TableLayout, ceil_row_bounds
 from .report import ScoredPlan, render
 from .plan_model import PlannedModel, plan_model
 from .search import SearchConfig
-from .spec import IdDistribution, ModelSpec
+from .spec import IdDistribution, ModelSpec, SpecError, module_tables
 from .hardware_file import resolve_hardware
 from .topology import CPU_HARDWARE, DEFAULT_HARDWARE, Hardware, Topology
 
+
+logger = logging.getLogger(__name__)
+
+COMPUTE_DEVICES = ("cpu", "cuda")  # the devices our plans place shards on
 
 # GPU names (torch.cuda.get_device_name) to our presets, first match wins
 _GPU_PRESETS = (("H200", "h200"), ("H100", "dgx-h100"), ("A100", "dgx-a100"))
@@ -62,7 +70,9 @@ def hardware_from_torchrec(base: Hardware, topology: Any, storage_reservation: A
         if topology.inter_host_bw != CROSS_NODE_BANDWIDTH:
             overrides["inter_node_bw_gbps"] = topology.inter_host_bw / 1e6
     if storage_reservation is not None:
-        percentage = float(getattr(storage_reservation, "_percentage", 0.0))
+        from ..sharding.torchrec_compat import storage_reservation_share
+
+        percentage = float(storage_reservation_share(storage_reservation))
         overrides["hbm_reserve_gb"] = percentage * overrides.get("hbm_gb", base.hbm_gb)
     return base.with_overrides(**overrides) if overrides else base
 
@@ -98,13 +108,93 @@ def _sharders_accept(module: Any, sharders: list[Any]) -> bool:
 
 def _collection(module: Any) -> Any:
     """The table collection a module plans: an EmbeddingBagCollection or EmbeddingCollection itself,
-    or the EmbeddingBagCollection inside a managed-collision one (None for other modules)."""
+    or the one inside a managed-collision module (None for other modules)."""
     from ..sharding.torchrec_compat import managed_collision_embeddings
 
     inner = managed_collision_embeddings(module)
     if inner is not None:
         return inner
     return module if hasattr(module, "embedding_bag_configs") or hasattr(module, "embedding_configs") else None
+
+
+def _sharder_for(module: Any) -> str:
+    """The sharder that shards this kind of collection with our sharding types, as a user writes it."""
+    from torchrec.modules.mc_embedding_modules import (
+        ManagedCollisionEmbeddingBagCollection,
+        ManagedCollisionEmbeddingCollection,
+    )
+
+    sequence = hasattr(_collection(module), "embedding_configs")
+    ours = "EmbarkEmbeddingCollectionSharder()" if sequence else "EmbarkEmbeddingBagCollectionSharder()"
+    if isinstance(module, ManagedCollisionEmbeddingBagCollection):
+        return f"ManagedCollisionEmbeddingBagCollectionSharder(ebc_sharder={ours})"
+    if isinstance(module, ManagedCollisionEmbeddingCollection):
+        return f"ManagedCollisionEmbeddingCollectionSharder(ec_sharder={ours})"
+    return ours
+
+
+@dataclass(frozen=True)
+class _Found:
+    """A table collection in the model: its path, the module a sharder would shard (the collection, or
+    the managed-collision module around it), the collection, and whether a given sharder shards it."""
+
+    path: str
+    module: Any
+    collection: Any
+    planned: bool
+
+    @property
+    def tables(self) -> list[str]:
+        return [cfg.name for cfg in module_tables(self.collection)[0]]
+
+    def described(self) -> str:
+        where = f"at {self.path!r}" if self.path else "(the model itself)"
+        return f"{type(self.module).__name__} {where} (sharded by {_sharder_for(self.module)})"
+
+
+def _found(module: Any, sharders: list[Any]) -> list[_Found]:
+    """Every table collection in the model, outermost first, planned where a given sharder shards it
+    (as TorchRec's planner: a sharded module's children go with it; an unsharded module's children are
+    looked at, so the collection inside a managed-collision module no sharder takes is planned if one
+    takes it alone)."""
+    by_collection: dict[int, _Found] = {}
+    for path, sub in module.named_modules():
+        if any(path.startswith(f"{f.path}.") for f in by_collection.values() if f.planned):
+            continue  # DistributedModelParallel shards a planned module whole, its children with it
+        collection = _collection(sub)
+        if collection is None:
+            continue
+        accepted = _sharders_accept(sub, sharders)
+        if accepted or id(collection) not in by_collection:
+            by_collection[id(collection)] = _Found(path, sub, collection, accepted)
+    return list(by_collection.values())
+
+
+def _nothing_planned(found: list[_Found], sharders: list[Any]) -> ValueError:
+    """The error for a model none of whose modules the sharders shard: what it has, and which sharder
+    would take each."""
+    given = [type(s).__name__ for s in sharders]
+    if not found:
+        return ValueError(
+            "no module in the model is an EmbeddingBagCollection or EmbeddingCollection (or a managed-collision "
+            f"one) that the given sharders {given} shard: the model has none"
+        )
+    listed = "; ".join(f.described() for f in found[:5]) + (" ..." if len(found) > 5 else "")
+    return ValueError(
+        f"no module in the model is one the given sharders {given} shard; the model has {listed}: pass that sharder "
+        "to the planner and to DistributedModelParallel(sharders=[...])"
+    )
+
+
+def _unknown_tables(names: list[str], model_tables: set[str]) -> SpecError:
+    """The error for constraints on tables the model does not have, with the nearest names it has."""
+    hints = []
+    for name in names:
+        close = difflib.get_close_matches(name, sorted(model_tables), n=1)
+        if close:
+            hints.append(f"{name!r}: did you mean {close[0]!r}?")
+    hint = "; ".join(hints) if hints else f"its tables: {sorted(model_tables)[:20]}"
+    return SpecError(f"constraints name tables {names} that no module of the model has ({hint})")
 
 
 @dataclass(frozen=True)
@@ -141,21 +231,130 @@ def _row_wise(rows: int, dim: int, world_size: int) -> TableLayout:
     return TableLayout("rb", bounds, (0, dim), tuple((k,) for k in range(len(bounds) - 1)))
 
 
+def _asked_grid(raw: Any, c: TableConstraints) -> str | None:
+    """How a table's constraints ask for a row x column grid (TorchRec's grid_shard alone, our fewest
+    slices or a forced layout), or None when they do not."""
+    if c.layout is not None and c.layout.num_row_slices > 1 and c.layout.num_col_slices > 1:
+        return f"a layout of {c.layout.num_row_slices} x {c.layout.num_col_slices} slices"
+    if c.min_cuts[0] > 1 and c.min_cuts[1] > 1:
+        types = getattr(raw, "sharding_types", None)
+        return f"sharding_types {list(types)}" if types is not None else f"min_cuts {c.min_cuts}"
+    return None
+
+
 def _without_grids(
-    module: Any, sharders: list[Any], names: set[str], constraints: Mapping[str, TableConstraints]
+    module: Any,
+    sharders: list[Any],
+    names: set[str],
+    constraints: Mapping[str, TableConstraints],
+    raw: Mapping[str, Any],
 ) -> dict[str, TableConstraints]:
     """`constraints` for the module's tables, forbidding row x column grids when the fused optimizer
     (the sharder's, or one apply_optimizer_in_backward gave its parameters) keeps per-row state
     (TorchRec's fused optimizer cannot lay that state out for them; see
-    torchrec_compat.has_rowwise_state)."""
+    torchrec_compat.has_rowwise_state); a table whose constraints (`raw`: as the user gave them) ask
+    for a grid then is a PlanError naming the table, the optimizer and what to change, at plan time
+    rather than when DistributedModelParallel shards it."""
     from ..sharding.torchrec_compat import has_rowwise_state, in_backward_optimizers
 
     here = {k: v for k, v in constraints.items() if k in names}
-    optimizers = [(s.fused_params or {}).get("optimizer") for s in sharders if isinstance(module, s.module_type)]
-    optimizers += in_backward_optimizers(module)
-    if not any(has_rowwise_state(o) for o in optimizers):
+    given = [(s.fused_params or {}).get("optimizer", None) for s in sharders if isinstance(module, s.module_type)]
+    optimizers = [(o, "the sharder's fused_params") for o in given]
+    optimizers += [(o, "apply_optimizer_in_backward") for o in in_backward_optimizers(module)]
+    rowwise = next(((o, source) for o, source in optimizers if has_rowwise_state(o)), None)
+    if rowwise is None:
         return here
+    optimizer, source = rowwise
+    for name, c in here.items():
+        asked = _asked_grid(raw.get(name), c)
+        if asked is not None:
+            raise PlanError(
+                f"its constraints ask for a row x column grid ({asked}), but its optimizer "
+                f"{getattr(optimizer, 'name', optimizer)} (from {source}) keeps per-row state, which TorchRec's fused "
+                "optimizer cannot lay out for such a grid: list 'row_wise' or 'column_wise' in its sharding_types "
+                "instead of 'grid_shard', or train it with an optimizer without per-row state (EXACT_ADAGRAD, "
+                "EXACT_SGD)",
+                where=f"table {name!r}",
+            )
     return {n: replace(here.get(n, TableConstraints()), grid_cuts=False) for n in names}
+
+
+def _check_arguments(
+    topology: Any,
+    batch_size: Any,
+    constraints: Any,
+    storage_reservation: Any,
+    world_size: Any,
+    local_world_size: Any,
+    compute_device: Any,
+    typed: Mapping[str, Any],
+    progress: Any,
+) -> None:
+    """EmbarkPlanner's arguments checked as a file's fields are, by type and range, each refused by
+    name (a SpecError): a world size of 0 would plan for the environment's, a batch_size of True for
+    a batch of 1, a plain dict of constraints would be read as no constraint at all. `typed`: the
+    arguments that are None or one of our types (IdDistribution, SearchConfig, ...)."""
+    from torchrec.distributed.planner.types import ParameterConstraints, StorageReservation
+    from torchrec.distributed.planner.types import Topology as TorchrecTopology
+
+    from ..sharding.torchrec_compat import storage_reservation_share
+
+    kinds = {
+        "id_distribution": IdDistribution,
+        "config": SearchConfig,
+        "optimizer": OptimizerMemory,
+        "measured": ModelSpec,
+    }
+    with reading(SpecError, where="EmbarkPlanner"):
+        if topology is not None and not isinstance(topology, (TorchrecTopology, Topology)):
+            raise FieldError(f"expected a TorchRec or an embark Topology, got {shown(topology)}", "topology")
+        integer(batch_size, "batch_size", minimum=1)
+        sizes = {"world_size": world_size, "local_world_size": local_world_size}
+        for name, value in sizes.items():
+            if value is None:
+                continue
+            integer(value, name, minimum=1)
+            given = getattr(topology, name, value)
+            if given != value:
+                raise FieldError(f"{value} contradicts the topology's {name} {given}; give one of them", name)
+        world = world_size or getattr(topology, "world_size", None)
+        local = local_world_size or getattr(topology, "local_world_size", None)
+        if world is not None and local is not None and world % local:
+            raise FieldError(f"{local} does not divide the world size {world} into nodes", "local_world_size")
+        device = compute_device if compute_device is not None else getattr(topology, "compute_device", None)
+        if device is not None:
+            choice(
+                device, "compute_device" if compute_device is not None else "topology.compute_device", COMPUTE_DEVICES
+            )
+        if storage_reservation is not None:
+            if not isinstance(storage_reservation, StorageReservation):
+                raise FieldError(
+                    f"expected a TorchRec StorageReservation, got {shown(storage_reservation)}", "storage_reservation"
+                )
+            share = storage_reservation_share(storage_reservation)
+            if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share < 1.0:
+                raise FieldError(f"expected a share of memory in [0, 1), got {shown(share)}", "storage_reservation")
+        if progress is not None:
+            boolean(progress, "progress")
+        for name, value in typed.items():
+            if value is not None and not isinstance(value, kinds[name]):
+                raise FieldError(f"expected a {kinds[name].__name__}, got {shown(value)}", name)
+        if constraints is None:
+            return
+        if not isinstance(constraints, Mapping):
+            raise FieldError(
+                f"expected a mapping of table names to ParameterConstraints, got {shown(constraints)}", "constraints"
+            )
+        for table, c in constraints.items():
+            if not isinstance(table, str) or not table:
+                raise FieldError(f"expected table names (non-empty strings) as keys, got {shown(table)}", "constraints")
+            if not isinstance(
+                c, (ParameterConstraints, TableConstraints, Mapping)
+            ):  # a Mapping: from_torchrec says why
+                raise FieldError(
+                    f"expected a TorchRec ParameterConstraints or an embark TableConstraints, got {shown(c)}",
+                    f"constraints[{table!r}]",
+                )
 
 
 class EmbarkPlanner(ShardingPlanner):
@@ -195,6 +394,17 @@ class EmbarkPlanner(ShardingPlanner):
         measured: ModelSpec | None = None,
         progress: bool | None = None,
     ) -> None:
+        _check_arguments(
+            topology,
+            batch_size,
+            constraints,
+            storage_reservation,
+            world_size,
+            local_world_size,
+            compute_device,
+            {"id_distribution": id_distribution, "config": config, "optimizer": optimizer, "measured": measured},
+            progress,
+        )
         if isinstance(topology, Topology):  # ours: its hardware is the plan's, unless given
             hardware = hardware if hardware is not None else topology.hardware
             world_size = world_size or topology.world_size
@@ -204,6 +414,7 @@ class EmbarkPlanner(ShardingPlanner):
         self.local_world_size = local_world_size or (topology.local_world_size if topology is not None else None)
         self.batch_size = batch_size
         self.torchrec_constraints = dict(constraints or {})
+        self.table_constraints = from_torchrec(self.torchrec_constraints)  # refused now, not when planning
         device = compute_device or (topology.compute_device if topology is not None else None)
         self.compute_device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         chosen = hardware if hardware is not None else default_hardware(self.compute_device)
@@ -234,39 +445,36 @@ class EmbarkPlanner(ShardingPlanner):
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
         return None if rank == 0 else False
 
-    def _modules(self, module: Any, sharders: list[Any], topology: Topology) -> list[_Planned]:
+    def _modules(self, found: list[_Found], topology: Topology) -> list[_Planned]:
         """The collections the sharders shard (as TorchRec's planner, only those), outermost first,
         each with its spec (measured values applied) and its tables' names in the joint spec."""
-        found: list[tuple[str, Any, ModelSpec, bool]] = []
-        for path, sub in module.named_modules():
-            if any(path.startswith(f"{p}.") for p, *_ in found) or not _sharders_accept(sub, sharders):
-                continue  # DistributedModelParallel shards a planned module whole, its children with it
-            collection = _collection(sub)
-            if collection is None:
+        planned: list[tuple[_Found, ModelSpec]] = []
+        for f in found:
+            if not f.planned:
                 continue
             spec = ModelSpec.from_module(
-                collection,
+                f.collection,
                 self.torchrec_constraints,
                 batch_size=self.batch_size * topology.world_size,
-                name=path or "model",
+                name=f.path or "model",
                 id_distribution=self.id_distribution,
                 rank_batch_size=self.batch_size,
             )
             if self.measured is not None:
                 spec = spec.with_measured(self.measured)
-            found.append((path, sub, spec, collection is not sub))
-        names = _planned_names([(path, spec) for path, _, spec, _ in found])
-        return [_Planned(path, sub, spec, n, mc) for (path, sub, spec, mc), n in zip(found, names)]
+            planned.append((f, spec))
+        names = _planned_names([(f.path, spec) for f, spec in planned])
+        return [
+            _Planned(f.path, f.module, spec, n, f.collection is not f.module) for (f, spec), n in zip(planned, names)
+        ]
 
-    def _constraints(
-        self, m: _Planned, sharders: list[Any], constraints: Mapping[str, TableConstraints], topology: Topology
-    ) -> dict[str, TableConstraints]:
+    def _constraints(self, m: _Planned, sharders: list[Any], topology: Topology) -> dict[str, TableConstraints]:
         """One module's tables' constraints, by their names in the joint spec: the user's (TorchRec's
         keyed by table name), no grids under a row-wise optimizer, TorchRec's row-wise for managed
         collisions, and no replicated sequence tables on CPU (TorchRec's dense sequence kernel there
         ignores its pooling mode): their allowed ranks are all ranks, which rules out replication."""
         own = {t.name for t in m.spec.tables}
-        here = _without_grids(m.module, sharders, own, constraints)
+        here = _without_grids(m.module, sharders, own, self.table_constraints, self.torchrec_constraints)
         if m.managed_collisions:  # TorchRec runs them row-wise only
             here = {
                 t.name: TableConstraints(layout=_row_wise(t.rows, t.dim, topology.world_size)) for t in m.spec.tables
@@ -278,35 +486,44 @@ class EmbarkPlanner(ShardingPlanner):
                     here[t.name] = replace(c, ranks=c.ranks or tuple(range(topology.world_size)))
         return {m.names[name]: c for name, c in here.items()}
 
+    def _check_names(self, found: list[_Found]) -> None:
+        """Constraints and measured tables name tables of this call's modules. Constraints on tables of
+        the model's other modules (no given sharder shards them) are left alone, as TorchRec's planner
+        leaves them (its test harness passes one set for a whole model to planners of parts of it),
+        and logged once; a name no module of the model has is a typo, refused with the nearest names."""
+        model_tables = {t for f in found for t in f.tables}
+        planned_tables = {t for f in found if f.planned for t in f.tables}
+        unknown = sorted(set(self.table_constraints) - model_tables)
+        if unknown:
+            raise _unknown_tables(unknown, model_tables)
+        elsewhere = sorted(set(self.table_constraints) - planned_tables)
+        if elsewhere:
+            unplanned = "; ".join(f.described() for f in found if not f.planned and set(f.tables) & set(elsewhere))
+            logger.warning(
+                "constraints on tables %s left unused: no given sharder shards their modules (%s)", elsewhere, unplanned
+            )
+        measured = sorted({t.name for t in self.measured.tables} - planned_tables) if self.measured is not None else []
+        if measured:
+            raise ValueError(
+                f"measured tables {measured} are not tables of the planned modules {sorted(planned_tables)}"
+            )
+
     def plan(self, module: Any, sharders: list[Any]) -> ShardingPlan:
         from ..sharding.parameter_sharding import module_sharding_plan  # the TorchRec adapter lives with the runtime
 
         topology = self._topology()
-        constraints = from_torchrec(self.torchrec_constraints)
-        modules = self._modules(module, sharders, topology)
+        found = _found(module, sharders)
+        modules = self._modules(found, topology)
         if not modules:
-            raise ValueError(
-                "no module in the model is an EmbeddingBagCollection or EmbeddingCollection that the given sharders "
-                "shard"
-            )
-        planned_tables = {t.name for m in modules for t in m.spec.tables}
-        misnamed = sorted(set(constraints) - planned_tables)
-        if misnamed:
-            raise ValueError(
-                f"constraints name tables {misnamed} that no planned module has; its tables: {sorted(planned_tables)}"
-            )
-        unknown = sorted({t.name for t in self.measured.tables} - planned_tables) if self.measured is not None else []
-        if unknown:
-            raise ValueError(
-                f"measured tables {unknown} are not tables of the planned modules {sorted(planned_tables)}"
-            )
+            raise _nothing_planned(found, sharders)
+        self._check_names(found)
         joint = ModelSpec(
             name=", ".join(m.path or "model" for m in modules),
             batch_size=self.batch_size * topology.world_size,
             tables=tuple(replace(t, name=m.names[t.name]) for m in modules for t in m.spec.tables),
             id_distribution=modules[0].spec.id_distribution,
         )
-        here = {n: c for m in modules for n, c in self._constraints(m, sharders, constraints, topology).items()}
+        here = {n: c for m in modules for n, c in self._constraints(m, sharders, topology).items()}
         planned = plan_model(joint, topology, here, self.config, self.optimizer, self._progress())
         result = ShardingPlan(plan={})
         for m in modules:
@@ -338,13 +555,41 @@ class EmbarkPlanner(ShardingPlanner):
         )
 
     def collective_plan(self, module: Any, sharders: list[Any] | None = None, pg: Any = None) -> Any:
-        """Rank 0 plans (and keeps the details in `plans`); every rank gets the same ShardingPlan."""
+        """Rank 0 plans (and keeps the details in `plans`); every rank gets the same ShardingPlan, or
+        raises the same error: rank 0 broadcasts what planning gave, the plan or its exception, in the
+        one broadcast there is anyway (were it to raise alone, the other ranks would wait in the
+        broadcast until their peer's connection closed, an error that names nothing)."""
         import torch.distributed as dist
-        from torchrec.distributed.collective_utils import invoke_on_rank_and_broadcast_result
         from ..sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 
         sharders = sharders or [EmbarkEmbeddingBagCollectionSharder()]
         pg = pg or dist.GroupMember.WORLD
-        if pg is None:
+        if pg is None or pg.size() == 1:
             return self.plan(module, sharders)
-        return invoke_on_rank_and_broadcast_result(pg, 0, self.plan, module, sharders)
+        outcome: list[Any] = [None]
+        error: Exception | None = None
+        if pg.rank() == 0:
+            try:
+                outcome[0] = ("plan", self.plan(module, sharders))
+            except Exception as exc:  # noqa: BLE001 - every rank raises it below
+                error, outcome[0] = exc, ("error", _portable(exc))
+        dist.broadcast_object_list(outcome, src=dist.get_global_rank(pg, 0), group=pg)
+        kind, value = outcome[0]
+        if kind == "plan":
+            return value
+        if error is not None:
+            raise error
+        value.add_note("raised by rank 0, which planned for every rank")
+        raise value
+
+
+def _portable(exc: Exception) -> Exception:
+    """`exc` as the other ranks can raise it: itself when it survives pickling with its class and
+    message, else a RuntimeError with both."""
+    try:
+        copy = pickle.loads(pickle.dumps(exc))
+        if type(copy) is type(exc) and str(copy) == str(exc):
+            return exc
+    except Exception:  # noqa: BLE001 - any exception that cannot cross is sent as its text
+        pass
+    return RuntimeError(f"{type(exc).__name__}: {exc}")

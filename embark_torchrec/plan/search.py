@@ -410,15 +410,25 @@ class GreedySearch:
 
     def _least_shape(self, name: str) -> Shape:
         """The fewest (row, column) slices the table's constraints ask for; refused by name when the
-        table or its allowed ranks cannot hold them."""
+        table cannot hold them. They ask for slices, not ranks: cells of a table may share a rank (as
+        TorchRec's grid_shard puts several column slices on each rank of a node), as long as they are
+        equally wide (a rank holds one column width of a table)."""
         c = self._con[name]
         n_r, n_c = c.min_cuts
         t = self.cost.table(name)
-        ranks = min(self.world_size, len(self._allowed_ranks[name]))
-        if n_r > t.rows or n_c > t.dim // c.min_column_width or n_r * n_c > ranks:
+        if n_r > t.rows or n_c > t.dim // c.min_column_width:
             raise PlanError(
                 f"table {name!r}: its constraints ask for at least {n_r} x {n_c} slices (columns at least "
-                f"{c.min_column_width} wide), which {t.rows} rows x dim {t.dim} on {ranks} allowed ranks cannot hold"
+                f"{c.min_column_width} wide), which {t.rows} rows x dim {t.dim} cannot hold"
+            )
+        ranks = min(self.world_size, len(self._allowed_ranks[name]))
+        bounds = self._grid(name, (n_r, n_c)).col_bounds
+        widths = sorted({b - a for a, b in zip(bounds, bounds[1:])})
+        if n_r * n_c > ranks and len(widths) > 1:
+            raise PlanError(
+                f"table {name!r}: its constraints ask for at least {n_r} x {n_c} slices, more than its {ranks} allowed "
+                f"ranks, so its cells share ranks, but dim {t.dim} cuts into columns {widths} wide and a rank holds "
+                f"one width of a table: allow {n_r * n_c} ranks or more, or a dim that is a multiple of {4 * n_c}"
             )
         return (n_r, n_c)
 
