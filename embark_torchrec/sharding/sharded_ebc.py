@@ -20,6 +20,7 @@ from ..plan.layout import PRECISIONS, SHARDING_TYPE_PREFIX, WirePrecision, parse
 from .codecs import wire_codecs
 from .comm_stats import CommStats, CountsComm
 from .grid import GridPooledEmbeddingSharding
+from .input_exchange import CheckedInput, defer_kjt_all_to_alls
 from .torchrec_compat import (
     is_virtual_table,
     local_shards_by_table,
@@ -125,7 +126,7 @@ class CountedModule:
         self._count_dists(module_input_dists(self))  # empty until the first batch: see _create_input_dist
 
 
-class EmbarkShardedEmbeddingBagCollection(CountedModule, ShardedEmbeddingBagCollection):
+class EmbarkShardedEmbeddingBagCollection(CheckedInput, CountedModule, ShardedEmbeddingBagCollection):
     """torchrec builds one EmbeddingSharding per distinct sharding-type string, so each EMBark
     cluster variant (one string) gets its own dists; built-in strings go to torchrec.
 
@@ -145,7 +146,6 @@ class EmbarkShardedEmbeddingBagCollection(CountedModule, ShardedEmbeddingBagColl
         self._validate = InputValidator(
             {c.name: list(c.feature_names) for c in module_configs(self)},
             {c.name: c.num_embeddings for c in module_configs(self)},
-            module_env(self).rank,
             invalid_ids,
         )
         self._embark_shardings = [
@@ -225,9 +225,15 @@ class EmbarkShardedEmbeddingBagCollection(CountedModule, ShardedEmbeddingBagColl
     ) -> Awaitable[Awaitable[KJTList]]:
         """The batch checked (validation.py), then torchrec's input dist; then each UB dist's
         de-duplication state goes into this batch's context, where its output dist finds it
-        (pipelined batches each carry their own)."""
-        if isinstance(features, KeyedJaggedTensor):
-            features = self._validate(features)
+        (pipelined batches each carry their own). The request waits the module's split exchange
+        first (input_exchange.py), which raises a bad batch's error on every rank; a bad batch
+        itself only takes part in the exchange."""
+        features, fault = self.check_input(features)
+        env = module_env(self)
+        if fault is not None:
+            return self.exchange_splits(
+                ctx, None, fault, env.process_group, module_sharding_types(self), module_device(self)
+            )
         awaitable = super().input_dist(ctx, features)
         input_dists = module_input_dists(self)
         first = len(ctx.sharding_contexts) - len(input_dists)
@@ -246,10 +252,13 @@ class EmbarkShardedEmbeddingBagCollection(CountedModule, ShardedEmbeddingBagColl
                     variable_batch_per_feature=base.variable_batch_per_feature,
                     unique=input_dist.take_state(),
                 )
-        return awaitable
+        return self.exchange_splits(
+            ctx, awaitable, None, env.process_group, module_sharding_types(self), module_device(self)
+        )
 
     def _create_input_dist(self, input_feature_names: List[str]) -> None:
         super()._create_input_dist(input_feature_names)
+        defer_kjt_all_to_alls(module_input_dists(self))
         if self.comm_stats is not None:
             self._count_dists(module_input_dists(self))
 

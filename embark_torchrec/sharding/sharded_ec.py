@@ -24,6 +24,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from ..plan.layout import SHARDING_TYPE_PREFIX, WirePrecision, parse_sharding_type
 from .codecs import wire_codecs
 from .comm_stats import CommStats, CountsComm
+from .input_exchange import CheckedInput, defer_kjt_all_to_alls
 from .sequence import (
     EmbarkSequenceContext,
     GridSequenceEmbeddingSharding,
@@ -36,6 +37,7 @@ from .torchrec_compat import (
     local_shards_by_table,
     module_env,
     module_input_dists,
+    module_device,
     module_lookups,
     sequence_configs,
     sequence_sharding_types,
@@ -54,7 +56,7 @@ def sequence_qcomms_precision(registry: Optional[Dict[str, QuantizedCommCodecs]]
     return qcomms_precision({CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name: codecs} if codecs is not None else None)
 
 
-class EmbarkShardedEmbeddingCollection(CountedModule, ShardedEmbeddingCollection):
+class EmbarkShardedEmbeddingCollection(CheckedInput, CountedModule, ShardedEmbeddingCollection):
     """TorchRec builds one EmbeddingSharding per distinct sharding-type string, so each EMBark
     cluster variant gets its own dists; built-in strings go to TorchRec. Every batch is checked
     first (validation.py), for every sharding type. Byte counting covers our types' input KJT
@@ -67,7 +69,6 @@ class EmbarkShardedEmbeddingCollection(CountedModule, ShardedEmbeddingCollection
         self._validate = InputValidator(
             {c.name: list(c.feature_names) for c in sequence_configs(self)},
             {c.name: c.num_embeddings for c in sequence_configs(self)},
-            module_env(self).rank,
             invalid_ids,
         )
         shardings = sequence_shardings(self)
@@ -111,9 +112,14 @@ class EmbarkShardedEmbeddingCollection(CountedModule, ShardedEmbeddingCollection
         self, ctx: EmbeddingCollectionContext, features: Union[KeyedJaggedTensor, Any]
     ) -> Awaitable[Awaitable[KJTList]]:
         """The batch checked, then TorchRec's input dist; then each of our dists' per-batch state
-        goes into this batch's context, where its output dist finds it."""
-        if isinstance(features, KeyedJaggedTensor):
-            features = self._validate(features)
+        goes into this batch's context, where its output dist finds it. The request waits the module's
+        split exchange first (input_exchange.py), which raises a bad batch's error on every rank."""
+        features, fault = self.check_input(features)
+        env = module_env(self)
+        if fault is not None:
+            return self.exchange_splits(
+                ctx, None, fault, env.process_group, sequence_sharding_types(self), module_device(self)
+            )
         awaitable = super().input_dist(ctx, features)
         first = len(ctx.sharding_contexts) - len(module_input_dists(self))
         for i in self._ours:
@@ -125,7 +131,9 @@ class EmbarkShardedEmbeddingCollection(CountedModule, ShardedEmbeddingCollection
             elif isinstance(input_dist, UniqueSparseFeaturesDist):
                 sharding_ctx.unique = input_dist.take_state()
             ctx.sharding_contexts[first + i] = sharding_ctx
-        return awaitable
+        return self.exchange_splits(
+            ctx, awaitable, None, env.process_group, sequence_sharding_types(self), module_device(self)
+        )
 
     def compute_and_output_dist(self, ctx: EmbeddingCollectionContext, input: KJTList) -> Any:
         """TorchRec's; when counting, the KJT all-to-alls' received bytes are read off their output
@@ -164,6 +172,7 @@ class EmbarkShardedEmbeddingCollection(CountedModule, ShardedEmbeddingCollection
         self, input_feature_names: List[str], ctx: Optional[EmbeddingCollectionContext] = None
     ) -> None:
         super()._create_input_dist(input_feature_names, ctx)
+        defer_kjt_all_to_alls(module_input_dists(self))
         if self.comm_stats is not None:
             self._count_dists(module_input_dists(self))
 

@@ -1,41 +1,90 @@
-"""Input checks at the door of the sharded EBC: bad input fails loudly, before any collective.
+"""Input checks at the door of the sharded EBC and EC: bad input fails loudly, on every rank, before any collective
+that could not complete.
 
-TorchRec's own shardings trust their input: an ID past a table's rows reads another table's rows or
-memory, a KJT whose lengths disagree with its values shifts every bag after the fault. Every batch
-is checked here once, for every sharding type, and refused with an error that names the rank and
-the feature (and the table for IDs). IDs outside [0, rows) may instead be clamped into range or
+TorchRec's own shardings trust their input: an ID past a table's rows reads another table's rows or memory, a KJT
+whose lengths disagree with its values shifts every bag after the fault, uint8 or int16 IDs fail inside fbgemm or
+gloo, NaN weights poison the table through the fused optimizer. Every batch is checked here once, for every sharding
+type. The check does not raise: it returns an `InputFault`, a fixed-size record that the module's split exchange
+(input_exchange.py) carries to every rank, so that all ranks raise the same error (`InputValidator.error`), naming
+the bad rank, the feature (and table) and what is wrong. IDs outside [0, rows) may instead be clamped into range or
 dropped (their bags get shorter), when the sharder is built with invalid_ids="clamp" / "drop".
 """
 
 from __future__ import annotations
 
-from typing import Dict, List
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 INVALID_ID_POLICIES = ("raise", "clamp", "drop")
+ID_DTYPES = (torch.int32, torch.int64)
 _SHOWN = 5
+# dtypes a fault record names by position (-1: another dtype)
+_DTYPES = tuple(
+    getattr(torch, name)
+    for name in (
+        "bool uint8 int8 int16 int32 int64 uint16 uint32 uint64 float16 bfloat16 float32 float64 "
+        "complex32 complex64 complex128 float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz"
+    ).split()
+    if hasattr(torch, name)
+)
 
 
 class InvalidInputError(ValueError):
-    """A batch the sharded EBC cannot run; the message names the rank and the features."""
+    """A batch the sharded module cannot run; the message names the rank and the features."""
 
 
 class InvalidIdError(InvalidInputError):
     """An ID outside [0, rows) of its table; the message names table, feature and rank."""
 
 
-class InputValidator:
-    """Checks (and under clamp / drop, repairs) one rank's KeyedJaggedTensor for an EBC's features.
+# what an InputFault reports
+OK, ID_DTYPE, LENGTHS_DTYPE, WEIGHTS_DTYPE, MISSING, COUNTS, NEGATIVE_LENGTH, NON_FINITE_WEIGHT, BAD_ID = range(9)
 
-    One host sync per batch: the IDs per key come from the KJT's own length_per_key (which
-    TorchRec's input dist reads anyway, and the KJT caches), and every device-side check is read
-    back at once. Per key order, the missing features and each key's table rows are worked out once.
+
+@dataclass(frozen=True)
+class InputFault:
+    """What is wrong with one rank's batch, as integers that travel in the split exchange: `kind`, the feature
+    (an index into the module's features, -1 for none), up to three numbers and up to five shown values (IDs, or
+    missing features' indices). Which fields a kind fills is in `InputValidator.describe`."""
+
+    kind: int
+    feature: int = -1
+    numbers: Tuple[int, int, int] = (0, 0, 0)
+    shown: Tuple[int, ...] = ()
+
+    FIELDS = 6 + _SHOWN  # kind, feature, three numbers, how many shown, shown
+
+    def to_ints(self) -> List[int]:
+        return [self.kind, self.feature, *self.numbers, len(self.shown), *self.shown] + [0] * (_SHOWN - len(self.shown))
+
+    @classmethod
+    def from_ints(cls, ints: List[int]) -> "InputFault":
+        kind, feature, a, b, c, n = ints[:6]
+        return cls(kind, feature, (a, b, c), tuple(ints[6 : 6 + n]))
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return _DTYPES.index(dtype) if dtype in _DTYPES else -1
+
+
+def _dtype_name(code: int) -> str:
+    return str(_DTYPES[code]) if 0 <= code < len(_DTYPES) else "an unsupported dtype"
+
+
+class InputValidator:
+    """Checks (and under clamp / drop, repairs) one rank's KeyedJaggedTensor for a module's features.
+
+    One host sync per batch: the IDs per key come from the KJT's own length_per_key (which TorchRec's input dist
+    reads anyway, and the KJT caches), and every device-side check (negative lengths, IDs out of range, non-finite
+    weights) is read back at once; dtypes are checked on the host. Per key order, the missing features and each
+    key's table rows are worked out once. Features are indexed in the module's config order, the same on every rank.
     """
 
     def __init__(
-        self, table_features: Dict[str, List[str]], table_rows: Dict[str, int], rank: int, invalid_ids: str = "raise"
+        self, table_features: Dict[str, List[str]], table_rows: Dict[str, int], invalid_ids: str = "raise"
     ) -> None:
         if invalid_ids not in INVALID_ID_POLICIES:
             raise ValueError(f"invalid_ids must be one of {INVALID_ID_POLICIES}, got {invalid_ids!r}")
@@ -46,68 +95,142 @@ class InputValidator:
                 known = self._feature_tables.get(f)
                 if known is None or table_rows[table] < table_rows[known]:
                     self._feature_tables[f] = table
+        self._features = list(self._feature_tables)
+        self._index = {f: i for i, f in enumerate(self._features)}
         self._table_rows = table_rows
-        self._rank, self._policy = rank, invalid_ids
-        self._rows: Dict[tuple, torch.Tensor] = {}  # per key order: each key's table rows (-1: not ours)
+        self._policy = invalid_ids
+        # per key order: each key's table rows (-1: not ours), or the features missing from it
+        self._rows: Dict[tuple, torch.Tensor | List[str]] = {}
 
-    def _rows_of(self, keys: List[str], device: torch.device) -> torch.Tensor:
+    def _rows_of(self, keys: List[str], device: torch.device) -> torch.Tensor | List[str]:
         order = tuple(keys)
         rows = self._rows.get(order)
-        if rows is None or rows.device != device:
+        if rows is None or (isinstance(rows, torch.Tensor) and rows.device != device):
             known = self._feature_tables
             present = set(keys)
             missing = [f for f in known if f not in present]
-            if missing:
-                raise InvalidInputError(
-                    f"rank {self._rank}: features {missing} are missing from the KeyedJaggedTensor (it has {keys})"
-                )
-            rows = self._rows[order] = torch.tensor(
-                [self._table_rows[known[k]] if k in known else -1 for k in keys], device=device
+            rows = self._rows[order] = (
+                missing
+                if missing
+                else torch.tensor([self._table_rows[known[k]] if k in known else -1 for k in keys], device=device)
             )
         return rows
 
-    def __call__(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    def check(self, kjt: KeyedJaggedTensor) -> Tuple[KeyedJaggedTensor, Optional[InputFault]]:
+        """The batch to send (repaired under clamp / drop) and what is wrong with it (None: nothing)."""
         keys: List[str] = kjt.keys()
-        if kjt.values().is_floating_point() or kjt.values().dtype == torch.bool:
-            raise InvalidInputError(
-                f"rank {self._rank}: the KeyedJaggedTensor's IDs are {kjt.values().dtype}; IDs must be integers "
-                "(torch.int64 or torch.int32), as rows of their tables"
-            )
-        rows = self._rows_of(keys, kjt.values().device)
         lengths, values, weights = kjt.lengths(), kjt.values(), kjt.weights_or_none()
+        if values.dtype not in ID_DTYPES:
+            return kjt, InputFault(ID_DTYPE, numbers=(_dtype_code(values.dtype), 0, 0))
+        if lengths.dtype not in ID_DTYPES:
+            return kjt, InputFault(LENGTHS_DTYPE, numbers=(_dtype_code(lengths.dtype), 0, 0))
+        if weights is not None and not weights.is_floating_point():
+            return kjt, InputFault(WEIGHTS_DTYPE, numbers=(_dtype_code(weights.dtype), 0, 0))
+        rows = self._rows_of(keys, values.device)
+        if not isinstance(rows, torch.Tensor):
+            missing = [self._index[f] for f in rows]
+            return kjt, InputFault(MISSING, numbers=(len(missing), 0, 0), shown=tuple(missing[:_SHOWN]))
         per_key = kjt.length_per_key()
         total = sum(per_key)
         if total != values.numel() or (weights is not None and weights.numel() != values.numel()):
-            detail = "" if weights is None else f" and {weights.numel()} weights"
-            raise InvalidInputError(
-                f"rank {self._rank}: the bag lengths add up to {total} IDs, but the KeyedJaggedTensor holds "
-                f"{values.numel()} values{detail}"
-            )
+            counts = (total, values.numel(), -1 if weights is None else weights.numel())
+            return kjt, InputFault(COUNTS, numbers=counts)
         limit = rows.repeat_interleave(torch.tensor(per_key, device=values.device), output_size=total)
         bad = (limit >= 0) & ((values < 0) | (values >= limit))
-        negative, any_bad = torch.stack([(lengths < 0).any(), bad.any()]).tolist()
+        flags = [(lengths < 0).any(), bad.any()]
+        if weights is not None:
+            flags.append(weights.isfinite().all())
+        negative, any_bad, *finite = torch.stack(flags).tolist()
         if negative:
-            raise InvalidInputError(f"rank {self._rank}: negative bag lengths in the KeyedJaggedTensor")
+            return kjt, self._negative_lengths(kjt)
+        if finite and not finite[0]:
+            fault = self._non_finite_weights(keys, per_key, weights, limit)
+            if fault is not None:  # else only keys this module does not read have them
+                return kjt, fault
         if not any_bad:
-            return kjt
+            return kjt, None
         if self._policy == "raise":
-            key_of = torch.repeat_interleave(
-                torch.arange(len(keys), device=values.device), torch.tensor(per_key, device=values.device)
-            )
-            k = int(key_of[bad][0])
-            feature = keys[k]
-            sample = values[bad & (key_of == k)][:_SHOWN].tolist()
-            raise InvalidIdError(
-                f"rank {self._rank}: feature {feature!r} of table {self._feature_tables[feature]!r} has IDs {sample} "
-                f"outside [0, {int(rows[k])}) ({int(bad.sum())} bad IDs in this batch)"
-            )
+            return kjt, self._bad_ids(keys, per_key, values, bad, rows)
         if self._policy == "clamp":
             fixed = torch.where(bad, torch.where(values < 0, torch.zeros_like(values), limit - 1), values)
-            return _rebuilt(kjt, fixed, lengths, weights)
+            return _rebuilt(kjt, fixed, lengths, weights), None
         keep = ~bad
         bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=values.device), lengths.long())
         kept = torch.zeros_like(lengths).index_add_(0, bag, keep.to(lengths.dtype))
-        return _rebuilt(kjt, values[keep], kept, weights[keep] if weights is not None else None)
+        return _rebuilt(kjt, values[keep], kept, weights[keep] if weights is not None else None), None
+
+    # the faults found on the device: worked out only on a bad batch, so their host syncs cost nothing otherwise
+
+    def _key_of_ids(self, keys: List[str], per_key: List[int], device: torch.device) -> torch.Tensor:
+        return torch.repeat_interleave(torch.arange(len(keys), device=device), torch.tensor(per_key, device=device))
+
+    def _negative_lengths(self, kjt: KeyedJaggedTensor) -> InputFault:
+        keys = kjt.keys()
+        negative = kjt.lengths() < 0
+        strides = torch.tensor(kjt.stride_per_key(), device=negative.device)
+        key_of_bag = torch.repeat_interleave(torch.arange(len(keys), device=negative.device), strides)
+        first = keys[int(key_of_bag[negative][0])]
+        return InputFault(NEGATIVE_LENGTH, self._index.get(first, -1), (int(negative.sum()), 0, 0))
+
+    def _non_finite_weights(
+        self, keys: List[str], per_key: List[int], weights: torch.Tensor, limit: torch.Tensor
+    ) -> Optional[InputFault]:
+        ours = limit >= 0
+        nan, pos, neg = weights.isnan() & ours, weights.isposinf() & ours, weights.isneginf() & ours
+        where = nan | pos | neg
+        if not bool(where.any()):
+            return None
+        k = int(self._key_of_ids(keys, per_key, weights.device)[where][0])
+        return InputFault(NON_FINITE_WEIGHT, self._index[keys[k]], (int(nan.sum()), int(pos.sum()), int(neg.sum())))
+
+    def _bad_ids(
+        self, keys: List[str], per_key: List[int], values: torch.Tensor, bad: torch.Tensor, rows: torch.Tensor
+    ) -> InputFault:
+        key_of = self._key_of_ids(keys, per_key, values.device)
+        k = int(key_of[bad][0])
+        shown = tuple(values[bad & (key_of == k)][:_SHOWN].tolist())
+        return InputFault(BAD_ID, self._index[keys[k]], (int(bad.sum()), int(rows[k]), 0), shown)
+
+    def describe(self, rank: int, fault: InputFault) -> str:
+        """The fault of `rank`'s batch in words (the same text on every rank, which all decode the same record)."""
+        a, b, c = fault.numbers
+        feature = self._features[fault.feature] if 0 <= fault.feature < len(self._features) else None
+        where = f"feature {feature!r} of table {self._feature_tables[feature]!r}" if feature else "a feature"
+        if fault.kind == ID_DTYPE:
+            what = (
+                f"the KeyedJaggedTensor's IDs are {_dtype_name(a)}; IDs must be integers "
+                "(torch.int64 or torch.int32), as rows of their tables"
+            )
+        elif fault.kind == LENGTHS_DTYPE:
+            what = f"the KeyedJaggedTensor's lengths are {_dtype_name(a)}; they must be torch.int32 or torch.int64"
+        elif fault.kind == WEIGHTS_DTYPE:
+            what = f"the KeyedJaggedTensor's weights are {_dtype_name(a)}; per-sample weights must be floating point"
+        elif fault.kind == MISSING:
+            names = [self._features[i] for i in fault.shown]
+            more = f" and {a - len(names)} more" if a > len(names) else ""
+            what = f"features {names}{more} are missing from the KeyedJaggedTensor"
+        elif fault.kind == COUNTS:
+            weights = "" if c < 0 else f" and {c} weights"
+            what = f"the bag lengths add up to {a} IDs, but the KeyedJaggedTensor holds {b} values{weights}"
+        elif fault.kind == NEGATIVE_LENGTH:
+            named = f" (first in feature {feature!r})" if feature else ""
+            what = f"{a} negative bag lengths in the KeyedJaggedTensor{named}"
+        elif fault.kind == NON_FINITE_WEIGHT:
+            parts = [f"{n} {name}" for n, name in ((a, "NaN"), (b, "+Inf"), (c, "-Inf")) if n]
+            what = f"{where} has non-finite per-sample weights ({', '.join(parts)} in this batch)"
+        elif fault.kind == BAD_ID:
+            what = f"{where} has IDs {list(fault.shown)} outside [0, {b}) ({a} bad IDs in this batch)"
+        else:
+            what = f"its input check failed with an unknown code {fault.kind}"
+        return f"rank {rank}: {what}"
+
+    def error(self, faults: Dict[int, InputFault]) -> InvalidInputError:
+        """The error every rank raises for the ranks' faults (by rank): each bad rank's fault, in rank order; an
+        InvalidIdError when the first is an ID out of range."""
+        first = faults[min(faults)]
+        cls = InvalidIdError if first.kind == BAD_ID else InvalidInputError
+        text = "; ".join(self.describe(r, faults[r]) for r in sorted(faults))
+        return cls(f"{text} (every rank refuses this batch, before its input all-to-all)")
 
 
 def _rebuilt(

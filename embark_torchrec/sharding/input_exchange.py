@@ -1,0 +1,224 @@
+"""One split exchange per sharded module and batch, carrying every rank's input check: a bad batch on any rank is
+every rank's error, raised before any rank starts an all-to-all that could not complete.
+
+TorchRec's KJTAllToAll first exchanges split sizes (bags, IDs and weights for each peer, and the batch size), then
+the tensors. A rank whose batch fails the input check (validation.py) cannot send its tensors; if it raised alone,
+its peers would wait in the tensors' all-to-all until the process group's timeout (or fail with "Connection closed
+by peer" once it died). So each KJTAllToAll of our sharded modules only records what it would send
+(`DeferredKJTAllToAll` returns TorchRec's KJTSplitsAllToAllMeta, as TrainPipelineSparseDist's own forward does), and
+the module sends every sharding's split sizes in one all-to-all (`SplitsExchange`), with its rank's `InputFault`
+record (all zeros for a good batch) and a layout code per sharding (weights or not, a variable batch or not). When
+the splits arrive every rank reads every rank's record: if any rank's batch is bad, all raise the same error, naming
+each bad rank, its feature and what is wrong, before any tensor all-to-all starts; ranks whose batches differ in
+layout, which TorchRec's all-to-alls would hang or crash on, are refused the same way. A bad rank sends only the
+exchange. Each rank issued the same one collective for the batch, so a rank that catches the error and goes on
+(e.g. skips the batch) stays in step with the others. No collective is added: TorchRec sends one split exchange per
+sharding (or, under TrainPipelineSparseDist, one per process group for all pipelined modules), this sends one per
+module.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torchrec.distributed.dist_data import KJTAllToAll, KJTAllToAllTensorsAwaitable
+from torchrec.distributed.embedding_sharding import KJTListSplitsAwaitable, KJTSplitsAllToAllMeta
+from torchrec.distributed.types import Awaitable
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from .torchrec_compat import collective_group, input_dist_all_to_all, kjt_splits, kjt_stagger, split_meta_input
+from .validation import OK, InputFault, InputValidator, InvalidInputError
+
+ROWS = 4  # split rows per sharding: lengths, values, then two of: strides (variable batch), weights, batch size
+_BLOCK = 1 + ROWS  # per sharding: its layout code, then its rows
+_NO_KJT = 0  # the layout code of a sharding without a KJT all-to-all (data-parallel), or of a bad rank's blank
+
+
+class DeferredKJTAllToAll:
+    """A KJTAllToAll's forward that sends nothing: it returns what the all-to-all would send (TorchRec's
+    KJTSplitsAllToAllMeta, without split tensors) for the module's SplitsExchange."""
+
+    def __init__(self, a2a: KJTAllToAll) -> None:
+        self._pg = collective_group(a2a)
+        self._splits = kjt_splits(a2a)
+        self._stagger = kjt_stagger(a2a)
+        rank = dist.get_rank(self._pg)
+        self._local = slice(sum(self._splits[:rank]), sum(self._splits[: rank + 1]))
+
+    def __call__(self, input: KeyedJaggedTensor) -> KJTSplitsAllToAllMeta:
+        with torch.no_grad():
+            return KJTSplitsAllToAllMeta(
+                pg=self._pg,
+                _input=input,
+                splits=self._splits,
+                splits_tensors=[],
+                input_splits=input.dist_splits(self._splits),
+                input_tensors=input.dist_tensors(),
+                labels=input.dist_labels(),
+                keys=input.keys()[self._local],
+                device=input.values().device,
+                stagger=self._stagger,
+            )
+
+
+def defer_kjt_all_to_alls(input_dists: Sequence[torch.nn.Module]) -> None:
+    """Makes each input dist's KJTAllToAll a DeferredKJTAllToAll (TrainPipelineSparseDist puts its own forward,
+    which also only records, in its place while it runs, and ours back after)."""
+    for input_dist in input_dists:
+        a2a = input_dist_all_to_all(input_dist)
+        if a2a is not None:
+            a2a.forward = DeferredKJTAllToAll(a2a)
+
+
+def _layout(meta: KJTSplitsAllToAllMeta) -> int:
+    """1 + weights + 2 x variable batch: what decides the split rows and the tensors a KJT all-to-all sends."""
+    return 1 + ("weights" in meta.labels) + 2 * split_meta_input(meta).variable_stride_per_key()
+
+
+def _describe_layout(code: int) -> str:
+    if code == _NO_KJT:
+        return "no KJT"
+    weights = "with weights" if (code - 1) & 1 else "without weights"
+    return f"{weights}, {'a variable batch per feature' if (code - 1) & 2 else 'one batch size'}"
+
+
+def _rows(meta: KJTSplitsAllToAllMeta, world: int) -> List[List[int]]:
+    """The split rows a KJT all-to-all exchanges: one per tensor it sends, then the batch size (when uniform)."""
+    kjt = split_meta_input(meta)
+    return list(meta.input_splits) + ([] if kjt.variable_stride_per_key() else [[kjt.stride()] * world])
+
+
+class SplitsExchange:
+    """One batch's split exchange for a module: started when built (asynchronously), read once by the first of
+    its shardings' ExchangedSplits to be waited, which raises the batch's error on every rank."""
+
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        pending: Sequence[Any],
+        fault: Optional[InputFault],
+        validator: InputValidator,
+        sharding_types: Sequence[str],
+        device: torch.device,
+    ) -> None:
+        world = pg.size()
+        self._validator, self._sharding_types = validator, list(sharding_types)
+        self._rows: List[int] = []
+        sent = np.zeros((world, len(pending) * _BLOCK + InputFault.FIELDS), dtype=np.int64)
+        for i, p in enumerate(pending):
+            rows = _rows(p, world) if isinstance(p, KJTSplitsAllToAllMeta) else []
+            if isinstance(p, KJTSplitsAllToAllMeta):
+                if p.pg is not pg:
+                    raise RuntimeError(
+                        f"sharding {self._sharding_types[i]!r} sends its KJT on another process group than its module"
+                    )
+                sent[:, i * _BLOCK] = _layout(p)
+                sent[:, i * _BLOCK + 1 : i * _BLOCK + 1 + len(rows)] = np.asarray(rows, dtype=np.int64).T
+            self._rows.append(len(rows))
+        sent[:, len(pending) * _BLOCK :] = (fault or InputFault(OK)).to_ints()
+        self._codes = sent[0, : len(pending) * _BLOCK : _BLOCK]
+        self._sent = torch.from_numpy(sent).to(device)
+        if world > 1:
+            self._received = torch.empty_like(self._sent)
+            self._work: Optional[dist.Work] = dist.all_to_all_single(
+                self._received, self._sent, group=pg, async_op=True
+            )
+        else:
+            self._received, self._work = self._sent, None
+        self._splits: Optional[np.ndarray] = None
+        self._error: Optional[InvalidInputError] = None
+
+    def splits(self, index: int) -> List[List[int]]:
+        """Sharding `index`'s split rows as received, one list over the senders per row; raises every rank's
+        input fault, or a difference in layout between the ranks' batches."""
+        if self._splits is None and self._error is None:
+            if self._work is not None:
+                self._work.wait()
+            received = np.asarray(self._received.tolist(), dtype=np.int64)  # the one host read, as TorchRec's
+            self._error = self._check(received)
+            self._splits = received
+        if self._error is not None:
+            raise self._error
+        assert self._splits is not None
+        start = index * _BLOCK + 1
+        return self._splits[:, start : start + self._rows[index]].T.tolist()
+
+    def _check(self, received: np.ndarray) -> Optional[InvalidInputError]:
+        records = received[:, -InputFault.FIELDS :]
+        faults = {r: InputFault.from_ints(row.tolist()) for r, row in enumerate(records) if row[0] != OK}
+        if faults:
+            return self._validator.error(faults)
+        for i, mine in enumerate(self._codes):
+            codes = received[:, i * _BLOCK]
+            if (codes != mine).any():
+                layouts = ", ".join(f"rank {r}: {_describe_layout(int(c))}" for r, c in enumerate(codes))
+                return InvalidInputError(
+                    f"the ranks' KeyedJaggedTensors differ in layout for sharding {self._sharding_types[i]!r} "
+                    f"({layouts}); every rank must send weights alike and a variable batch per feature alike "
+                    "(every rank refuses this batch, before its input all-to-all)"
+                )
+        return None
+
+
+class ExchangedSplits(Awaitable[Any]):
+    """A sharding's first wait: its split sizes from the module's exchange (which raises the batch's error on every
+    rank), then TorchRec's tensor all-to-all, started as TorchRec's own split exchange starts it; a sharding without
+    a KJT all-to-all (data-parallel) waits its own awaitable."""
+
+    def __init__(self, exchange: SplitsExchange, index: int, pending: Any) -> None:
+        super().__init__()
+        self._exchange, self._index, self._pending = exchange, index, pending
+
+    def _wait_impl(self) -> Any:
+        splits = self._exchange.splits(self._index)
+        meta = self._pending
+        if not isinstance(meta, KJTSplitsAllToAllMeta):
+            assert meta is not None, "a bad rank's blank sharding got through its exchange"
+            return meta.wait()
+        variable = split_meta_input(meta).variable_stride_per_key()
+        return KJTAllToAllTensorsAwaitable(
+            pg=meta.pg,
+            input=split_meta_input(meta),
+            splits=meta.splits,
+            input_splits=meta.input_splits,
+            output_splits=splits if variable else splits[:-1],
+            input_tensors=meta.input_tensors,
+            labels=meta.labels,
+            keys=meta.keys,
+            device=meta.device,
+            stagger=meta.stagger,
+            stride_per_rank=None if variable else splits[-1],
+        )
+
+
+class CheckedInput:
+    """What our sharded EBC and EC share at the door: the batch checked (`check_input`), then the input dist's
+    request turned into one that waits the module's split exchange first (`exchange_splits`)."""
+
+    _validate: InputValidator
+
+    def check_input(self, features: Any) -> tuple[Any, Optional[InputFault]]:
+        if isinstance(features, KeyedJaggedTensor):
+            return self._validate.check(features)
+        return features, None
+
+    def exchange_splits(
+        self,
+        ctx: Any,
+        request: Optional[KJTListSplitsAwaitable],
+        fault: Optional[InputFault],
+        pg: dist.ProcessGroup,
+        sharding_types: Sequence[str],
+        device: torch.device,
+    ) -> KJTListSplitsAwaitable:
+        """`request` (TorchRec's, of the input dists' pending all-to-alls), or for a bad batch (`fault`, no request)
+        one of blank shardings, waiting the exchange first."""
+        pending = list(request.awaitables) if request is not None else [None] * len(sharding_types)
+        exchange = SplitsExchange(pg, pending, fault, self._validate, sharding_types, device)
+        if request is None:
+            request = KJTListSplitsAwaitable([], ctx)
+        request.awaitables = [ExchangedSplits(exchange, i, p) for i, p in enumerate(pending)]
+        return request
