@@ -45,6 +45,7 @@ from embark_torchrec.plan.objective import Objective, better, objective
 _FREE = TableConstraints()
 ENERGY_WEIGHT = 0.25
 TOP_RANKS = 4  # the ranks whose mean load the energy adds
+SEED_SHARE = 0.3  # of the budget, shared among the seeds; the rest anneals the best plan they gave
 Changes = list[tuple[str, TableLayout]]
 
 
@@ -612,8 +613,8 @@ class Yardstick:
         return best
 
     def run(self, seeds: Mapping[str, Plan | Mapping[str, TableLayout] | None]) -> YardstickResult:
-        """Anneals from each valid seed (half the budget shared among them), then from the best plan
-        found (the other half, cooler); returns the best plan, never worse than the best seed."""
+        """Anneals from each valid seed (SEED_SHARE of the budget shared among them), then from the best
+        plan found (the rest, cooler); returns the best plan, never worse than the best seed."""
         start = time.perf_counter()
         if self.config.seconds is not None:
             self._deadline = start + self.config.seconds
@@ -633,7 +634,7 @@ class Yardstick:
         if not states:
             raise PlanError("the yardstick has no valid seed: " + "; ".join(r.reason for r in results.values()))
         budget = self.config.evaluations
-        share = budget // 2 // len(states)
+        share = int(budget * SEED_SHARE) // len(states)
         ends: list[tuple[str, _State]] = []
         for name, state in states:
             start_ms = state.step.step_ms
@@ -702,10 +703,13 @@ def plan_differences(cost: CostModel, a: Plan, b: Plan, top: int = 6) -> list[st
     if load_a.groups != load_b.groups:
         lines.append(f"groups (tables): {_groups(load_a)} -> {_groups(load_b)}")
     lws = cost.topology.local_world_size
-    changed = []
+    changed, permuted = [], 0
     for name, layout in a.tables.items():
         other = b.tables[name]
         if layout == other:
+            continue
+        if layout_summary(layout, lws) == layout_summary(other, lws):
+            permuted += 1
             continue
         peak = max(float(cost.rank_load_ms(cost.table_load(name, x).rows).max()) for x in (layout, other))
         changed.append((-peak, name, layout, other))
@@ -716,4 +720,6 @@ def plan_differences(cost: CostModel, a: Plan, b: Plan, top: int = 6) -> list[st
         )
     if len(changed) > top:
         lines.append(f"... and {len(changed) - top} more tables laid out differently")
+    if permuted:
+        lines.append(f"{permuted} tables with the same grid on the same ranks, in another order")
     return lines
