@@ -10,9 +10,16 @@ the files, writes the manifest last (temporary file, fsync, rename, fsync of the
 folder to ``D/step_<n>``. A save cut short leaves a ``.partial`` folder, which resume reports and skips and the next
 save of that step replaces.
 
-Resuming (``resume_checkpoint``) takes the newest ``step_<n>`` folder whose files match its manifest. Rank 0 decides and
-broadcasts the choice before any rank loads, so all ranks load the same step; the steps it passed over come back
-with the reason (hash mismatch, missing file, size differs, no manifest, a name that is not ``step_<int>``).
+Resuming (``resume_checkpoint``) loads the newest step that verifies and that DCP loads. The candidates, newest step
+first: ``step_<n>`` folders, then ``step_<n>.replaced`` (a second save of step n that stopped between its two renames
+leaves its only finished copy there). Each one is verified against its manifest; any problem (a hash mismatch, a
+missing file, a manifest of any content: not JSON, nested too deep, a number too long, a wrong type, too large, a
+symbolic link) skips it by name. A step that verifies but that DCP cannot load into the given state (another model's
+step, a read error on any rank, any exception class DCP raises) is skipped by name too, and the next older one tried.
+Rank 0 verifies and broadcasts each choice before any rank loads, and every rank reports how its load went before any
+rank moves on, so all ranks load the same step and none is left waiting. Older candidates than the step loaded are
+not read; the skipped ones come back newest first with their reasons, then the folders that are never candidates
+(unfinished ``.partial`` saves, names that are not ``step_<int>``).
 
 Assumptions:
   * Every rank sees the same D: a shared file system, which DCP's FileSystemWriter with its single ``.metadata``
@@ -25,18 +32,23 @@ Assumptions:
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
 import shutil
-from collections.abc import Callable
-from pathlib import Path
+import stat
+from collections.abc import Callable, Iterator
+from pathlib import Path, PurePosixPath
 from typing import Any, NamedTuple, TypeVar
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import ReadItem
 
 __all__ = [
+    "MANIFEST_MAX_BYTES",
     "MANIFEST_NAME",
     "CheckpointError",
     "Resumed",
@@ -51,6 +63,7 @@ __all__ = [
 ]
 
 MANIFEST_NAME = "manifest.json"
+MANIFEST_MAX_BYTES = 32 << 20  # ~300k files at ~110 bytes an entry; DCP writes one file per rank and writer thread
 _FORMAT = "embark-torchrec-checkpoint/1"
 _STEP = re.compile(r"step_([0-9]+)")
 _PARTIAL, _REPLACED = ".partial", ".replaced"
@@ -59,7 +72,10 @@ _LEFTOVER_REASON = {
     _PARTIAL: "unfinished save (written into a temporary folder that never became step_{n})",
     _REPLACED: "an older save of step {n}, left behind while a newer save of that step replaced it",
 }
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 _CHUNK = 1 << 20
+_SHORT = 200  # characters of a value or an error quoted in a reason: hostile content must not flood the log
+_NOT_CAUGHT = (KeyboardInterrupt, SystemExit, GeneratorExit)  # what a failure handler lets through
 
 T = TypeVar("T")
 
@@ -76,7 +92,7 @@ class Skipped(NamedTuple):
 
 
 class Resumed(NamedTuple):
-    """What resume_checkpoint loaded (path and step None when nothing verified) and what it skipped, newest first."""
+    """What resume_checkpoint loaded (path and step None when nothing did) and what it skipped, newest first."""
 
     path: Path | None
     step: int | None
@@ -94,13 +110,80 @@ def step_of(path: str | os.PathLike[str]) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def _named_step(folder: Path) -> int | None:
+    """The step a folder's name claims: step_<n>, or a leftover step_<n>.partial / step_<n>.replaced."""
+    match = _STEP.fullmatch(folder.name) or _LEFTOVER.fullmatch(folder.name)
+    return int(match.group(1)) if match else None
+
+
+def _short(value: object) -> str:
+    """str(value), cut to a few hundred characters."""
+    text = str(value)
+    return text if len(text) <= _SHORT else f"{text[:_SHORT]}... ({len(text)} characters)"
+
+
+def _failure(e: BaseException) -> str:
+    """An exception as one line: its class and message; DCP's CheckpointException as what each rank raised."""
+    if isinstance(e, CheckpointException):
+        return _by_rank({rank: _failure(exc) for rank, (exc, _) in e.failures.items()})
+    return f"{type(e).__name__}: {_short(e)}"
+
+
+def _by_rank(said: dict[int, str], world_size: int | None = None) -> str:
+    """What ranks said, each text once with its ranks ("ranks 0-3, 6: ..."); the text alone when all `world_size`
+    ranks said it."""
+    ranks: dict[str, list[int]] = {}
+    for rank in sorted(said):
+        ranks.setdefault(said[rank], []).append(rank)
+    if len(ranks) == 1 and len(said) == world_size:
+        return next(iter(ranks))
+    parts = []
+    for text, rs in ranks.items():
+        runs: list[list[int]] = []
+        for r in rs:
+            if runs and runs[-1][1] == r - 1:
+                runs[-1][1] = r
+            else:
+                runs.append([r, r])
+        spans = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+        parts.append(f"rank{'s' if len(rs) > 1 else ''} {spans}: {text}")
+    return "; ".join(parts)
+
+
 # ---------------------------------------------------------------- files, hashes, the manifest
+
+
+def _not_a_file(path: Path) -> str | None:
+    """Why path is not a regular file a save could have written ("is missing", "is a symbolic link", ...), or None.
+
+    A save writes regular files only: a symbolic link can point outside the folder, and a FIFO or device would block
+    or never end when read."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return "is missing"
+    except (OSError, ValueError) as e:  # ValueError: a name with a NUL byte
+        return f"cannot be read: {_failure(e)}"
+    if stat.S_ISLNK(mode):
+        return "is a symbolic link, not a file a save writes"
+    if not stat.S_ISREG(mode):
+        return "is not a regular file"
+    return None
+
+
+def _open_regular(path: Path) -> io.BufferedReader:
+    """path opened for reading, refusing (OSError) a symbolic link or anything but a regular file, without blocking."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file")
+    return os.fdopen(fd, "rb")
 
 
 def _file_digest(path: Path) -> tuple[int, str]:
     """Size and SHA-256 of a file, read in chunks (data files can be many GB)."""
     digest, size = hashlib.sha256(), 0
-    with open(path, "rb") as fh:
+    with _open_regular(path) as fh:
         while chunk := fh.read(_CHUNK):
             digest.update(chunk)
             size += len(chunk)
@@ -108,10 +191,11 @@ def _file_digest(path: Path) -> tuple[int, str]:
 
 
 def _listing(folder: Path) -> list[str]:
-    """Every file under folder except the manifest (and its temporary), as sorted POSIX paths relative to it."""
+    """Every entry under folder except the manifest (and its temporary), as sorted POSIX paths relative to it; links
+    to folders count as entries (never walked into)."""
     out = []
-    for root, _, names in os.walk(folder):
-        for name in names:
+    for root, dirs, names in os.walk(folder):
+        for name in names + [d for d in dirs if (Path(root) / d).is_symlink()]:
             rel = (Path(root) / name).relative_to(folder).as_posix()
             if rel not in (MANIFEST_NAME, MANIFEST_NAME + ".tmp"):
                 out.append(rel)
@@ -145,44 +229,61 @@ def _write_manifest(folder: Path, step: int) -> None:
     _fsync_dir(folder)
 
 
+def _count(value: object) -> bool:
+    """A JSON integer >= 0 (not a bool, which Python counts as an int)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _bad_name(folder: Path, rel: str) -> str | None:
+    """Why a manifest's file name cannot be a file of this save (outside the folder, not in the form a save writes)."""
+    if "\0" in rel or "\\" in rel or PurePosixPath(rel).as_posix() != rel:
+        return "is not a plain relative POSIX path"
+    parts = PurePosixPath(rel).parts
+    if not parts or PurePosixPath(rel).is_absolute() or ".." in parts or "." in parts:
+        return f"is outside {folder}"
+    if len(parts) > 1 and not Path(os.path.realpath((folder / rel).parent)).is_relative_to(os.path.realpath(folder)):
+        return f"is reached through a symbolic link out of {folder}"
+    return None
+
+
 def _read_manifest(folder: Path) -> tuple[int, dict[str, tuple[int, str]]] | str:
-    """(step, {file: (size, sha256)}) from folder's manifest, or a problem naming the manifest."""
+    """(step, {file: (size, sha256)}) from folder's manifest, or a problem naming the manifest; never raises on its
+    content (any bytes, any JSON: nesting deeper than the parser's stack, integers longer than Python converts)."""
     manifest = folder / MANIFEST_NAME
-    if not manifest.is_file():
+    not_a_file = _not_a_file(manifest)
+    if not_a_file == "is missing":
         return f"no manifest: {manifest} is missing (saved without one, or not by this module)"
+    if not_a_file is not None:
+        return f"manifest {manifest} {not_a_file}"
     try:
-        data = json.loads(manifest.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        return f"manifest {manifest} is unreadable: {e}"
+        with _open_regular(manifest) as fh:
+            raw = fh.read(MANIFEST_MAX_BYTES + 1)
+        if len(raw) > MANIFEST_MAX_BYTES:
+            return f"manifest {manifest} is larger than {MANIFEST_MAX_BYTES} bytes, far more than a save writes"
+        data = json.loads(raw.decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError, MemoryError) as e:
+        return f"manifest {manifest} is unreadable: {_failure(e)}"
     if not isinstance(data, dict) or data.get("format") != _FORMAT:
         return f"manifest {manifest} is not in format {_FORMAT!r}"
     step, files = data.get("step"), data.get("files")
-    if not isinstance(step, int) or not isinstance(files, dict):
-        return f"manifest {manifest} lacks an integer 'step' or a 'files' table"
+    if not _count(step) or not isinstance(files, dict):
+        return f"manifest {manifest} lacks an integer 'step' >= 0 or a 'files' table"
     entries: dict[str, tuple[int, str]] = {}
     for rel, entry in files.items():
-        parts = Path(rel).parts
-        if Path(rel).is_absolute() or ".." in parts or not parts:
-            return f"manifest {manifest} names a file outside {folder}: {rel!r}"
-        if (
-            not isinstance(entry, dict)
-            or not isinstance(entry.get("size"), int)
-            or not isinstance(entry.get("sha256"), str)
-        ):
-            return f"manifest {manifest}: the entry of {rel!r} lacks an integer 'size' or a 'sha256' string"
+        bad = _bad_name(folder, rel)
+        if bad is not None:
+            return f"manifest {manifest} names a file that {bad}: {_short(repr(rel))}"
+        if not isinstance(entry, dict) or not _count(entry.get("size")) or not isinstance(entry.get("sha256"), str):
+            return f"manifest {manifest}: the entry of {rel!r} lacks an integer 'size' >= 0 or a 'sha256' string"
+        if not _SHA256.fullmatch(entry["sha256"]):
+            return f"manifest {manifest}: the sha256 of {rel!r} is not 64 lowercase hex digits"
         entries[rel] = (entry["size"], entry["sha256"])
     if ".metadata" not in entries:
         return f"manifest {manifest} does not list DCP's .metadata"
     return step, entries
 
 
-def verify_checkpoint(path: str | os.PathLike[str]) -> list[str]:
-    """The problems of one step folder against its manifest, each naming the file; empty when every file matches.
-
-    Checks: the manifest is present and well-formed, its step matches the folder name, every listed file exists with
-    the listed size and SHA-256, and no file is there that the manifest does not list. Reads every byte of the save.
-    """
-    folder = Path(path)
+def _problems(folder: Path) -> list[str]:
     if not folder.is_dir():
         return [f"{folder} is not a folder" if folder.exists() else f"{folder} does not exist"]
     manifest = _read_manifest(folder)
@@ -190,13 +291,14 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> list[str]:
         return [manifest]
     step, files = manifest
     problems = []
-    named = step_of(folder)
+    named = _named_step(folder)
     if named is not None and named != step:
         problems.append(f"{folder / MANIFEST_NAME} says step {step}, the folder name says step {named}")
     for rel, (size, sha) in sorted(files.items()):
         file = folder / rel
-        if not file.is_file():
-            problems.append(f"missing file {file}")
+        not_a_file = _not_a_file(file)
+        if not_a_file is not None:
+            problems.append(f"missing file {file}" if not_a_file == "is missing" else f"file {file} {not_a_file}")
             continue
         actual_size = file.stat().st_size
         if actual_size != size:
@@ -213,36 +315,90 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> list[str]:
     return problems
 
 
-def latest_verified_checkpoint(directory: str | os.PathLike[str]) -> tuple[Path | None, list[Skipped]]:
-    """The newest step folder under directory that verifies (None if none), and what was passed over, newest first.
+def verify_checkpoint(path: str | os.PathLike[str]) -> list[str]:
+    """The problems of one step folder against its manifest, each naming the file; empty when every file matches.
 
-    Folders named step_* that are not step_<int> (leftovers of unfinished saves included) are reported, never parsed;
-    step folders older than the one chosen are not read. A directory that does not exist holds no checkpoint.
+    Checks: the manifest is a well-formed regular file, its step matches the folder name, every listed file is a
+    regular file inside the folder with the listed size and SHA-256, and no file is there that the manifest does not
+    list. Reads every byte of the save. Never raises for what the folder holds: an error reading it is a problem.
     """
-    root = Path(directory)
-    if not root.exists():
-        return None, []
-    if not root.is_dir():
-        raise CheckpointError(f"checkpoint directory {root} is not a folder")
-    steps: list[tuple[int, Path]] = []
+    folder = Path(path)
+    try:
+        return _problems(folder)
+    except Exception as e:  # noqa: BLE001 - whatever the folder holds, resume must be able to skip it by name
+        return [f"{folder} could not be verified: {_failure(e)}"]
+
+
+def _candidates(root: Path) -> tuple[list[tuple[int, Path]], list[Skipped]]:
+    """The folders resume may load, newest step first (step_<n> before step_<n>.replaced), and those it never may:
+    unfinished .partial saves and names that are not step_<int>."""
+    try:
+        entries = sorted(root.iterdir())
+    except OSError as e:
+        raise CheckpointError(f"checkpoint directory {root} cannot be listed: {_failure(e)}") from e
+    candidates: list[tuple[int, bool, Path]] = []
     others: list[Skipped] = []
-    for entry in sorted(root.iterdir()):
+    for entry in entries:
         if not entry.name.startswith("step_"):
             continue
         step, leftover = step_of(entry), _LEFTOVER.fullmatch(entry.name)
         if step is not None:
-            steps.append((step, entry))
+            candidates.append((step, False, entry))
+        elif leftover is not None and leftover.group(2) == _REPLACED:
+            candidates.append((int(leftover.group(1)), True, entry))
         elif leftover is not None:
-            others.append(Skipped(entry, _LEFTOVER_REASON[leftover.group(2)].format(n=leftover.group(1))))
+            others.append(Skipped(entry, _LEFTOVER_REASON[_PARTIAL].format(n=leftover.group(1))))
         else:
             others.append(Skipped(entry, "name is not step_<int>"))
-    skipped: list[Skipped] = []
-    for _, folder in sorted(steps, reverse=True):
+    candidates.sort(key=lambda c: (-c[0], c[1], c[2].name))
+    return [(step, path) for step, _, path in candidates], others
+
+
+class _Choice(NamedTuple):
+    """Rank 0's next step to load (path None when no candidate is left), the candidates that failed to verify since
+    the previous choice, and the folders to report as passed over if this one loads."""
+
+    path: Path | None
+    step: int | None
+    failed: list[Skipped]
+    leftovers: list[Skipped]
+
+
+def _verified(directory: str | os.PathLike[str]) -> Iterator[_Choice]:
+    """The candidates under directory that verify, newest first, then a last choice with path None. Lazy: a
+    candidate is read only when the newer ones verified and were passed over (did not load)."""
+    root = Path(directory)
+    if not root.exists():
+        yield _Choice(None, None, [], [])
+        return
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint directory {root} is not a folder")
+    candidates, others = _candidates(root)
+    failed: list[Skipped] = []
+    for i, (step, folder) in enumerate(candidates):
         problems = verify_checkpoint(folder)
-        if not problems:
-            return folder, skipped + others
-        skipped.append(Skipped(folder, "; ".join(problems)))
-    return None, skipped + others
+        if problems:
+            failed.append(Skipped(folder, "; ".join(problems)))
+            continue
+        stale = [
+            Skipped(p, _LEFTOVER_REASON[_REPLACED].format(n=step))
+            for s, p in candidates[i + 1 :]
+            if s == step and p.name.endswith(_REPLACED)
+        ]
+        yield _Choice(folder, step, failed, others + stale)
+        failed = []
+    yield _Choice(None, None, failed, others)
+
+
+def latest_verified_checkpoint(directory: str | os.PathLike[str]) -> tuple[Path | None, list[Skipped]]:
+    """The newest candidate under directory that verifies (None if none), and what was passed over, newest first.
+
+    Candidates are step_<n> folders and, after them, step_<n>.replaced (see the module's docstring). Folders named
+    step_* that are not candidates are reported, never parsed; candidates older than the one chosen are not read. A
+    directory that does not exist holds no checkpoint.
+    """
+    choice = next(_verified(directory))
+    return choice.path, choice.failed + choice.leftovers
 
 
 # ---------------------------------------------------------------- across ranks
@@ -253,17 +409,17 @@ def _distributed() -> bool:
 
 
 def _on_rank0(fn: Callable[[], T], process_group: dist.ProcessGroup | None) -> T:
-    """fn's result (or its error) computed on the group's rank 0 and handed to every rank, so all ranks take the same
-    branch and none is left waiting in a collective that another rank abandoned."""
+    """fn's result (or its error, of any class) computed on the group's rank 0 and handed to every rank, so all ranks
+    take the same branch and none is left waiting in a collective that another rank abandoned."""
     if not _distributed():
         return fn()
     box: list[Any] = [None]
-    failure: Exception | None = None
+    failure: BaseException | None = None
     if dist.get_rank(process_group) == 0:
         try:
             box[0] = ("ok", fn())
-        except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks, not only rank 0
-            failure, box[0] = e, ("error", str(e))
+        except BaseException as e:  # noqa: BLE001 - every failure must reach the other ranks, not only rank 0
+            failure, box[0] = e, ("error", str(e) if isinstance(e, CheckpointError) else _failure(e))
     dist.broadcast_object_list(box, group=process_group, group_src=0)
     status, value = box[0]
     if status == "ok":
@@ -271,6 +427,15 @@ def _on_rank0(fn: Callable[[], T], process_group: dist.ProcessGroup | None) -> T
     if failure is not None:
         raise failure
     raise CheckpointError(f"{value} (on rank 0)")
+
+
+def _every_rank(value: T, process_group: dist.ProcessGroup | None) -> list[T]:
+    """value from every rank of the group, in rank order (this rank's alone outside a process group)."""
+    if not _distributed():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(out, value, group=process_group)
+    return out
 
 
 # ---------------------------------------------------------------- save, load, resume
@@ -289,7 +454,10 @@ def _prepare(directory: Path, partial: Path) -> None:
 
 
 def _publish(partial: Path, final: Path, step: int, listings: list[list[str]]) -> None:
-    """Rank 0, after every rank wrote: manifest last, then the rename that makes the step visible."""
+    """Rank 0, after every rank wrote: manifest last, then the rename that makes the step visible.
+
+    A second save of a step (a rerun into the same directory) first moves the old one aside as step_<n>.replaced,
+    which resume reads when it stops between the two renames; once the new one is visible the old one is removed."""
     mine = set(_listing(partial))
     for rank, theirs in enumerate(listings):
         unseen = sorted(set(theirs) - mine)
@@ -299,16 +467,13 @@ def _publish(partial: Path, final: Path, step: int, listings: list[list[str]]) -
                 "the checkpoint directory must be on a file system that every rank shares"
             )
     _write_manifest(partial, step)
-    if final.exists() or final.is_symlink():  # a second save of this step (a rerun into the same directory)
-        replaced = final.with_name(final.name + _REPLACED)
+    replaced = final.with_name(final.name + _REPLACED)
+    if final.exists() or final.is_symlink():
         _clear(replaced)
         os.replace(final, replaced)
-        os.replace(partial, final)
-        _fsync_dir(final.parent)
-        _clear(replaced)
-    else:
-        os.replace(partial, final)
-        _fsync_dir(final.parent)
+    os.replace(partial, final)
+    _fsync_dir(final.parent)
+    _clear(replaced)  # also the only copy a save that stopped between the renames left, now superseded
 
 
 def save_checkpoint(
@@ -340,11 +505,36 @@ def save_checkpoint(
     return final
 
 
-def _load(path: Path, state: dict[str, Any], process_group: dist.ProcessGroup | None) -> None:
+class _WatchedLoadPlanner(dcp.DefaultLoadPlanner):
+    """DCP's default load planner, noting when DCP first writes into the state: a load that fails before that (another
+    model's step fails while planning) left the state as it was."""
+
+    wrote = False
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self.wrote = True
+        super().load_bytes(read_item, value)
+
+    def resolve_tensor(self, read_item: ReadItem) -> Any:
+        self.wrote = True
+        return super().resolve_tensor(read_item)
+
+
+def _load(path: Path, state: dict[str, Any], process_group: dist.ProcessGroup | None) -> tuple[str | None, bool]:
+    """Load `path` into `state` in place on every rank: (None when every rank loaded it, else the failure by rank;
+    whether any rank's state was written into). Every rank learns every rank's outcome, so all take the same branch."""
+    planner = _WatchedLoadPlanner()
+    error = None
     try:
-        dcp.load(state, checkpoint_id=path, process_group=process_group)
-    except Exception as e:
-        raise CheckpointError(f"loading {path} failed: {e}") from e
+        dcp.load(state, checkpoint_id=path, planner=planner, process_group=process_group)
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException; any failure falls back
+        if isinstance(e, _NOT_CAUGHT):
+            raise
+        error = _failure(e)
+    outcomes = _every_rank((error, planner.wrote), process_group)
+    failed = {rank: e for rank, (e, _) in enumerate(outcomes) if e is not None}
+    wrote = any(w for _, w in outcomes)
+    return (_by_rank(failed, len(outcomes)) if failed else None), wrote
 
 
 def load_checkpoint(
@@ -355,13 +545,16 @@ def load_checkpoint(
     process_group: dist.ProcessGroup | None = None,
 ) -> None:
     """Load the step folder `path` into `state` in place (as dcp.load does), after rank 0 verified it against its
-    manifest; raises CheckpointError listing the problems, on every rank, when it does not verify."""
+    manifest; raises CheckpointError on every rank, naming the folder, when it does not verify or a rank fails to
+    load it."""
     folder = Path(path)
     if verify:
         problems = _on_rank0(lambda: verify_checkpoint(folder), process_group)
         if problems:
             raise CheckpointError(f"checkpoint {folder} does not verify: " + "; ".join(problems))
-    _load(folder, state, process_group)
+    error, _ = _load(folder, state, process_group)
+    if error is not None:
+        raise CheckpointError(f"loading {folder} failed: {error}")
 
 
 def resume_checkpoint(
@@ -370,13 +563,30 @@ def resume_checkpoint(
     *,
     process_group: dist.ProcessGroup | None = None,
 ) -> Resumed:
-    """Load the newest verified step under `directory` into `state` in place; call on every rank.
+    """Load the newest step under `directory` that verifies and loads into `state` (in place); call on every rank.
 
-    Rank 0 scans and verifies, then broadcasts its choice, so every rank loads the same step. Nothing is loaded when
-    no step verifies (path None); report `skipped` to the user either way, it says which steps were passed over and why.
+    Rank 0 verifies and broadcasts each choice, every rank loads it and all learn whether every rank did, so every
+    rank ends on the same step. Nothing is loaded when no step verifies and loads (path None; a fresh start); report
+    `skipped` to the user either way, it names each folder passed over and why. Raises CheckpointError, naming every
+    step tried, when no step loaded but a failed load had already written part of a step into `state`.
     """
-    found, skipped = _on_rank0(lambda: latest_verified_checkpoint(directory), process_group)
-    if found is None:
-        return Resumed(None, None, skipped)
-    _load(found, state, process_group)
-    return Resumed(found, step_of(found), skipped)
+    choices = _verified(directory)  # advanced on rank 0 only
+    skipped: list[Skipped] = []
+    partly_written: Path | None = None
+    while True:
+        choice = _on_rank0(lambda: next(choices), process_group)
+        skipped += choice.failed
+        if choice.path is None:
+            break
+        error, wrote = _load(choice.path, state, process_group)
+        if error is None:
+            return Resumed(choice.path, choice.step, skipped + choice.leftovers)
+        skipped.append(Skipped(choice.path, f"DCP could not load {choice.path} into this state: {error}"))
+        partly_written = partly_written or (choice.path if wrote else None)
+    skipped += choice.leftovers
+    if partly_written is not None:
+        raise CheckpointError(
+            f"no checkpoint in {directory} loads, and the failed load of {partly_written} wrote part of it into the "
+            "state, which is therefore not a fresh one: " + "; ".join(f"{s.path}: {s.reason}" for s in skipped)
+        )
+    return Resumed(None, None, skipped)

@@ -3,14 +3,20 @@
 Each save gets a manifest (size and SHA-256 of every file) and becomes visible as step_<n> only once complete; resume
 takes the newest step whose files match it. The damages: 4 KiB of a data file flipped in place (same size), a
 truncated data file, a deleted data or metadata file, no manifest, a garbled manifest, an extra file, a folder renamed
-to another step, a stray step_abc folder, a save that stopped after DCP wrote its files. In each case resume must load
-the newest intact step bit for bit (compared with the state saved at that step) and name the skipped folder and the
-reason. In process on a 1-rank gloo group (the helpers' broadcast paths run), then on 2 ranks (every rank loads the
-step rank 0 chose; a failure on rank 0 reaches rank 1), then one run of the DLRM example under torchrun.
+to another step, a stray step_abc folder, a save that stopped after DCP wrote its files; then what resume must always
+fall back from: a manifest of any content (testing/checkpoints.py's HOSTILE_MANIFESTS: nesting deeper than the JSON
+parser's stack, 5,000-digit numbers, JSON that is not a table, wrong types, binary junk, too large, a link, a FIFO,
+names outside the folder), a step of another model that verifies but DCP cannot load, an exception of any class from
+DCP, a load that fails after writing part of the state, and a re-save that stopped between its two renames. In each
+case resume must load the newest step that verifies and loads, bit for bit (compared with the state saved at that
+step), and name each skipped folder and the reason. In process on a 1-rank gloo group (the helpers' broadcast paths
+run), then on 2 ranks (every rank loads the step rank 0 chose; a failure on rank 0 reaches rank 1; a read error on
+rank 1 alone makes both fall back), then one run of the DLRM example under torchrun.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -23,6 +29,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -36,6 +44,7 @@ from embark_torchrec import (
     verify_checkpoint,
 )
 from embark_torchrec.testing import run_ranks
+from embark_torchrec.testing.checkpoints import HOSTILE_MANIFESTS, leave_rename_window, stopped_between_renames
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = (4, 8, 12)
@@ -274,6 +283,190 @@ def test_nothing_to_resume_and_a_bad_directory(tmp_path: Path, one_rank: None) -
         resume_checkpoint(tmp_path / "file", state)
     with pytest.raises(ValueError, match=f"-1 .*{tmp_path.name}"):
         save_checkpoint(tmp_path, state, -1)
+
+
+# ---------------------------------------------------------------- what resume must always fall back from
+
+
+def _steps_skipped(resumed: ckpt.Resumed) -> list[str]:
+    return [s.path.name for s in resumed.skipped]
+
+
+@pytest.mark.parametrize("hostile", sorted(HOSTILE_MANIFESTS))
+def test_resume_skips_a_hostile_manifest_by_name_and_loads_the_older_step(saved: Path, hostile: str) -> None:
+    """Whatever step 12's manifest holds (or whatever it names), resume never raises: it loads step 8 bit for bit and
+    names step_00000012 with a reason that says what is wrong, in a few hundred characters at most."""
+    damage, words = HOSTILE_MANIFESTS[hostile]
+    damage(saved / "step_00000012")
+    state = _blank()
+    resumed = resume_checkpoint(saved, state)
+    assert (resumed.path, resumed.step) == (saved / "step_00000008", 8), resumed
+    _assert_bit_equal(state, _state(8))
+    assert _steps_skipped(resumed) == ["step_00000012"], resumed.skipped
+    reason = resumed.skipped[0].reason
+    assert all(w in reason for w in words) and "step_00000012" in reason, reason
+    assert len(reason) < 1000, reason[:2000]
+    assert "; ".join(verify_checkpoint(saved / "step_00000012")) == reason
+
+
+def test_when_no_step_verifies_every_step_is_named_and_nothing_is_loaded(saved: Path) -> None:
+    """Three hostile manifests: a fresh start (path None, the state untouched) that names each step, newest first,
+    with its own reason."""
+    hostile = {12: "deeply_nested_json", 8: "5000_digit_size", 4: "symbolic_link"}
+    for step, name in hostile.items():
+        HOSTILE_MANIFESTS[name][0](saved / f"step_{step:08d}")
+    state = _blank()
+    resumed = resume_checkpoint(saved, state)
+    assert (resumed.path, resumed.step) == (None, None)
+    _assert_bit_equal(state, _blank())
+    assert _steps_skipped(resumed) == [f"step_{s:08d}" for s in hostile]
+    for skip, name in zip(resumed.skipped, hostile.values(), strict=True):
+        assert all(w in skip.reason for w in HOSTILE_MANIFESTS[name][1]), skip
+
+
+ANOTHER_MODEL = {
+    "other_keys": ({"model": {"emb": torch.zeros(8, 4)}, "step": torch.tensor(16)}, "Missing key"),
+    "other_shapes": ({**_state(16), "model": {"w": torch.zeros(32, 64), "b": torch.zeros(64)}}, "Size mismatch"),
+}
+
+
+@pytest.mark.parametrize("other", sorted(ANOTHER_MODEL))
+def test_a_newest_step_of_another_model_is_skipped_by_name(saved: Path, other: str) -> None:
+    """Step 16 was saved (and verifies) by another model: DCP raises its CheckpointException (a BaseException) while
+    planning; resume names step_00000016 with DCP's reason and loads step 12 bit for bit; load_checkpoint of step 16
+    raises CheckpointError naming the folder."""
+    state_16, words = ANOTHER_MODEL[other]
+    save_checkpoint(saved, state_16, 16)
+    assert verify_checkpoint(saved / "step_00000016") == []
+    state = _blank()
+    resumed = resume_checkpoint(saved, state)
+    assert resumed.step == 12
+    _assert_bit_equal(state, _state(12))
+    assert _steps_skipped(resumed) == ["step_00000016"]
+    reason = resumed.skipped[0].reason
+    assert f"DCP could not load {saved / 'step_00000016'}" in reason and words in reason, reason
+    with pytest.raises(CheckpointError, match=f"loading .*step_00000016 failed: .*{words}"):
+        load_checkpoint(saved / "step_00000016", _blank())
+
+
+class _Unusual(BaseException):
+    """An exception class outside Exception, as DCP's CheckpointException is."""
+
+
+def test_an_exception_of_any_class_from_dcp_falls_back(saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """dcp.load raising a BaseException subclass on step 12: resume names the class and the folder and loads step 8;
+    a KeyboardInterrupt is not swallowed."""
+    real = ckpt.dcp.load
+
+    def load(state: dict[str, Any], *, checkpoint_id: Path, **kwargs: Any) -> None:
+        if Path(checkpoint_id).name == "step_00000012":
+            raise _Unusual("from outside Exception")
+        real(state, checkpoint_id=checkpoint_id, **kwargs)
+
+    monkeypatch.setattr(ckpt.dcp, "load", load)
+    state = _blank()
+    resumed = resume_checkpoint(saved, state)
+    assert resumed.step == 8
+    _assert_bit_equal(state, _state(8))
+    assert resumed.skipped == [
+        ckpt.Skipped(
+            saved / "step_00000012",
+            f"DCP could not load {saved / 'step_00000012'} into this state: _Unusual: from outside Exception",
+        )
+    ]
+
+    def interrupted(state: dict[str, Any], **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt.dcp, "load", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        resume_checkpoint(saved, _blank())
+
+
+def _read_one_item_then_fail(monkeypatch: pytest.MonkeyPatch, failing: set[str]) -> None:
+    """FileSystemReader reads the first item of its plan (writing it into the state) and then fails, in the folders
+    named in `failing`: a read error half-way through a load."""
+    real = FileSystemReader.read_data
+
+    def read_data(self: FileSystemReader, plan: LoadPlan, planner: LoadPlanner) -> Any:
+        if Path(self.path).name in failing:
+            real(self, dataclasses.replace(plan, items=plan.items[:1]), planner).wait()
+            raise OSError(f"I/O error reading {self.path}")
+        return real(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemReader, "read_data", read_data)
+
+
+def test_a_load_that_fails_half_way_falls_back_and_the_older_step_overwrites_all_of_it(
+    saved: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Step 12's read fails after writing part of it into the state: step 8 loads over every value, bit for bit."""
+    _read_one_item_then_fail(monkeypatch, {"step_00000012"})
+    state = _blank()
+    resumed = resume_checkpoint(saved, state)
+    assert resumed.step == 8 and _steps_skipped(resumed) == ["step_00000012"]
+    assert "OSError: I/O error reading" in resumed.skipped[0].reason
+    _assert_bit_equal(state, _state(8))
+
+
+def test_when_no_step_loads_after_one_wrote_into_the_state_resume_raises_naming_every_step(
+    saved: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every load fails half-way: the state is no longer a fresh one, so resume raises instead of starting over,
+    naming every step and why; when no load wrote anything (another model's steps only) it is a fresh start."""
+    _read_one_item_then_fail(monkeypatch, {f"step_{s:08d}" for s in STEPS})
+    with pytest.raises(CheckpointError) as raised:
+        resume_checkpoint(saved, _blank())
+    message = str(raised.value)
+    assert "wrote part of it into the state" in message, message
+    assert all(f"{saved / f'step_{s:08d}'}: DCP could not load" in message for s in STEPS), message
+
+    state = {"other": torch.zeros(3)}
+    resumed = resume_checkpoint(saved, state)
+    assert (resumed.path, resumed.step) == (None, None) and torch.equal(state["other"], torch.zeros(3))
+    assert _steps_skipped(resumed) == [f"step_{s:08d}" for s in reversed(STEPS)]
+    assert all("Missing key" in s.reason for s in resumed.skipped), resumed.skipped
+
+
+def test_a_resave_stopped_between_its_two_renames_resumes_from_the_only_verified_copy(saved: Path) -> None:
+    """Re-saving step 12 stops after step_00000012 became step_00000012.replaced, before the new save (.partial)
+    became step_00000012: resume loads the .replaced copy as step 12, bit for bit, and reports the .partial; the
+    next save of step 12 leaves only step_00000012. leave_rename_window leaves the same folders."""
+    with stopped_between_renames(), pytest.raises(OSError, match="stopped before renaming"):
+        save_checkpoint(saved, _state(99), 12)
+    names = sorted(p.name for p in saved.iterdir())
+    assert names == ["step_00000004", "step_00000008", "step_00000012.partial", "step_00000012.replaced"]
+    state = _blank()
+    resumed = resume_checkpoint(saved, state)
+    assert (resumed.path, resumed.step) == (saved / "step_00000012.replaced", 12), resumed
+    _assert_bit_equal(state, _state(12))
+    assert [(s.path.name, s.reason.split(" ")[0]) for s in resumed.skipped] == [("step_00000012.partial", "unfinished")]
+
+    save_checkpoint(saved, _state(99), 12)
+    assert sorted(p.name for p in saved.iterdir()) == [f"step_{s:08d}" for s in STEPS]
+    assert leave_rename_window(saved, 12) == saved / "step_00000012.replaced"
+    assert sorted(p.name for p in saved.iterdir()) == names
+
+
+def test_a_damaged_or_stale_replaced_copy_is_named(saved: Path) -> None:
+    """A damaged step_00000012.replaced (no step_00000012) is skipped by name for step 8; a stale .replaced beside a
+    good step_00000012 is reported as left behind, and step_00000012 loads."""
+    (saved / "step_00000012").rename(saved / "step_00000012.replaced")
+    HOSTILE_MANIFESTS["deeply_nested_json"][0](saved / "step_00000012.replaced")
+    state = _blank()
+    resumed = resume_checkpoint(saved, state)
+    assert resumed.step == 8 and _steps_skipped(resumed) == ["step_00000012.replaced"]
+    assert "RecursionError" in resumed.skipped[0].reason
+    _assert_bit_equal(state, _state(8))
+
+    save_checkpoint(saved, _state(12), 12)
+    (saved / "step_00000008").rename(saved / "step_00000012.replaced")
+    resumed = resume_checkpoint(saved, state)
+    assert resumed.step == 12
+    _assert_bit_equal(state, _state(12))
+    assert [(s.path.name, s.reason.split(" ")[:3]) for s in resumed.skipped] == [
+        ("step_00000012.replaced", ["an", "older", "save"])
+    ]
 
 
 # ---------------------------------------------------------------- 2 ranks

@@ -11,11 +11,22 @@ optimizer's state (the "state" parts only: their param_groups hold per-rank key 
 rank only). `flatten_state` names every tensor of it by a path (e.g. "fused/ebc.embedding_bags.t.weight/t.momentum1"),
 `gather_full` assembles each one's global tensor on every rank, and `compare_with_full` checks this rank's pieces
 against global tensors bit for bit; `unsharded_steps` is what training from a gathered state should give.
+
+Hostile checkpoint folders, which resume must skip by name: `HOSTILE_MANIFESTS` damages a saved step's manifest (or
+what it names) in each way a sloppy or hostile user might, with the words the reason must contain;
+`stopped_between_renames` makes a re-save of a step stop where a crash between its two renames would, and
+`leave_rename_window` leaves a directory as that crash does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +38,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.optim.keyed import KeyedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+from .. import checkpoint
 from ..plan.layout import Plan, TableLayout
 from ..sharding.parameter_sharding import module_sharding_plan
 from ..plan.spec import ModelSpec
@@ -35,14 +47,17 @@ from .batches import global_kjt_batch
 from .training import ADAGRAD_EPS, OPTIMIZERS, SparseArch
 
 __all__ = [
+    "HOSTILE_MANIFESTS",
     "compare_with_full",
     "dense_optimizer",
     "embark_sharding_plan",
     "flatten_state",
     "gather_full",
+    "leave_rename_window",
     "load_training_state",
     "make_sharder",
     "shard",
+    "stopped_between_renames",
     "torchrec_sharding_plan",
     "train_steps",
     "training_state",
@@ -340,3 +355,156 @@ def unsharded_steps(
         else:
             after[path] = opt.state[param]["sum"].clone()
     return after
+
+
+# ---------------------------------------------------------------- hostile checkpoint folders
+
+
+def _manifest(folder: Path) -> Path:
+    return folder / checkpoint.MANIFEST_NAME
+
+
+def _edit(folder: Path, edit: Callable[[dict[str, Any]], Any]) -> None:
+    """Rewrite folder's manifest as JSON of edit(its data)."""
+    data = json.loads(_manifest(folder).read_text())
+    _manifest(folder).write_text(json.dumps(edit(data)))
+
+
+def _set(key: str, value: Any) -> Callable[[Path], None]:
+    return lambda folder: _edit(folder, lambda d: {**d, key: value})
+
+
+def _set_entry(field: str, value: Any) -> Callable[[Path], None]:
+    """Set `field` of the manifest's entry of .metadata."""
+
+    def edit(d: dict[str, Any]) -> dict[str, Any]:
+        d["files"][".metadata"][field] = value
+        return d
+
+    return lambda folder: _edit(folder, edit)
+
+
+def _add_entry(name: str, file: Callable[[Path], Path]) -> Callable[[Path], None]:
+    """List one more file under `name`, with the true size and SHA-256 of file(folder): only the name is wrong."""
+
+    def damage(folder: Path) -> None:
+        real = file(folder)
+        size, sha = os.path.getsize(real), checkpoint._file_digest(real)[1]
+        _edit(folder, lambda d: {**d, "files": {**d["files"], name: {"size": size, "sha256": sha}}})
+
+    return damage
+
+
+def _digits(field: str) -> Callable[[Path], None]:
+    """A 5,000-digit integer (past Python's 4,300-digit str-to-int limit) as the manifest's first `field`."""
+
+    def damage(folder: Path) -> None:
+        text = _manifest(folder).read_text()
+        _manifest(folder).write_text(re.sub(rf'"{field}": [0-9]+', f'"{field}": {"9" * 5000}', text, count=1))
+
+    return damage
+
+
+def _raw(content: bytes) -> Callable[[Path], None]:
+    return lambda folder: _manifest(folder).write_bytes(content)
+
+
+def _utf16(folder: Path) -> None:
+    _manifest(folder).write_bytes(_manifest(folder).read_text().encode("utf-16"))
+
+
+def _too_large(folder: Path) -> None:
+    """The valid manifest, then zeros (a sparse file) past the size any save writes."""
+    os.truncate(_manifest(folder), checkpoint.MANIFEST_MAX_BYTES + 1)
+
+
+def _replace_by_link(path: Path) -> None:
+    """path moved beside its folder and a symbolic link to it put in its place: the same bytes, reached by a link."""
+    target = path.parent.parent / f"outside-{path.parent.name}-{path.name}"
+    path.rename(target)
+    path.symlink_to(target)
+
+
+def _fifo(folder: Path) -> None:
+    _manifest(folder).unlink()
+    os.mkfifo(_manifest(folder))
+
+
+def _folder(folder: Path) -> None:
+    _manifest(folder).unlink()
+    _manifest(folder).mkdir()
+
+
+def _linked_folder(folder: Path) -> None:
+    """A file reached through a link from the step folder to a folder outside it, listed with its true hash."""
+    outside = folder.parent / f"outside-{folder.name}"
+    outside.mkdir()
+    (outside / "x").write_bytes(b"outside")
+    (folder / "sub").symlink_to(outside)
+    _add_entry("sub/x", lambda f: outside / "x")(folder)
+
+
+def _data_file(folder: Path) -> Path:
+    return sorted(folder.glob("*.distcp"))[0]
+
+
+HOSTILE_MANIFESTS: dict[str, tuple[Callable[[Path], None], tuple[str, ...]]] = {
+    "deeply_nested_json": (_raw(b"[" * 200_000 + b"]" * 200_000), ("unreadable", "RecursionError")),
+    "5000_digit_step": (_digits("step"), ("unreadable", "ValueError", "digits")),
+    "5000_digit_size": (_digits("size"), ("unreadable", "ValueError", "digits")),
+    "json_list": (_raw(b"[]"), ("not in format",)),
+    "json_null": (_raw(b"null"), ("not in format",)),
+    "json_string": (_raw(b'"embark-torchrec-checkpoint/1"'), ("not in format",)),
+    "format_is_a_dict": (_set("format", {}), ("not in format",)),
+    "step_is_a_string": (_set("step", "12"), ("lacks an integer 'step'",)),
+    "step_is_true": (_set("step", True), ("lacks an integer 'step'",)),
+    "step_is_a_float": (_set("step", 12.0), ("lacks an integer 'step'",)),
+    "step_is_negative": (_set("step", -1), ("lacks an integer 'step'",)),
+    "files_is_a_list": (_set("files", [".metadata"]), ("'files' table",)),
+    "entry_is_a_string": (_set("files", {".metadata": "0"}), ("lacks an integer 'size'",)),
+    "size_is_true": (_set_entry("size", True), ("lacks an integer 'size'",)),
+    "size_is_negative": (_set_entry("size", -1), ("lacks an integer 'size'",)),
+    "size_is_nan": (_set_entry("size", float("nan")), ("lacks an integer 'size'",)),
+    "sha256_not_hex": (_set_entry("sha256", "z" * 64), ("64 lowercase hex",)),
+    "binary_junk": (_raw(bytes(range(256)) * 64), ("unreadable", "UnicodeDecodeError")),
+    "utf16": (_utf16, ("unreadable", "UnicodeDecodeError")),
+    "larger_than_any_save": (_too_large, ("larger than",)),
+    "symbolic_link": (lambda f: _replace_by_link(_manifest(f)), ("symbolic link",)),
+    "fifo": (_fifo, ("not a regular file",)),
+    "a_folder": (_folder, ("not a regular file",)),
+    "name_outside": (_add_entry("../x", lambda f: f / ".metadata"), ("outside",)),
+    "absolute_name": (_add_entry("/etc/hostname", lambda f: f / ".metadata"), ("outside",)),
+    "unnormalised_name": (_add_entry("./.metadata", lambda f: f / ".metadata"), ("plain relative POSIX path",)),
+    "nul_in_a_name": (_add_entry("x\0y", lambda f: f / ".metadata"), ("plain relative POSIX path",)),
+    "100k_character_name": (_add_entry("../" + "x" * 100_000, lambda f: f / ".metadata"), ("outside", "characters")),
+    "through_a_linked_folder": (_linked_folder, ("symbolic link out of",)),
+    "data_file_is_a_link": (lambda f: _replace_by_link(_data_file(f)), ("symbolic link", ".distcp")),
+}
+
+
+@contextmanager
+def stopped_between_renames() -> Iterator[None]:
+    """Inside, a save of a step that exists stops (OSError) between its two renames, as a crash there would: the old
+    step already moved aside as step_<n>.replaced, the new one, whole with its manifest, still step_<n>.partial."""
+    real = os.replace
+
+    def replace(src: Any, dst: Any) -> None:
+        if str(src).endswith(".partial"):
+            raise OSError(f"stopped before renaming {src} to {dst}")
+        real(src, dst)
+
+    os.replace = replace  # the function checkpoint.py renames with (for the whole process, while inside)
+    try:
+        yield
+    finally:
+        os.replace = real
+
+
+def leave_rename_window(directory: str | os.PathLike[str], step: int) -> Path:
+    """Leave `directory` as stopped_between_renames leaves a re-save of `step` (with the same state): step_<n> moved
+    to step_<n>.replaced and a finished copy in step_<n>.partial. Returns the .replaced folder."""
+    final = checkpoint.checkpoint_path(directory, step)
+    replaced = final.with_name(final.name + ".replaced")
+    final.rename(replaced)
+    shutil.copytree(replaced, final.with_name(final.name + ".partial"))
+    return replaced
