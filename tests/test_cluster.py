@@ -32,6 +32,7 @@ from embark_torchrec.plan.topology import Topology
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "examples" / "dlrm" / "train.py"
+PLANS = ROOT / "tests" / "plans"
 NODES, RANKS = 2, 2
 LINK_MBIT = 1000.0  # shaped, but fast: these tests check what crosses, not how long it takes
 SHORT, LONG = 4, 12  # steps of the two runs whose difference is compared
@@ -106,10 +107,20 @@ def test_probe_measures_tcp_overhead_and_the_ring_all_reduce(overhead: dict[str,
         assert counted / factor == pytest.approx(predicted, rel=TOLERANCE), (node, counted, predicted)
 
 
+# embark's fp16 plan of the multi-hot model (7 data-parallel tables, 3 row-wise), so DDP's fp16 all-reduce of
+# data-parallel tables, which TorchRec runs in a DDP of its own, is checked too
+DP_FP16_PLAN = (
+    "--model",
+    str(ROOT / "benchmarks/models/multihot_zipf.json"),
+    "--plan-in",
+    str(PLANS / "multihot_zipf_fp16_dp.plan.json"),
+)
+
+
 @pytest.mark.parametrize(
     "planner",
-    [("--planner", "embark"), ("--planner", "embark", "--wire-precision", "fp16"), ("--planner", "trw")],
-    ids=["embark", "embark-fp16", "trw"],
+    [("--planner", "embark"), ("--planner", "embark", "--wire-precision", "fp16"), DP_FP16_PLAN, ("--planner", "trw")],
+    ids=["embark", "embark-fp16", "embark-fp16-dp", "trw"],
 )
 def test_counted_inter_node_bytes_match_the_kernel(
     emulated: cluster.EmulatedCluster, overhead: dict[str, Any], tmp_path: Path, planner: tuple[str, ...]
