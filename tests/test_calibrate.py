@@ -139,8 +139,11 @@ BAD_FILES: dict[str, tuple[Callable[[dict[str, Any]], Any], list[str]]] = {
     "typo'd field": (lambda d: d["hardware"].update(colective_us=5.0), ["hardware.colective_us", "'collective_us'"]),
     "typo'd section": (lambda d: d.update(measurments={}), ["measurments", "did you mean 'measurements'"]),
     "missing field": (_drop("lookup_ns_per_id"), ["hardware.lookup_ns_per_id", "required"]),
-    "bandwidth 0": (lambda d: d["hardware"].update(inter_node_bw_gbps=0), ["hardware.inter_node_bw_gbps", "> 0"]),
-    "negative latency": (lambda d: d["hardware"].update(collective_us=-1.0), ["hardware.collective_us", ">= 0"]),
+    "bandwidth 0": (
+        lambda d: d["hardware"].update(inter_node_bw_gbps=0),
+        ["hardware.inter_node_bw_gbps", "in [0.001, "],
+    ),
+    "negative latency": (lambda d: d["hardware"].update(collective_us=-1.0), ["hardware.collective_us", "in [0, "]),
     "cores as a float": (lambda d: d["hardware"].update(host_cores=2.0), ["hardware.host_cores", "integer"]),
     "reserve above memory": (lambda d: d["hardware"].update(hbm_reserve_gb=20.0), ["hardware.hbm_reserve_gb"]),
     "another format": (lambda d: d.update(format="embark-plan"), ["field 'format'", "embark-hardware"]),

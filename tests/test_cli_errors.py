@@ -13,6 +13,7 @@ import pytest
 
 from embark_torchrec.plan import cli
 from embark_torchrec.plan.layout import Plan
+from embark_torchrec.plan.topology import PRESETS
 
 SIZES = ["--world-size", "2", "--local-world-size", "2"]
 
@@ -151,7 +152,8 @@ def test_missing_models_are_one_line(model: str, capsys: pytest.CaptureFixture[s
 
 def test_a_model_that_does_not_fit_is_one_line(spec_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Planning's own refusal (memory too small for the tables) is a user error too."""
-    _user_error(capsys, [str(spec_file), *SIZES, "--hardware", "cpu-gloo", "--hbm-gb", "1e-9"], "do not fit")
+    hbm_gb = str(PRESETS["cpu-gloo"].hbm_reserve_gb + 1e-6)  # a kilobyte beside the reserve
+    _user_error(capsys, [str(spec_file), *SIZES, "--hardware", "cpu-gloo", "--hbm-gb", hbm_gb], "do not fit")
 
 
 def _strict_json(text: str) -> Any:

@@ -24,6 +24,7 @@ from embark_torchrec.plan.constraints import TORCHREC_SHARDING_TYPES, from_torch
 from embark_torchrec.plan.fields import FieldError
 from embark_torchrec.plan.layout import Plan, PlanError, TableLayout, WirePrecision
 from embark_torchrec.plan.plan_model import plan_model
+from embark_torchrec.plan.ranges import MAX_POOLING
 from embark_torchrec.plan.spec import ModelSpec, SpecError, builtin_model, load_model_spec
 from embark_torchrec.plan.topology import Topology, hardware_preset
 
@@ -425,15 +426,16 @@ def test_sharding_types_are_a_list_of_known_names(value: Any) -> None:
 @settings(derandomize=True, max_examples=200, deadline=None)
 @given(value=ANY_VALUE)
 def test_pooling_factors_are_finite_positive_numbers(value: Any) -> None:
-    """ParameterConstraints.pooling_factors: one finite number > 0 per feature of the table (here one) gives
-    the table's pooling; None TorchRec's default of 1.0; anything else is a SpecError naming the table."""
+    """ParameterConstraints.pooling_factors: one finite number in (0, MAX_POOLING] per feature of the table (here
+    one) gives the table's pooling; None TorchRec's default of 1.0; anything else (1e308 too: its costs are NaN)
+    is a SpecError naming the table and the field."""
     config = SimpleNamespace(name="t", num_embeddings=10, embedding_dim=4, feature_names=["f"])
     module = SimpleNamespace(embedding_bag_configs=lambda: [config])
     got = _outcome(SPEC, lambda: ModelSpec.from_module(module, {"t": SimpleNamespace(pooling_factors=value)}))
     numbers = (
         isinstance(value, list)
         and len(value) == 1
-        and all(type(v) in (int, float) and math.isfinite(v) and v > 0 for v in value)
+        and all(type(v) in (int, float) and math.isfinite(v) and 0 < v <= MAX_POOLING for v in value)
     )
     if value is None:
         assert got.tables[0].pooling == 1.0

@@ -11,6 +11,10 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
+from embark_torchrec.plan import ranges
+from embark_torchrec.plan.bound import step_lower_bound
+from embark_torchrec.plan.cost import CostModel
+from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.plan.spec import (
     IdDistribution,
     ModelSpec,
@@ -19,6 +23,7 @@ from embark_torchrec.plan.spec import (
     builtin_model,
     load_model_spec,
 )
+from embark_torchrec.plan.topology import PRESETS, Topology
 
 SHIPPED = {"dcnv2": 26, "t180": 177, "t200": 200, "t510": 510}
 
@@ -161,6 +166,74 @@ def test_valid_base_spec_loads() -> None:
     assert spec.table("small").feature_names == ("small",)
     assert spec.distribution(spec.table("flat")) == IdDistribution("uniform")
     assert spec.distribution(spec.table("big")) == IdDistribution("zipf", 1.05)
+
+
+# ---- plannable ranges ----------------------------------------------------------------------------
+
+# "field and end" -> (where the field is in _base(), the value at that end of its range, the first one beyond it);
+# the low ends listed are those beside the type's own (rows >= 1, dim >= 4, ...)
+_TABLE = ("tables", 3)
+RANGES: dict[str, tuple[tuple[Any, ...], Any, Any]] = {
+    "rows high": (_TABLE, ranges.MAX_ROWS, ranges.MAX_ROWS + 1),
+    "dim high": (_TABLE, ranges.MAX_DIM, ranges.MAX_DIM + 4),
+    "pooling high": (_TABLE, ranges.MAX_POOLING, 1e308),
+    "pooling low": (_TABLE, 5e-324, 0.0),
+    "unique_ratio high": (_TABLE, 1.0, 1.0000001),
+    "unique_ratio low": (_TABLE, ranges.MIN_UNIQUE_RATIO, ranges.MIN_UNIQUE_RATIO / 2),
+    "batch_size high": ((), ranges.MAX_BATCH_SIZE, ranges.MAX_BATCH_SIZE + 1),
+    "alpha high": (("id_distribution",), ranges.MAX_ZIPF_ALPHA, 1e308),
+}
+
+
+def _with_value(where: tuple[Any, ...], key: str, value: Any) -> dict[str, Any]:
+    d = _base()
+    target: Any = d
+    for step in where:
+        target = target[step]
+    target[key] = value
+    return d
+
+
+@pytest.mark.parametrize("case", sorted(RANGES))
+def test_numbers_are_bounded_to_plannable_ranges(case: str) -> None:
+    """Every size and rate of a spec is refused beyond its plannable range (ranges.py), naming the table and the
+    field (pooling 1e308 used to make every cost NaN and the plan was written anyway); its edge is accepted."""
+    where, accepted, refused = RANGES[case]
+    key = case.split()[0]
+    assert getattr(_loaded_value(where, key, accepted), key) == accepted
+    with pytest.raises(SpecError) as e:
+        ModelSpec.from_dict(_with_value(where, key, refused))
+    field = f"id_distribution.{key}" if where == ("id_distribution",) else key
+    assert f"field {field!r}" in str(e.value), str(e.value)
+    if where == _TABLE:
+        assert "table 'fixed'" in str(e.value), str(e.value)
+
+
+def _loaded_value(where: tuple[Any, ...], key: str, value: Any) -> Any:
+    """The object holding `key` in the spec loaded with that value: the table, the model or its distribution."""
+    spec = ModelSpec.from_dict(_with_value(where, key, value))
+    return {(): spec, ("id_distribution",): spec.id_distribution}.get(where, spec.tables[-1])
+
+
+def test_the_ends_of_every_range_plan_to_finite_costs() -> None:
+    """A model at the ends of every range at once (the largest batch, pooling, width and Zipf exponent, the
+    smallest unique ratio and pooling) plans to a finite cost and lower bound: the ranges are narrow enough."""
+    ws = 4
+    spec = ModelSpec(
+        "edges",
+        ranges.MAX_BATCH_SIZE - ranges.MAX_BATCH_SIZE % ws,
+        (
+            TableSpec("wide", 1000, ranges.MAX_DIM, ranges.MAX_POOLING),
+            TableSpec("long", 10**6, 4, ranges.MAX_POOLING, unique_ratio=ranges.MIN_UNIQUE_RATIO, kind="sequence"),
+            TableSpec("rare", ranges.MAX_ROWS // 2**20, 4, 5e-324),
+        ),
+        IdDistribution("zipf", ranges.MAX_ZIPF_ALPHA),
+    )
+    topology = Topology(ws, 2, PRESETS["dgx-h100"].with_overrides(hbm_gb=ranges.MAX_HBM_GB))
+    planned = plan_model(spec, topology, progress=False)
+    assert all(np.isfinite(v) for v in planned.cost.parts().values()), planned.cost.parts()
+    assert np.isfinite(planned.cost.rank_load_ms).all() and np.isfinite(planned.cost.rank_memory).all()
+    assert np.isfinite(step_lower_bound(CostModel(spec, topology)))
 
 
 # ---- file formats and round trips --------------------------------------------------------------

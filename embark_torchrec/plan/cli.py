@@ -4,8 +4,9 @@ Plans MODEL (a spec file, or a built-in name: dcnv2, t180, t200, t510), prints t
 JSON object with --json), writes the plan file with --out, and compares with the baselines named
 by --compare (trw, torchrec), all scored by the same cost model.
 
-Every user error (bad arguments, a bad spec file, an output path that cannot be written, a model
-that does not fit) is one line on stderr and exit code 2, before any planning where it can be.
+Every user error (bad arguments, a bad spec or hardware file, a number beyond its plannable range, an output
+path that cannot be written, a model that does not fit) is one line on stderr and exit code 2, before any
+planning where it can be; a plan whose estimated cost is not finite is neither written nor printed (exit 2).
 """
 
 from __future__ import annotations
@@ -13,26 +14,34 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn, Sequence
+from typing import Callable, NoReturn, Sequence
+
+import numpy as np
 
 from .baselines import table_row_wise_plan
 from .bound import step_lower_bound
 from .cost import CostModel
-from .fields import integer, number
+from .fields import INT64_MAX, integer, number
 from .layout import Plan
 from .plan_model import plan_model
 from .report import ScoredPlan, plot_rank_loads, render, summary
 from .spec import ModelSpec, SpecError, builtin_model, load_model_spec
 from .hardware_file import HardwareError, resolve_hardware
+from .ranges import MAX_BATCH_SIZE, MAX_HBM_GB
 from .topology import DEFAULT_HARDWARE, PRESETS, Hardware, Topology
 
 
 class UsageError(Exception):
     """A user error: main prints it as one line and exits with 2."""
+
+
+class CostError(ValueError):
+    """A plan whose estimated cost is not a finite number: it is neither written nor printed (main exits with 2)."""
 
 
 def _torchrec_default_plan(spec: ModelSpec, topology: Topology) -> Plan:
@@ -46,20 +55,29 @@ BASELINES = {"trw": table_row_wise_plan, "torchrec": _torchrec_default_plan}
 _SPEC_SUFFIXES = (".json", ".yaml", ".yml")
 
 
-def _positive_int(value: str) -> int:
-    """An argument that counts something (ranks, samples): an integer >= 1."""
-    try:
-        return integer(int(value), "", minimum=1)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value!r}") from None
+def _count(maximum: int = INT64_MAX) -> Callable[[str], int]:
+    """An argument that counts something (ranks, samples): an integer in [1, maximum]."""
+    bound = ">= 1" if maximum == INT64_MAX else f"in [1, {maximum}]"
+
+    def parse(value: str) -> int:
+        try:
+            return integer(int(value), "", minimum=1, maximum=maximum)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer {bound}, got {value!r}") from None
+
+    return parse
 
 
-def _positive_number(value: str) -> float:
-    """An argument that measures something (GB): a finite number > 0 (not nan, not inf)."""
-    try:
-        return number(float(value), "")
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {value!r}") from None
+def _measure(maximum: float) -> Callable[[str], float]:
+    """An argument that measures something (GB): a finite number in (0, maximum] (not nan, not inf)."""
+
+    def parse(value: str) -> float:
+        try:
+            return number(float(value), "", at_most=maximum)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a finite number in (0, {maximum:g}], got {value!r}") from None
+
+    return parse
 
 
 class _Parser(argparse.ArgumentParser):
@@ -72,15 +90,15 @@ class _Parser(argparse.ArgumentParser):
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = _Parser(prog="python -m embark_torchrec.plan", description=__doc__.split("\n\n")[1])
     p.add_argument("model", help="model spec file (JSON/YAML) or built-in model name")
-    p.add_argument("--world-size", type=_positive_int, required=True)
-    p.add_argument("--local-world-size", type=_positive_int, required=True)
-    p.add_argument("--batch-size", type=_positive_int, help="global batch size (default: the spec's)")
+    p.add_argument("--world-size", type=_count(), required=True)
+    p.add_argument("--local-world-size", type=_count(), required=True)
+    p.add_argument("--batch-size", type=_count(MAX_BATCH_SIZE), help="global batch size (default: the spec's)")
     p.add_argument(
         "--hardware",
         default=DEFAULT_HARDWARE,
         help=f"a preset ({', '.join(sorted(PRESETS))}) or a hardware file (JSON; python -m embark_torchrec.calibrate)",
     )
-    p.add_argument("--hbm-gb", type=_positive_number, help="override the preset's memory per GPU")
+    p.add_argument("--hbm-gb", type=_measure(MAX_HBM_GB), help="override the preset's memory per GPU")
     p.add_argument("--out", type=Path, help="write the plan file here")
     p.add_argument("--compare", default="", help="comma-separated baselines: trw, torchrec")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
@@ -112,14 +130,41 @@ def _load_model(model: str) -> ModelSpec:
     return builtin_model(model)
 
 
-def _load_hardware(value: str) -> Hardware:
-    """--hardware: a preset name or a hardware file; an error names the flag (and the file and field)."""
+def _load_hardware(value: str, hbm_gb: float | None) -> Hardware:
+    """--hardware: a preset name or a hardware file; an error names the flag (and the file and field).
+    --hbm-gb replaces its memory per GPU, which must stay above its reserve."""
     try:
-        return resolve_hardware(value)
+        hardware = resolve_hardware(value)
     except HardwareError as e:  # names the file already
         raise UsageError(f"--hardware: {e}") from None
     except ValueError as e:
         raise UsageError(f"--hardware {value}: {e}") from None
+    if hbm_gb is not None and hbm_gb <= hardware.hbm_reserve_gb:
+        raise UsageError(
+            f"--hbm-gb {hbm_gb:g}: leaves no memory for embeddings beside the hardware's reserve of "
+            f"{hardware.hbm_reserve_gb:g} GB (hbm_reserve_gb of {value})"
+        )
+    return hardware.with_overrides(hbm_gb=hbm_gb)
+
+
+def _check_finite(scored: ScoredPlan) -> None:
+    """Refuses a plan whose estimated step, or any part of it, any rank's load or memory, or the lower bound, is
+    not a finite number (the ranges of ranges.py keep every cost finite; this is the backstop), naming the part."""
+    cost = scored.cost
+    figures = {**cost.parts(), "lower bound": 0.0 if scored.bound_ms is None else scored.bound_ms}
+    for name, value in figures.items():
+        if not math.isfinite(value):
+            raise CostError(
+                f"the {scored.name} plan's estimated {name} is {value}, not a finite number; no plan written"
+            )
+    for name, per_rank in (("load ms", cost.rank_load_ms), ("memory bytes", cost.rank_memory)):
+        bad = np.flatnonzero(~np.isfinite(per_rank))
+        if bad.size:
+            rank = int(bad[0])
+            raise CostError(
+                f"the {scored.name} plan's estimated {name} of rank {rank} is {per_rank[rank]}, not a finite number; "
+                "no plan written"
+            )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -131,7 +176,7 @@ def _run(args: argparse.Namespace) -> int:
     _check_output("--plot", args.plot)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs matplotlib (pip install 'embark-torchrec[plot]')")
-    hardware = _load_hardware(args.hardware).with_overrides(hbm_gb=args.hbm_gb)
+    hardware = _load_hardware(args.hardware, args.hbm_gb)
     spec = _load_model(args.model)
     if args.batch_size is not None:
         spec = spec.with_batch_size(args.batch_size)
@@ -144,6 +189,8 @@ def _run(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         baseline = BASELINES[name](spec, topology).with_kinds(spec)
         plans.append(ScoredPlan(name, baseline, cost.evaluate(baseline), time.perf_counter() - start))
+    for scored in plans:
+        _check_finite(scored)
     if args.out:
         plan.save(args.out)
     if args.plot:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import re
 import reprlib
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Collection, Mapping, Sequence, TypeVar
 
@@ -117,16 +119,23 @@ def integer(value: Any, field: str, minimum: int = 0, maximum: int = INT64_MAX) 
     return int(value)
 
 
-def number(value: Any, field: str, above: float = 0.0, at_most: float = math.inf) -> float:
-    """A finite int or float (not a bool) in (above, at_most]."""
+def number(
+    value: Any, field: str, above: float = 0.0, at_most: float = math.inf, at_least: float | None = None
+) -> float:
+    """A finite int or float (not a bool) in (above, at_most], or in [at_least, at_most] when at_least is given."""
     if _is_int(value) or isinstance(value, float):
         try:
             as_float = float(value)
         except OverflowError:  # an int beyond any float
             as_float = math.inf
-        if math.isfinite(as_float) and above < as_float <= at_most:
+        low_ok = above < as_float if at_least is None else at_least <= as_float
+        if math.isfinite(as_float) and low_ok and as_float <= at_most:
             return as_float
-    bound = f"> {above:g}" if at_most == math.inf else f"in ({above:g}, {at_most:g}]"
+    low, bracket = (above, "(") if at_least is None else (at_least, "[")
+    if at_most == math.inf:
+        bound = f"{'>' if bracket == '(' else '>='} {low:g}"
+    else:
+        bound = f"in {bracket}{low:g}, {at_most:g}]"
     raise _refuse(f"a finite number {bound}", value, field)
 
 
@@ -297,20 +306,80 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+# YAML scalars as YAML 1.2's JSON schema reads them: an unquoted scalar is a number only if JSON would read it as
+# one, true/false (any case YAML 1.2's core schema allows) a boolean, null/~/nothing null, and every other scalar
+# the string it is written as. PyYAML's own SafeLoader follows YAML 1.1, which reads `rows: 0100` as 64 (octal),
+# `1:30` as 90 (base 60), `0x100` as 256, `1_000` as 1000, `yes`/`no`/`on`/`off` as booleans and `.inf`/`.nan` as
+# floats; here they are the strings '0100', '1:30', ..., which a number field refuses by type, naming the file,
+# the table and the field, and which a text field (a feature named `on`) keeps as written.
+_YAML_INT = r"-?(?:0|[1-9][0-9]*)"
+_YAML_FLOAT = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?"
+_YAML_BOOLS = {"true": True, "True": True, "TRUE": True, "false": False, "False": False, "FALSE": False}
+_YAML_NULLS = ("~", "null", "Null", "NULL")  # and an empty value
+_YAML_TAG = "tag:yaml.org,2002:"
+_WHOLE_INT, _WHOLE_FLOAT = re.compile(_YAML_INT + r"\Z"), re.compile(_YAML_FLOAT + r"\Z")
+
+
 def _load_yaml(content: str) -> Any:
     try:
         import yaml
     except ImportError:
         raise _YamlError("reading a YAML file needs PyYAML (pip install pyyaml)") from None
+    try:
+        return yaml.load(content, Loader=_strict_loader())
+    except yaml.YAMLError as e:
+        raise _YamlError(f"invalid YAML: {e}") from None
 
-    class UniqueKeyLoader(yaml.SafeLoader):
-        """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently);
-        merged keys (<<) may still be overridden."""
+
+@lru_cache(maxsize=1)
+def _strict_loader() -> type:
+    """PyYAML's safe loader with the scalars above (implicit or tagged: `!!int 0100` is refused too) and only
+    the plain data types: a tag for anything else (`!!timestamp`, `!!binary`, `!!set`, `!!python/...`) is an error.
+    A key given twice in one mapping is refused (PyYAML keeps the last silently); merged keys (<<) may still be
+    overridden."""
+    from yaml.composer import Composer
+    from yaml.constructor import ConstructorError, SafeConstructor
+    from yaml.parser import Parser
+    from yaml.reader import Reader
+    from yaml.resolver import BaseResolver
+    from yaml.scanner import Scanner
+
+    class StrictLoader(Reader, Scanner, Parser, Composer, SafeConstructor, BaseResolver):
+        yaml_implicit_resolvers: dict[Any, Any] = {}
+        yaml_constructors: dict[Any, Any] = {}
+
+        def __init__(self, stream: str) -> None:
+            Reader.__init__(self, stream)
+            Scanner.__init__(self)
+            Parser.__init__(self)
+            Composer.__init__(self)
+            SafeConstructor.__init__(self)
+            BaseResolver.__init__(self)
+
+        def _scalar(self, node: Any, kind: str, pattern: Any) -> str:
+            value = self.construct_scalar(node)
+            if not pattern.match(value):
+                raise ConstructorError(
+                    None, None, f"{value!r} tagged !!{kind} is not a number as JSON writes one", node.start_mark
+                )
+            return value
+
+        def construct_json_int(self, node: Any) -> int:
+            return int(self._scalar(node, "int", _WHOLE_INT))
+
+        def construct_json_float(self, node: Any) -> float:
+            return float(self._scalar(node, "float", _WHOLE_FLOAT))
+
+        def construct_json_bool(self, node: Any) -> bool:
+            value = self.construct_scalar(node)
+            if value not in _YAML_BOOLS:
+                raise ConstructorError(None, None, f"!!bool {value!r} is not true or false", node.start_mark)
+            return _YAML_BOOLS[value]
 
         def construct_mapping(self, node: Any, deep: bool = False) -> Any:
             seen: list[Any] = []
             for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
+                if key_node.tag == _YAML_TAG + "merge":
                     continue
                 key = self.construct_object(key_node, deep=deep)
                 if key in seen:
@@ -318,7 +387,26 @@ def _load_yaml(content: str) -> Any:
                 seen.append(key)
             return super().construct_mapping(node, deep)
 
-    try:
-        return yaml.load(content, Loader=UniqueKeyLoader)
-    except yaml.YAMLError as e:
-        raise _YamlError(f"invalid YAML: {e}") from None
+    resolvers = (
+        ("int", _YAML_INT, "-0123456789"),
+        ("float", _YAML_FLOAT, "-0123456789"),
+        ("bool", "|".join(_YAML_BOOLS), "tTfF"),
+        ("null", "|".join(_YAML_NULLS), "~nN"),
+        ("merge", "<<", "<"),
+    )
+    for kind, pattern, first in resolvers:
+        StrictLoader.add_implicit_resolver(_YAML_TAG + kind, re.compile(f"(?:{pattern})\\Z"), list(first))
+    StrictLoader.add_implicit_resolver(_YAML_TAG + "null", re.compile(r"\Z"), [""])
+    constructors = {
+        "int": StrictLoader.construct_json_int,
+        "float": StrictLoader.construct_json_float,
+        "bool": StrictLoader.construct_json_bool,
+        "null": SafeConstructor.construct_yaml_null,
+        "str": SafeConstructor.construct_yaml_str,
+        "seq": SafeConstructor.construct_yaml_seq,
+        "map": SafeConstructor.construct_yaml_map,
+    }
+    for kind, construct in constructors.items():
+        StrictLoader.add_constructor(_YAML_TAG + kind, construct)
+    StrictLoader.add_constructor(None, SafeConstructor.construct_undefined)
+    return StrictLoader

@@ -12,8 +12,9 @@ write them by hand. The format (README "Hardware files"):
 
 Reading is strict, as for spec and plan files (fields.py): unknown keys are refused with a did-you-mean,
 every Hardware field is required (but those added since files were first written, OPTIONAL_FIELDS, which default
-to the Hardware's default, as the cost model had no such term before), numbers are finite, and every error names
-the file and the field.
+to the Hardware's default, as the cost model had no such term before), numbers are finite and within their
+plannable range (ranges.HARDWARE_RANGES: no bandwidth below 1 MB/s, no memory beyond a petabyte, ...), and every
+error names the file and the field.
 Pure Python: plan/ imports it.
 """
 
@@ -40,6 +41,7 @@ from .fields import (
     text,
     texts,
 )
+from .ranges import HARDWARE_RANGES
 from .topology import PRESETS, Hardware, hardware_preset
 
 FORMAT = "embark-hardware"
@@ -47,9 +49,7 @@ VERSION = 1
 # measured here; read off the machine (memory, cores); counted in the model (dense parameters); from `base`
 SOURCES = ("measured", "machine", "model", "preset")
 
-# figures the cost model divides by: zero would be a division by zero, not a free resource
 OPTIONAL_FIELDS = ("update_ns_per_row",)
-_POSITIVE = frozenset({"hbm_gb", "hbm_bw_gbps", "intra_node_bw_gbps", "inter_node_bw_gbps"})
 _TOP_KEYS = ("format", "version", "hardware", "base", "sources", "measurements", "run")
 _STAT_NUMBERS = ("median", "p25", "p75", "min", "max")
 _STAT_KEYS = (*_STAT_NUMBERS, "samples", "unit", "what")
@@ -67,28 +67,23 @@ def hardware_fields() -> tuple[str, ...]:
     return tuple(f.name for f in fields(Hardware))
 
 
-def _finite(value: Any, field: str, non_negative: bool) -> float:
-    """A finite number (>= 0 when non_negative), refused with that bound in the message."""
-    bound = " >= 0" if non_negative else ""
+def _finite(value: Any, field: str) -> float:
+    """A finite number of any sign (a measurement's statistic)."""
     try:
-        as_float = number(value, field, above=-math.inf)
+        return number(value, field, above=-math.inf)
     except FieldError:
-        raise FieldError(f"expected a finite number{bound}, got {shown(value)}", field) from None
-    if non_negative and as_float < 0:
-        raise FieldError(f"expected a finite number{bound}, got {shown(value)}", field)
-    return as_float
+        raise FieldError(f"expected a finite number, got {shown(value)}", field) from None
 
 
 def _figure(name: str, value: Any, kind: str) -> Any:
-    """One Hardware field's value checked by its declared type: name text, host_cores an integer >= 0,
-    bandwidths and memory finite > 0, every other figure finite >= 0."""
+    """One Hardware field's value checked by its declared type and its plannable range (ranges.HARDWARE_RANGES):
+    name text, host_cores an integer, every other figure a finite number."""
     if kind == "str":
         return text(value, name)
+    low, high, low_allowed = HARDWARE_RANGES[name]
     if kind == "int":
-        return integer(value, name)
-    if name in _POSITIVE:
-        return number(value, name)
-    return _finite(value, name, non_negative=True)
+        return integer(value, name, minimum=int(low) if low_allowed else int(low) + 1, maximum=int(high))
+    return number(value, name, above=low, at_most=high, at_least=low if low_allowed else None)
 
 
 def hardware_from_dict(d: Any, file: str = "") -> Hardware:
@@ -113,7 +108,7 @@ def _check_measurements(value: Any) -> None:
         where = f"measurements.{name}"
         s = mapping(stats, where)
         keys(s, where, _STAT_KEYS, required=(*_STAT_NUMBERS, "samples", "unit"))
-        v = {k: _finite(s[k], f"{where}.{k}", non_negative=False) for k in _STAT_NUMBERS}
+        v = {k: _finite(s[k], f"{where}.{k}") for k in _STAT_NUMBERS}
         if not v["min"] <= v["p25"] <= v["median"] <= v["p75"] <= v["max"]:
             raise FieldError("expected min <= p25 <= median <= p75 <= max", where)
         integer(s["samples"], f"{where}.samples", minimum=1)

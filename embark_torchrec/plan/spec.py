@@ -37,6 +37,7 @@ from .fields import (
     text,
     texts,
 )
+from .ranges import MAX_BATCH_SIZE, MAX_DIM, MAX_POOLING, MAX_ROWS, MAX_ZIPF_ALPHA, MIN_UNIQUE_RATIO
 
 _MODEL_KEYS = ("name", "description", "source", "batch_size", "id_distribution", "tables")
 _TABLE_KEYS = ("name", "rows", "dim", "pooling", "kind", "feature_names", "id_distribution", "unique_ratio")
@@ -68,7 +69,7 @@ class IdDistribution:
         with reading(SpecError):
             choice(self.kind, "kind", _DIST_KINDS)
             if self.kind == "zipf":
-                object.__setattr__(self, "alpha", number(self.alpha, "alpha"))
+                object.__setattr__(self, "alpha", number(self.alpha, "alpha", at_most=MAX_ZIPF_ALPHA))
             elif self.alpha != 0 or isinstance(self.alpha, bool):
                 raise FieldError("applies to kind 'zipf' only", "alpha")
 
@@ -122,22 +123,23 @@ class TableSpec:
     kind: str = POOLED
 
     def __post_init__(self) -> None:
-        """Every field by type and value (files, dicts and TorchRec modules all come through here);
-        feature_names () means the one feature named like the table."""
+        """Every field by type and value, within its plannable range (ranges.py: costs stay finite); files, dicts
+        and TorchRec modules all come through here; feature_names () means the one feature named like the table."""
         with reading(SpecError):
             table_name(self.name, "name")
         with reading(SpecError, where=f"table {self.name!r}"):
-            integer(self.rows, "rows", minimum=1)
-            if integer(self.dim, "dim", minimum=1) % 4:
+            integer(self.rows, "rows", minimum=1, maximum=MAX_ROWS)
+            if integer(self.dim, "dim", minimum=1, maximum=MAX_DIM) % 4:
                 raise FieldError(f"expected a multiple of 4, got {self.dim}", "dim")
-            object.__setattr__(self, "pooling", number(self.pooling, "pooling"))
+            object.__setattr__(self, "pooling", number(self.pooling, "pooling", at_most=MAX_POOLING))
             table_kind(self.kind, "kind")
             features = (self.name,) if self.feature_names == () else texts(self.feature_names, "feature_names")
             object.__setattr__(self, "feature_names", features)
             if self.id_distribution is not None and not isinstance(self.id_distribution, IdDistribution):
                 raise FieldError(f"expected an IdDistribution, got {shown(self.id_distribution)}", "id_distribution")
             if self.unique_ratio is not None:
-                object.__setattr__(self, "unique_ratio", number(self.unique_ratio, "unique_ratio", at_most=1.0))
+                ratio = number(self.unique_ratio, "unique_ratio", at_least=MIN_UNIQUE_RATIO, at_most=1.0)
+                object.__setattr__(self, "unique_ratio", ratio)
 
     @property
     def is_sequence(self) -> bool:
@@ -169,7 +171,7 @@ class ModelSpec:
         with reading(SpecError):
             text(self.name, "name")
         with reading(SpecError, where=f"model {self.name!r}"):
-            integer(self.batch_size, "batch_size", minimum=1)
+            integer(self.batch_size, "batch_size", minimum=1, maximum=MAX_BATCH_SIZE)
             if not isinstance(self.id_distribution, IdDistribution):
                 raise FieldError(f"expected an IdDistribution, got {shown(self.id_distribution)}", "id_distribution")
             tables = tuple(items(self.tables, "tables", "a list of tables"))
@@ -275,13 +277,20 @@ class ModelSpec:
                 pf = _per_feature(c, "pooling_factors", n, 1.0)
                 poolings = _per_feature(c, "num_poolings", n, 1.0)
                 batches = _per_feature(c, "batch_sizes", n, float(rank_batch_size or 1))
-            share = [b / rank_batch_size if rank_batch_size else 1.0 for b in batches]
+                share = [b / rank_batch_size if rank_batch_size else 1.0 for b in batches]
+                pooling = sum(p * k * r for p, k, r in zip(pf, poolings, share)) / n
+                if not pooling <= MAX_POOLING:  # the table's check would name its own field, not these
+                    raise FieldError(
+                        f"the IDs per sample they give (pooling_factors x num_poolings x batch_sizes' share, over the "
+                        f"table's features) are {pooling:g}, beyond the plannable {MAX_POOLING:g}",
+                        "pooling_factors",
+                    )
             tables.append(
                 TableSpec(
                     name=cfg.name,
                     rows=int(cfg.num_embeddings),
                     dim=int(cfg.embedding_dim),
-                    pooling=sum(p * k * r for p, k, r in zip(pf, poolings, share)) / n,
+                    pooling=pooling,
                     feature_names=tuple(cfg.feature_names),
                     kind=kind,
                 )

@@ -1,0 +1,46 @@
+"""Plannable ranges: the one place that bounds every size and rate a model spec, a hardware file or a CLI flag
+gives the planner.
+
+Each bound is far beyond any real model or cluster; it is there so that the cost model's products (samples x IDs
+per sample x width x bytes, divided by a bandwidth) stay finite floats. Without them `pooling: 1e308` made every
+cost NaN (a batch of it is inf, and inf x 0 is NaN) and a bandwidth of 1e-320 GB/s made one infinite. Values
+outside are refused, naming the file and the field, before any planning. Pure Python: plan/ imports it.
+"""
+
+from __future__ import annotations
+
+# ---- model specs (spec.py), per table and per model ----
+MAX_ROWS = 2**40  # rows of one table: ~1.1e12 (the largest tables in production hold ~1e10)
+MAX_DIM = 2**16  # embedding width: 65,536 (fbgemm's kernels stop at a few thousand)
+MAX_POOLING = 1e6  # IDs per sample of one table (a sequence table's mean length)
+MAX_BATCH_SIZE = 2**31 - 1  # global samples per step
+MIN_UNIQUE_RATIO = 1e-9  # distinct / total IDs in one rank's batch: at least 1 in 1e9 (and at most 1)
+MAX_ZIPF_ALPHA = 10.0  # Zipf's exponent (real ID streams: ~0.5..2; at 10, 99.9% of the draws are the hottest ID)
+
+# ---- hardware (hardware_file.py and --hbm-gb), per GPU ----
+MAX_HBM_GB = 1e6  # memory per GPU, and the reserve below it: a petabyte
+MIN_BANDWIDTH_GBPS, MAX_BANDWIDTH_GBPS = 1e-3, 1e6  # HBM, NVLink, network: 1 MB/s .. 1 PB/s
+MAX_NS_PER_ID = 1e9  # per-ID, per-row and per-element host work: up to a second each
+MAX_MS_PER_KSAMPLE = 1e9  # the dense part's forward + backward per 1000 samples
+MAX_COLLECTIVE_US = 1e9  # one collective's launch and synchronisation
+MAX_DENSE_PARAMS_MB = 1e9  # dense gradients all-reduced each step: a petabyte
+MAX_HOST_CORES = 2**20  # cores of the one host every rank shares (0: ranks have their own GPUs)
+
+# every Hardware figure a hardware file holds (hardware_file.py): (lowest, highest, whether the lowest is allowed);
+# figures the cost model divides by (memory, bandwidths) may not be zero, nor so small that a cost is infinite
+HARDWARE_RANGES: dict[str, tuple[float, float, bool]] = {
+    "hbm_gb": (0.0, MAX_HBM_GB, False),
+    "hbm_reserve_gb": (0.0, MAX_HBM_GB, True),
+    **{
+        bw: (MIN_BANDWIDTH_GBPS, MAX_BANDWIDTH_GBPS, True)
+        for bw in ("hbm_bw_gbps", "intra_node_bw_gbps", "inter_node_bw_gbps")
+    },
+    "dense_ms_per_ksample": (0.0, MAX_MS_PER_KSAMPLE, True),
+    "dense_params_mb": (0.0, MAX_DENSE_PARAMS_MB, True),
+    **{
+        ns: (0.0, MAX_NS_PER_ID, True)
+        for ns in ("unique_ns_per_id", "lookup_ns_per_id", "update_ns_per_row", "dp_ns_per_element")
+    },
+    "collective_us": (0.0, MAX_COLLECTIVE_US, True),
+    "host_cores": (0, MAX_HOST_CORES, True),
+}
