@@ -4,6 +4,7 @@ torchrec's plan types, collective planning on every rank, and the table-row-wise
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -21,8 +22,8 @@ from torchrec.distributed.sharding_plan import (
     table_wise,
 )
 from torchrec.distributed.types import ShardingPlan
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from embark_torchrec.plan.baselines import table_row_wise_plan
 from embark_torchrec.sharding.torchrec_plans import from_sharding_plan
@@ -32,7 +33,7 @@ from embark_torchrec.plan.layout import Plan, TableLayout, WirePrecision, shardi
 from embark_torchrec.plan.planner import EmbarkPlanner, default_hardware
 from embark_torchrec.sharding.parameter_sharding import module_sharding_plan
 from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
-from embark_torchrec.plan.spec import ModelSpec, TableSpec
+from embark_torchrec.plan.spec import ModelSpec, SpecError, TableSpec
 from embark_torchrec.plan.topology import PRESETS, Topology
 from embark_torchrec.testing import fake_world, threaded_ranks
 
@@ -469,6 +470,132 @@ def test_collective_plan_same_on_every_threaded_rank() -> None:
     )
     for r in results:
         assert r["summary"] == expected, r["rank"]
+
+
+def _collective_error(constraints: dict[str, Any]) -> tuple[str, str]:
+    """This rank's error from collective_plan (its class and message)."""
+    try:
+        EmbarkPlanner(batch_size=256, constraints=constraints).collective_plan(_Model())
+    except Exception as exc:  # noqa: BLE001 - the test compares what each rank raised
+        return type(exc).__name__, str(exc)
+    raise AssertionError("collective_plan planned a model whose constraints cannot be met")
+
+
+def test_collective_plan_raises_the_planning_error_on_every_rank() -> None:
+    """When planning fails on rank 0, every rank raises the same named error (rank 0's), instead of the others
+    waiting in the broadcast until rank 0's connection closes."""
+    bad = {"big": ParameterConstraints(sharding_types=["column_wise"], min_partition=100)}  # 64 columns: no 2 slices
+    results = threaded_ranks(_collective_error, 4, 2, args=(bad,))
+    assert len({r for r in results}) == 1, results
+    kind, message = results[0]
+    assert kind == "PlanError" and "table 'big'" in message and "1 x 2 slices" in message, results[0]
+
+
+# ---- constructor arguments -----------------------------------------------------------------------
+
+_BAD_ARGUMENTS = [
+    ({"world_size": 0}, "world_size", "an integer >= 1, got 0"),
+    ({"world_size": 2.0}, "world_size", "an integer"),
+    ({"world_size": True}, "world_size", "an integer"),
+    ({"local_world_size": 0}, "local_world_size", "an integer >= 1"),
+    ({"world_size": 4, "local_world_size": 3}, "local_world_size", "3 does not divide the world size 4"),
+    ({"batch_size": True}, "batch_size", "got True"),
+    ({"batch_size": 0}, "batch_size", "an integer >= 1"),
+    ({"batch_size": 512.0}, "batch_size", "an integer"),
+    ({"topology": "2x8"}, "topology", "a TorchRec or an embark Topology"),
+    ({"topology": Topology(4, 2), "world_size": 8}, "world_size", "8 contradicts the topology's world_size 4"),
+    ({"compute_device": "gpu"}, "compute_device", "one of \\['cpu', 'cuda'\\]"),
+    ({"constraints": [("t", None)]}, "constraints", "a mapping of table names"),
+    ({"constraints": {1: ParameterConstraints()}}, "constraints", "table names .* as keys"),
+    ({"constraints": {"big": "row_wise"}}, "", "table 'big': expected a TorchRec ParameterConstraints"),
+    ({"storage_reservation": 0.2}, "storage_reservation", "a TorchRec StorageReservation"),
+    ({"progress": 1}, "progress", "true or false"),
+    ({"config": {"patience": 3}}, "config", "a SearchConfig"),
+    ({"optimizer": "rowwise_adagrad"}, "optimizer", "an OptimizerMemory|a OptimizerMemory"),
+    ({"measured": "spec.json"}, "measured", "a ModelSpec"),
+    ({"id_distribution": "zipf"}, "id_distribution", "a IdDistribution|an IdDistribution"),
+]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "problem"), _BAD_ARGUMENTS, ids=[f or "table" for _, f, _ in _BAD_ARGUMENTS]
+)
+def test_constructor_arguments_are_checked_by_name(kwargs: dict[str, Any], field: str, problem: str) -> None:
+    """Each constructor argument is checked as a file's field is, by type and range, and refused naming the
+    argument: world_size=0 would plan for the environment's world size, batch_size=True for a batch of 1."""
+    where = f"EmbarkPlanner: field '{field}': " if field else ""
+    with pytest.raises(SpecError, match=f"{where}.*({problem})"):
+        EmbarkPlanner(**kwargs)
+
+
+def test_storage_reservation_share_is_checked() -> None:
+    """A storage reservation keeping all of memory (or more, or NaN) is refused by name; TorchRec's own are read."""
+    from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
+
+    assert EmbarkPlanner(
+        world_size=2, hardware="dgx-h100", storage_reservation=FixedPercentageStorageReservation(0.25)
+    ).hardware.hbm_reserve_gb == pytest.approx(0.25 * PRESETS["dgx-h100"].hbm_gb)
+    for share in (1.0, 1.5, float("nan")):
+        reservation = FixedPercentageStorageReservation(0.5)
+        reservation._percentage = share
+        with pytest.raises(SpecError, match="field 'storage_reservation': expected a share of memory in \\[0, 1\\)"):
+            EmbarkPlanner(world_size=2, storage_reservation=reservation)
+
+
+# ---- constraints for tables this call does not plan -----------------------------------------------
+
+
+class _WithSequence(nn.Module):
+    """The pooled model next to an EmbeddingCollection (sequence tables), which an EBC sharder does not shard."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pooled = _Model()
+        self.sequence = EmbeddingCollection(
+            tables=[EmbeddingConfig(name="seq", embedding_dim=16, num_embeddings=1000, feature_names=["f_seq"])],
+            device=torch.device("meta"),
+        )
+
+
+def test_constraints_for_tables_of_other_modules_are_left_alone(caplog: pytest.LogCaptureFixture) -> None:
+    """As TorchRec's planner (and its test harness, which passes one set of constraints to planners of parts of a
+    model): constraints on tables of modules no given sharder shards are accepted and logged once, and the plan is
+    the one made without them; a name no module of the model has is a typo, refused with the nearest name."""
+    sharders = [EmbarkEmbeddingBagCollectionSharder()]
+    expected = _summary(EmbarkPlanner(world_size=4, local_world_size=2).plan(_WithSequence(), sharders))
+    constraints = {"seq": ParameterConstraints(sharding_types=["row_wise"])}
+    with caplog.at_level(logging.WARNING, logger="embark_torchrec.plan.planner"):
+        got = EmbarkPlanner(world_size=4, local_world_size=2, constraints=constraints).plan(_WithSequence(), sharders)
+    assert _summary(got) == expected and set(got.plan) == {"pooled.sparse"}
+    logged = [r.getMessage() for r in caplog.records if "left unused" in r.getMessage()]
+    assert len(logged) == 1 and "['seq']" in logged[0] and "EmbarkEmbeddingCollectionSharder()" in logged[0], logged
+    with pytest.raises(SpecError, match="constraints name tables \\['sqe'\\].*did you mean 'seq'"):
+        EmbarkPlanner(world_size=4, constraints={"sqe": ParameterConstraints()}).plan(_WithSequence(), sharders)
+
+
+def test_a_model_no_given_sharder_shards_names_what_it_has() -> None:
+    """A model whose collections the given sharders do not take is refused naming each collection found and the
+    sharder that would take it (a managed-collision EmbeddingCollection: TorchRec's MC sharder around ours)."""
+    from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingCollection
+    from torchrec.modules.mc_modules import (
+        DistanceLFU_EvictionPolicy,
+        ManagedCollisionCollection,
+        MCHManagedCollisionModule,
+    )
+
+    tables = [EmbeddingConfig(name="mc", num_embeddings=40, embedding_dim=8, feature_names=["user"])]
+    module = MCHManagedCollisionModule(
+        zch_size=40, device=torch.device("cpu"), eviction_interval=2, eviction_policy=DistanceLFU_EvictionPolicy()
+    )
+    mcc = ManagedCollisionCollection(managed_collision_modules={"mc": module}, embedding_configs=tables)
+    model = nn.Module()
+    model.mc = ManagedCollisionEmbeddingCollection(EmbeddingCollection(tables=tables, device=torch.device("meta")), mcc)
+    named = (
+        "ManagedCollisionEmbeddingCollection at 'mc' \\(sharded by "
+        "ManagedCollisionEmbeddingCollectionSharder\\(ec_sharder=EmbarkEmbeddingCollectionSharder\\(\\)\\)"
+    )
+    with pytest.raises(ValueError, match=named):
+        EmbarkPlanner(world_size=2).plan(model, [EmbarkEmbeddingBagCollectionSharder()])
 
 
 # ---- table-row-wise baseline ----------------------------------------------------------------------

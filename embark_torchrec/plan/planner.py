@@ -353,7 +353,7 @@ def _check_arguments(
             ):  # a Mapping: from_torchrec says why
                 raise FieldError(
                     f"expected a TorchRec ParameterConstraints or an embark TableConstraints, got {shown(c)}",
-                    f"constraints[{table!r}]",
+                    where=f"table {table!r}",
                 )
 
 
@@ -493,10 +493,10 @@ class EmbarkPlanner(ShardingPlanner):
         and logged once; a name no module of the model has is a typo, refused with the nearest names."""
         model_tables = {t for f in found for t in f.tables}
         planned_tables = {t for f in found if f.planned for t in f.tables}
-        unknown = sorted(set(self.table_constraints) - model_tables)
+        unknown = sorted(set(self.torchrec_constraints) - model_tables)
         if unknown:
             raise _unknown_tables(unknown, model_tables)
-        elsewhere = sorted(set(self.table_constraints) - planned_tables)
+        elsewhere = sorted(set(self.torchrec_constraints) - planned_tables)
         if elsewhere:
             unplanned = "; ".join(f.described() for f in found if not f.planned and set(f.tables) & set(elsewhere))
             logger.warning(
