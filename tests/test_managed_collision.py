@@ -1,8 +1,8 @@
-"""ManagedCollisionEmbeddingBagCollection: EmbarkPlanner plans its inner EBC row-wise (the only layout TorchRec's
-managed-collision sharding runs), DistributedModelParallel runs it with TorchRec's MC sharder around our EBC sharder,
-and it trains exactly like the same module and plan run by TorchRec's own sharders (losses over two fused SGD steps
-and the weights after them), at 2 ranks; a plain EBC next to it is planned on its own, and the MC module's inner
-EBC is not planned twice."""
+"""ManagedCollisionEmbeddingBagCollection and ManagedCollisionEmbeddingCollection: EmbarkPlanner plans their inner
+collections row-wise (the only layout TorchRec's managed-collision sharding runs), DistributedModelParallel runs them
+with TorchRec's MC sharders around our EBC and EC sharders, and they train exactly like the same modules and plan run
+by TorchRec's own sharders (losses over two fused SGD steps and the weights after them), at 2 ranks; a plain EBC next
+to them is planned on its own, and an MC module's inner collection is not planned twice."""
 
 from __future__ import annotations
 
@@ -12,13 +12,18 @@ import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
 from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
-from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.modules.mc_embedding_modules import (
+    ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionEmbeddingCollection,
+)
 from torchrec.modules.mc_modules import (
     DistanceLFU_EvictionPolicy,
     ManagedCollisionCollection,
@@ -27,26 +32,36 @@ from torchrec.modules.mc_modules import (
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embark_torchrec import EmbarkEmbeddingBagCollectionSharder, EmbarkPlanner
+from embark_torchrec.sharding.sharded_ec import EmbarkEmbeddingCollectionSharder
 from embark_torchrec.testing import run_ranks
 
 FUSED = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1}
 
 
+def _collisions(tables: list[BaseEmbeddingConfig], device: torch.device) -> ManagedCollisionCollection:
+    """Managed collisions hashing each table's IDs into its 40 rows."""
+    modules = {
+        t.name: MCHManagedCollisionModule(
+            zch_size=40, device=device, eviction_interval=2, eviction_policy=DistanceLFU_EvictionPolicy()
+        )
+        for t in tables
+    }
+    return ManagedCollisionCollection(managed_collision_modules=modules, embedding_configs=tables)
+
+
 class Model(torch.nn.Module):
-    """A managed-collision EBC (IDs hashed into 40 rows) and a plain EBC."""
+    """A managed-collision EBC and a managed-collision EC (IDs hashed into 40 rows each) and a plain EBC."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
         tables = [EmbeddingBagConfig(name="mc", num_embeddings=40, embedding_dim=8, feature_names=["user"])]
-        mcc = ManagedCollisionCollection(
-            managed_collision_modules={
-                "mc": MCHManagedCollisionModule(
-                    zch_size=40, device=device, eviction_interval=2, eviction_policy=DistanceLFU_EvictionPolicy()
-                )
-            },
-            embedding_configs=tables,
+        self.mc = ManagedCollisionEmbeddingBagCollection(
+            EmbeddingBagCollection(tables=tables, device=device), _collisions(tables, device)
         )
-        self.mc = ManagedCollisionEmbeddingBagCollection(EmbeddingBagCollection(tables=tables, device=device), mcc)
+        sequence = [EmbeddingConfig(name="mc_seq", num_embeddings=40, embedding_dim=8, feature_names=["history"])]
+        self.mc_seq = ManagedCollisionEmbeddingCollection(
+            EmbeddingCollection(tables=sequence, device=device), _collisions(sequence, device)
+        )
         self.ebc = EmbeddingBagCollection(
             tables=[EmbeddingBagConfig(name="plain", num_embeddings=30, embedding_dim=8, feature_names=["item"])],
             device=device,
@@ -55,7 +70,10 @@ class Model(torch.nn.Module):
     def forward(self, user: KeyedJaggedTensor, item: KeyedJaggedTensor) -> torch.Tensor:
         mc = self.mc(user)
         mc = mc[0] if isinstance(mc, tuple) else mc
-        return mc.values().sum() + self.ebc(item).values().sum()
+        history = KeyedJaggedTensor.from_lengths_sync(keys=["history"], values=user.values(), lengths=user.lengths())
+        seq = self.mc_seq(history)
+        seq = seq[0] if isinstance(seq, tuple) else seq
+        return mc.values().sum() + (seq["history"].values() ** 2).sum() + self.ebc(item).values().sum()
 
 
 def _batch(step: int, rank: int) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor]:
@@ -96,10 +114,12 @@ def _run() -> dict[str, Any]:
         ManagedCollisionEmbeddingBagCollectionSharder(
             ebc_sharder=EmbarkEmbeddingBagCollectionSharder(fused_params=FUSED)
         ),
+        ManagedCollisionEmbeddingCollectionSharder(ec_sharder=EmbarkEmbeddingCollectionSharder(fused_params=FUSED)),
         EmbarkEmbeddingBagCollectionSharder(fused_params=FUSED),
     ]
     theirs = [
         ManagedCollisionEmbeddingBagCollectionSharder(ebc_sharder=EmbeddingBagCollectionSharder(fused_params=FUSED)),
+        ManagedCollisionEmbeddingCollectionSharder(ec_sharder=EmbeddingCollectionSharder(fused_params=FUSED)),
         EmbeddingBagCollectionSharder(fused_params=FUSED),
     ]
     planner = EmbarkPlanner(batch_size=4)
@@ -119,12 +139,13 @@ def _run() -> dict[str, Any]:
     }
 
 
-def test_managed_collision_ebc_runs_row_wise_like_torchrec() -> None:
+def test_managed_collision_modules_run_row_wise_like_torchrec() -> None:
     for result in run_ranks(_run, 2, timeout_s=300):
         assert result["plan"]["mc"] == {"mc": "row_wise"}, result["plan"]
-        assert set(result["plan"]) == {"mc", "ebc"}, result["plan"]  # the inner EBC of "mc" is not planned again
+        assert result["plan"]["mc_seq"] == {"mc_seq": "row_wise"}, result["plan"]
+        assert set(result["plan"]) == {"mc", "mc_seq", "ebc"}, result["plan"]  # inner collections not planned again
         (losses, weights), (stock_losses, stock_weights) = result["ours"], result["stock"]
         assert losses == stock_losses
-        assert weights.keys() == stock_weights.keys() and any("mc" in k for k in weights)
+        assert weights.keys() == stock_weights.keys() and any("mc_seq" in k for k in weights)
         for key, value in weights.items():
             assert torch.equal(value, stock_weights[key]), key
