@@ -383,9 +383,9 @@ def test_an_exception_of_any_class_from_dcp_falls_back(saved: Path, monkeypatch:
         resume_checkpoint(saved, _blank())
 
 
-def _read_one_item_then_fail(monkeypatch: pytest.MonkeyPatch, failing: set[str]) -> None:
-    """FileSystemReader reads the first item of its plan (writing it into the state) and then fails, in the folders
-    named in `failing`: a read error half-way through a load."""
+def _read_one_item_then_fail(failing: set[str]) -> Callable[..., Any]:
+    """FileSystemReader.read_data that, in the folders named in `failing`, reads the first item of its plan (writing it
+    into the state) and then fails: a read error half-way through a load."""
     real = FileSystemReader.read_data
 
     def read_data(self: FileSystemReader, plan: LoadPlan, planner: LoadPlanner) -> Any:
@@ -394,14 +394,14 @@ def _read_one_item_then_fail(monkeypatch: pytest.MonkeyPatch, failing: set[str])
             raise OSError(f"I/O error reading {self.path}")
         return real(self, plan, planner)
 
-    monkeypatch.setattr(FileSystemReader, "read_data", read_data)
+    return read_data
 
 
 def test_a_load_that_fails_half_way_falls_back_and_the_older_step_overwrites_all_of_it(
     saved: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Step 12's read fails after writing part of it into the state: step 8 loads over every value, bit for bit."""
-    _read_one_item_then_fail(monkeypatch, {"step_00000012"})
+    monkeypatch.setattr(FileSystemReader, "read_data", _read_one_item_then_fail({"step_00000012"}))
     state = _blank()
     resumed = resume_checkpoint(saved, state)
     assert resumed.step == 8 and _steps_skipped(resumed) == ["step_00000012"]
@@ -414,7 +414,7 @@ def test_when_no_step_loads_after_one_wrote_into_the_state_resume_raises_naming_
 ) -> None:
     """Every load fails half-way: the state is no longer a fresh one, so resume raises instead of starting over,
     naming every step and why; when no load wrote anything (another model's steps only) it is a fresh start."""
-    _read_one_item_then_fail(monkeypatch, {f"step_{s:08d}" for s in STEPS})
+    monkeypatch.setattr(FileSystemReader, "read_data", _read_one_item_then_fail({f"step_{s:08d}" for s in STEPS}))
     with pytest.raises(CheckpointError) as raised:
         resume_checkpoint(saved, _blank())
     message = str(raised.value)
@@ -521,6 +521,46 @@ def test_two_ranks_load_the_step_rank_0_chose_and_share_its_errors(tmp_path: Pat
         assert "__1_9.distcp" in r["error"] and "every rank shares" in r["error"], r["error"]
     assert "(on rank 0)" in results[1]["error"]
     assert not (tmp_path / "step_00000003").exists()
+
+
+def _two_ranks_fall_back(directory: str) -> dict[str, Any]:
+    """Steps 1 and 2 of a row-sharded tensor "w", then step 3 of another model (its tensor is "v"); rank 1 alone fails
+    to read step 2, after rank 0 read its shard of it; resume on both. Then resume a third model, which no step fits."""
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2,))
+
+    def state(step: int, key: str = "w") -> dict[str, Any]:
+        full = torch.randn(256, 64, generator=torch.Generator().manual_seed(step))
+        return {key: distribute_tensor(full, mesh, [Shard(0)]), "step": torch.tensor(step)}
+
+    for step in (1, 2):
+        save_checkpoint(directory, state(step), step)
+    save_checkpoint(directory, state(3, "v"), 3)
+    if rank == 1:
+        FileSystemReader.read_data = _read_one_item_then_fail({"step_00000002"})  # type: ignore[method-assign]
+    target = state(0)
+    resumed = resume_checkpoint(directory, target)
+    equal = torch.equal(target["w"].to_local(), state(1)["w"].to_local()) and int(target["step"]) == 1
+    return {"resumed": resumed, "equal": equal, "fresh": resume_checkpoint(directory, state(0, "u"))}
+
+
+def test_two_ranks_fall_back_together_when_one_rank_cannot_read_a_step(tmp_path: Path) -> None:
+    """Step 3 is another model's (DCP fails on both ranks while planning) and rank 1 alone hits a read error on step
+    2: both ranks skip both, by name and in the same words (step 2's naming rank 1), and load step 1 bit for bit;
+    neither hangs. A model no step fits starts fresh on both ranks, every step named."""
+    results = run_ranks(_two_ranks_fall_back, 2, timeout_s=120, args=(str(tmp_path),))
+    for r in results:
+        assert r["equal"]
+        assert (r["resumed"].path, r["resumed"].step) == (tmp_path / "step_00000001", 1)
+        assert r["resumed"] == results[0]["resumed"] and r["fresh"] == results[0]["fresh"]
+    step_3, step_2 = results[0]["resumed"].skipped
+    assert step_3.path.name == "step_00000003" and "Missing key" in step_3.reason, step_3
+    assert step_2.path.name == "step_00000002" and "rank 1: OSError: I/O error reading" in step_2.reason, step_2
+    assert "rank 0" not in step_2.reason, step_2
+    fresh = results[0]["fresh"]
+    assert (fresh.path, fresh.step) == (None, None)
+    assert [s.path.name for s in fresh.skipped] == ["step_00000003", "step_00000002", "step_00000001"]
+    assert all("Missing key" in s.reason for s in fresh.skipped), fresh.skipped
 
 
 # ---------------------------------------------------------------- the DLRM example
