@@ -5,7 +5,9 @@ path errors come before any planning; --json prints valid JSON."""
 from __future__ import annotations
 
 import json
+import math
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,14 @@ import pytest
 
 from embark_torchrec.plan import cli
 from embark_torchrec.plan.layout import Plan
+from embark_torchrec.plan.ranges import (
+    HARDWARE_RANGES,
+    MAX_BATCH_SIZE,
+    MAX_DIM,
+    MAX_POOLING,
+    MAX_ZIPF_ALPHA,
+    MIN_UNIQUE_RATIO,
+)
 from embark_torchrec.plan.topology import PRESETS
 
 SIZES = ["--world-size", "2", "--local-world-size", "2"]
@@ -61,6 +71,9 @@ ARGUMENT_ERRORS: dict[str, tuple[list[str], list[str]]] = {
     "hbm inf": (["--hbm-gb", "inf"], ["--hbm-gb", "'inf'"]),
     "hbm zero": (["--hbm-gb", "0"], ["--hbm-gb"]),
     "hbm negative": (["--hbm-gb", "-80"], ["--hbm-gb"]),
+    "batch size beyond its range": (["--batch-size", str(MAX_BATCH_SIZE + 1)], ["--batch-size", str(MAX_BATCH_SIZE)]),
+    "hbm beyond its range": (["--hbm-gb", "1e7"], ["--hbm-gb", "'1e7'"]),
+    "hbm within the reserve": (["--hardware", "cpu-gloo", "--hbm-gb", "4"], ["--hbm-gb 4", "reserve of 4 GB"]),
     "unknown hardware": (["--hardware", "tpu"], ["--hardware"]),
     "unknown baseline": (["--compare", "trw,fancy"], ["'fancy'"]),
     "unknown option": (["--wrld-size", "2"], ["--wrld-size"]),
@@ -121,6 +134,10 @@ SPEC_CONTENTS: dict[str, tuple[bytes, list[str]]] = {
         b'{"batch_size": 8, "tables": [{"name": "t", "rows": 10, "dim": 4, "pooling": Infinity}]}',
         ["table 't'", "field 'pooling'"],
     ),
+    "pooling 1e308": (  # every cost was NaN, the plan written and the exit code 0; --json crashed
+        b'{"batch_size": 8, "tables": [{"name": "t", "rows": 10, "dim": 4, "pooling": 1e308}]}',
+        ["table 't'", "field 'pooling'", "1e+308"],
+    ),
     "tables a number": (b'{"batch_size": 8, "tables": 3}', ["field 'tables'"]),
     "too deep": (b'{"tables": ' + b"[" * 100_000, ["nested too deeply"]),
     "not UTF-8": (b'{"name": "\xff"}', ["UTF-8"]),
@@ -142,6 +159,18 @@ def test_bad_spec_files_are_one_line_naming_the_file(
     path = tmp_path / "spec.json"
     path.write_bytes(content)
     _user_error(capsys, [str(path), *SIZES], str(path), *needles)
+
+
+@pytest.mark.parametrize("rows", ["0100", "1:30", "0x100"])
+def test_yaml_numbers_of_yaml_1_1_are_one_line(
+    rows: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], no_planning: None
+) -> None:
+    """`rows: 0100`, `1:30` and `0x100` in a YAML spec were planned as 64, 90 and 256 rows (YAML 1.1); they are
+    refused, naming the file, the table, the field and the value as written."""
+    pytest.importorskip("yaml")
+    path = tmp_path / "spec.yaml"
+    path.write_text(f"batch_size: 8\ntables:\n  - name: t\n    rows: {rows}\n    dim: 4\n    pooling: 1\n")
+    _user_error(capsys, [str(path), *SIZES], str(path), "table 't'", "field 'rows'", repr(rows))
 
 
 @pytest.mark.parametrize("model", ["missing.json", "no/such/dir/spec.yaml", "no-such-model"])
@@ -183,3 +212,73 @@ def test_json_output_is_valid_json_and_out_writes_the_plan(
     result = _strict_json(stdout)
     assert result["model"] == "m" and result["world_size"] == 2 and "embark" in result["plans"]
     assert set(Plan.load(out).tables) == {"a", "b"}
+
+
+@pytest.mark.parametrize("where", ["lookup_ms", "rank 1"])
+@pytest.mark.parametrize("output", ["--out", "--json"])
+def test_a_plan_whose_cost_is_not_finite_is_neither_written_nor_printed(
+    where: str,
+    output: str,
+    spec_file: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The backstop behind the ranges: a plan whose estimated step (or a part, or one rank's load) is NaN is a
+    one-line error naming the part or the rank, exit 2, and no plan file (it used to be written with exit 0, and
+    --json crashed with "Out of range float values are not JSON compliant")."""
+    plan_model = cli.plan_model
+
+    def nan_cost(spec: Any, topology: Any) -> Any:
+        planned = plan_model(spec, topology)
+        if where == "lookup_ms":
+            return replace(planned, cost=replace(planned.cost, lookup_ms=math.nan))
+        rank_lookup_ms = planned.cost.rank_lookup_ms.copy()
+        rank_lookup_ms[1] = math.nan
+        return replace(planned, cost=replace(planned.cost, rank_lookup_ms=rank_lookup_ms))
+
+    monkeypatch.setattr(cli, "plan_model", nan_cost)
+    out = tmp_path / "plan.json"
+    argv = [str(spec_file), *SIZES, "--out", str(out)] + (["--json"] if output == "--json" else [])
+    _user_error(capsys, argv, "embark plan", where, "not a finite number", "no plan written")
+    assert not out.exists()
+
+
+def _hardware_at(tmp_path: Path, end: str) -> Path:
+    """A hardware file with every figure at one end of its range: "slow" (the least memory bandwidth, the most
+    work per ID, a petabyte of HBM) or "fast" (the most bandwidth, no per-ID work, the fewest GB that fit)."""
+    figures: dict[str, Any] = {}
+    for name, (low, high, low_allowed) in HARDWARE_RANGES.items():
+        slow_end = low if name.endswith("_gbps") else high
+        fast_end = high if name.endswith("_gbps") else (low if low_allowed else 1.0)
+        figures[name] = slow_end if end == "slow" else fast_end
+    figures.update(name=end, hbm_reserve_gb=0.0)
+    path = tmp_path / f"{end}.json"
+    path.write_text(json.dumps({"format": "embark-hardware", "version": 1, "hardware": figures}))
+    return path
+
+
+@pytest.mark.parametrize("end", ["slow", "fast"])
+def test_the_ends_of_every_range_plan_to_strict_json(
+    end: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A model at the ends of the spec ranges, on hardware at either end of every hardware range, plans (ours and
+    the table-row-wise baseline, with the lower bound) to finite costs printed as strict JSON: the ranges are
+    narrow enough that the backstop never fires on what the files allow."""
+    ws = 4
+    tables = [
+        {"name": "wide", "rows": 1000, "dim": MAX_DIM, "pooling": MAX_POOLING},
+        {"name": "long", "rows": 10**6, "dim": 4, "pooling": MAX_POOLING, "unique_ratio": MIN_UNIQUE_RATIO},
+        {"name": "rare", "rows": 100, "dim": 4, "pooling": 5e-324, "kind": "sequence"},
+    ]
+    spec = {
+        "batch_size": MAX_BATCH_SIZE - MAX_BATCH_SIZE % ws,
+        "id_distribution": {"kind": "zipf", "alpha": MAX_ZIPF_ALPHA},
+        "tables": tables,
+    }
+    path = tmp_path / "edges.json"
+    path.write_text(json.dumps(spec))
+    argv = [str(path), "--world-size", str(ws), "--local-world-size", "2", "--json", "--compare", "trw"]
+    assert cli.main([*argv, "--hardware", str(_hardware_at(tmp_path, end))]) == 0, capsys.readouterr().err
+    result = _strict_json(capsys.readouterr().out)
+    assert set(result["plans"]) == {"embark", "trw"}

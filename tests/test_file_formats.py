@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import pickle
+from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -16,8 +17,11 @@ import pytest
 
 from embark_torchrec.plan.constraints import TableConstraints, from_torchrec
 from embark_torchrec.plan.fields import MODULE_DICT_ATTRIBUTES
+from embark_torchrec.plan.hardware_file import HardwareError, check_document, hardware_fields, load_hardware
 from embark_torchrec.plan.layout import Plan, PlanError, TableLayout, WirePrecision
+from embark_torchrec.plan.ranges import HARDWARE_RANGES
 from embark_torchrec.plan.spec import IdDistribution, ModelSpec, SpecError, TableSpec, load_model_spec
+from embark_torchrec.plan.topology import PRESETS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -420,8 +424,8 @@ def test_unreadable_plan_files_are_refused_naming_the_file(content: bytes, tmp_p
 
 
 def test_every_file_in_the_repository_loads() -> None:
-    """The shipped model specs, the benchmark specs and the cached plans are valid files: the strict
-    reader accepts what the writers (ModelSpec.to_dict, Plan.to_dict, from_sharding_plan) wrote."""
+    """The shipped model specs, the benchmark specs and hardware files and the cached plans are valid files: the
+    strict reader accepts what the writers (ModelSpec.to_dict, Plan.to_dict, from_sharding_plan, calibrate) wrote."""
     specs = sorted((ROOT / "embark_torchrec/models").glob("*.json")) + sorted(
         (ROOT / "benchmarks/models").glob("*.json")
     )
@@ -429,11 +433,56 @@ def test_every_file_in_the_repository_loads() -> None:
     for path in specs:
         spec = load_model_spec(path)
         assert ModelSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    hardware = sorted((ROOT / "benchmarks").glob("*.hardware.json"))
+    assert hardware
+    for path in hardware:  # calibrated on real ranks: inside every range
+        load_hardware(path)
     plans = [json.loads(p.read_text()).get("plan") for p in sorted((ROOT / "benchmarks/cache").glob("*.json"))]
     assert any(plans)
     for doc in filter(None, plans):
         plan = Plan.from_dict(doc)
         assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+
+
+# ---- hardware files: every figure in its plannable range ------------------------------------------
+
+
+def _hardware_doc(**figures: Any) -> dict[str, Any]:
+    return {"format": "embark-hardware", "version": 1, "hardware": {**asdict(PRESETS["cpu-gloo"]), **figures}}
+
+
+def test_every_hardware_figure_has_a_range() -> None:
+    """HARDWARE_RANGES bounds exactly the Hardware figures a file holds (all but the name), so a figure added to
+    Hardware cannot come in unbounded, and every preset is inside its ranges."""
+    assert set(HARDWARE_RANGES) == set(hardware_fields()) - {"name"}
+    for name, preset in PRESETS.items():
+        assert check_document(_hardware_doc(**asdict(preset)), name) == preset
+
+
+HARDWARE_EDGES = [
+    (name, value, accepted)
+    for name, (low, high, low_allowed) in sorted(HARDWARE_RANGES.items())
+    for value, accepted in (
+        (high, True),
+        (high * 1.01 if isinstance(high, float) else high + 1, False),
+        (low, low_allowed),
+        (low / 2 if low > 0 else -1, False),
+    )
+    if name != "hbm_reserve_gb" or value < PRESETS["cpu-gloo"].hbm_gb  # the reserve stays below the memory
+]
+
+
+@pytest.mark.parametrize("name, value, accepted", HARDWARE_EDGES)
+def test_hardware_figures_are_bounded_to_plannable_ranges(name: str, value: Any, accepted: bool) -> None:
+    """Each figure of a hardware file at either end of its range loads; beyond it (a bandwidth of 1e-320 GB/s
+    that makes a cost infinite, a petabyte more than the range allows, a negative time) is a HardwareError naming
+    the file and the field."""
+    doc = _hardware_doc(**{name: value})
+    if accepted:
+        assert getattr(check_document(doc, "box.json"), name) == value
+    else:
+        message = _refused(HardwareError, lambda: check_document(doc, "box.json"), "box.json", f"hardware.{name}")
+        assert "in [" in message or "in (" in message, message
 
 
 # ---- TorchRec constraints and direct construction -----------------------------------------------

@@ -151,7 +151,9 @@ def _check_finite(scored: ScoredPlan) -> None:
     """Refuses a plan whose estimated step, or any part of it, any rank's load or memory, or the lower bound, is
     not a finite number (the ranges of ranges.py keep every cost finite; this is the backstop), naming the part."""
     cost = scored.cost
-    figures = {**cost.parts(), "lower bound": 0.0 if scored.bound_ms is None else scored.bound_ms}
+    parts = cost.parts()
+    step = parts.pop("step_ms")  # the sum of the others: name the part at fault first
+    figures = {**parts, "step_ms": step, "lower bound": 0.0 if scored.bound_ms is None else scored.bound_ms}
     for name, value in figures.items():
         if not math.isfinite(value):
             raise CostError(
