@@ -371,8 +371,10 @@ class EmbarkPlanner(ShardingPlanner):
     (dgx-h100 with a warning naming the GPU when none matches).
     `plans` keeps the Plan of every planned module (by its path) for report() and the plan file,
     each scored alone. Every EmbeddingBagCollection and EmbeddingCollection whose sharder is given
-    (as in TorchRec's planner: only those) is planned in one search; an EmbeddingCollection's
-    tables (sequence tables) run on EmbarkEmbeddingCollectionSharder. `progress`: a line on stderr while a plan
+    (as in TorchRec's planner: only those; managed-collision ones too, row-wise) is planned in one search;
+    an EmbeddingCollection's tables (sequence tables) run on EmbarkEmbeddingCollectionSharder. Every
+    argument is checked when the planner is made (SpecErrors naming it), constraints included; constraints
+    on tables of modules no given sharder shards are logged and left alone. `progress`: a line on stderr while a plan
     takes more than a few seconds; None (default) on rank 0 when its stderr is a terminal (under
     torchrun, collective_plan plans on rank 0 alone: one line), True on every rank that plans,
     False never.
