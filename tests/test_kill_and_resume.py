@@ -3,14 +3,18 @@ uninterrupted run ends.
 
 The DLRM example runs three times under torchrun on 2 CPU ranks: (A) N steps straight; (B) the same, saving every
 K steps, with rank 1 killed by SIGKILL after step 2K+1 has been logged (torchrun must then stop the job, no hang);
-(C) B resumed with --resume. C must resume at step 2K, log the same losses as A for every step after it, and end
-with the same weights and optimizer state as A, bit for bit (both final checkpoints, read back with
-torch.distributed.checkpoint's single-process reader).
+(C) B resumed with --resume. Before C, B's directory gets what resume must fall back from: a newest step N of another
+model (it verifies; DCP cannot load it), steps 2K+2 and 2K+1 with a manifest nested too deep to parse and one with a
+5,000-digit number, and step 2K left as a re-save that stopped between its two renames (its only verified copy is
+step_<2K>.replaced). C must name each of them, resume at step 2K from the .replaced copy, log the same losses as A
+for every step after it, and end with the same weights and optimizer state as A, bit for bit (both final checkpoints,
+read back with torch.distributed.checkpoint's single-process reader; C's final save replaces the foreign step N).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +23,9 @@ from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from embark_torchrec.checkpoint import MANIFEST_NAME, checkpoint_path, save_checkpoint
+from embark_torchrec.testing.checkpoints import HOSTILE_MANIFESTS, leave_rename_window
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "dlrm" / "train.py"
@@ -91,8 +98,25 @@ def _final_state(directory: Path, tmp: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _plant_what_resume_must_skip(directory: Path) -> list[str]:
+    """Newer steps that verify but are another model's, or whose manifest is hostile, and the last good step left in
+    the rename window; returns the starts of the lines resume must print about them."""
+    save_checkpoint(directory, {"other_model": torch.zeros(3)}, STEPS)
+    hostile = {2 * EVERY + 2: "deeply_nested_json", 2 * EVERY + 1: "5000_digit_step"}
+    for step, name in hostile.items():
+        shutil.copytree(checkpoint_path(directory, 2 * EVERY), checkpoint_path(directory, step))
+        HOSTILE_MANIFESTS[name][0](checkpoint_path(directory, step))
+    replaced = leave_rename_window(directory, 2 * EVERY)
+    reasons = {f"step_{STEPS:08d}": "DCP could not load", f"step_{2 * EVERY:08d}.partial": "unfinished save"}
+    for step in hostile:
+        reasons[f"step_{step:08d}"] = f"manifest {checkpoint_path(directory, step) / MANIFEST_NAME} is unreadable"
+    lines = [f"skipped checkpoint {directory / name}: {reason}" for name, reason in reasons.items()]
+    return [*lines, f"resumed from {replaced} at step {2 * EVERY}"]
+
+
 def test_killed_and_resumed_run_ends_like_an_uninterrupted_one(tmp_path: Path) -> None:
-    """Same losses after the checkpoint, same final weights and optimizer state, and no hang when a rank dies."""
+    """Same losses after the checkpoint, same final weights and optimizer state, and no hang when a rank dies; resume
+    names each newer step it cannot use and loads the only verified copy of the last good one."""
     straight = subprocess.Popen(  # runs alongside the run that gets killed
         _command("--checkpoint-dir", str(tmp_path / "a")),
         stdout=subprocess.PIPE,
@@ -119,6 +143,7 @@ def test_killed_and_resumed_run_ends_like_an_uninterrupted_one(tmp_path: Path) -
     straight_out, straight_err = straight.communicate(timeout=300)
     assert straight.returncode == 0, straight_out[-3000:] + straight_err[-3000:]
 
+    must_say = _plant_what_resume_must_skip(tmp_path / "b")
     resumed = subprocess.run(
         _command("--checkpoint-dir", str(tmp_path / "b"), "--resume"),
         capture_output=True,
@@ -127,7 +152,8 @@ def test_killed_and_resumed_run_ends_like_an_uninterrupted_one(tmp_path: Path) -
         timeout=300,
     )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert f"at step {2 * EVERY}" in resumed.stdout, resumed.stdout[-3000:]
+    for line in must_say:
+        assert any(x.startswith(line) for x in resumed.stdout.splitlines()), (line, resumed.stdout[-3000:])
 
     want, got = _losses(straight_out), _losses(resumed.stdout)
     after = list(range(2 * EVERY + 1, STEPS + 1))
