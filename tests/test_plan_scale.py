@@ -14,6 +14,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
+from embark_torchrec.plan import cost as cost_module
 from embark_torchrec.plan.clusters import assign_clusters
 from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.layout import TableLayout
@@ -107,7 +108,7 @@ def _mixed(world: int, local: int, hbm_gb: float) -> tuple[ModelSpec, Topology]:
 @pytest.mark.parametrize("world,local,hbm_gb", [(8, 4, 80.0), (8, 4, 0.1), (12, 3, 0.2), (4, 1, 80.0)])
 def test_a_placements_score_is_the_cost_models_to_the_last_bit(world: int, local: int, hbm_gb: float) -> None:
     """The search adds one-cell tables into its totals by renumbering their rank-0 load
-    (CostModel.add_one_cell) and never builds their layouts; the total it scores equals
+    (CostModel.add_in_order) and never builds their layouts; the total it scores equals
     CostModel.rank_load of the same layouts bit for bit, so the plans it picks are those a full
     evaluation of every candidate would pick."""
     spec, topology = _mixed(world, local, hbm_gb)
@@ -123,18 +124,34 @@ def test_a_placements_score_is_the_cost_models_to_the_last_bit(world: int, local
 
 
 @pytest.mark.parametrize("cluster", ["rb", "ub"])
-def test_one_cell_loads_renumber_exactly(cluster: str) -> None:
-    """add_one_cell adds what the table's full load on each rank adds, to the last bit."""
-    spec, topology = _mixed(24, 4, 80.0)
+@pytest.mark.parametrize("world,local", [(24, 4), (4, 4)])
+def test_loads_added_in_order_match_one_at_a_time(
+    cluster: str, world: int, local: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CostModel.add_in_order adds what each table's full load on each rank adds, one table after
+    another, to the last bit: one-cell tables renumbered from their load on rank 0, tables of several
+    cells as given, over more tables than one stack holds (several nodes, and one)."""
+    monkeypatch.setattr(cost_module, "_SUM_ELEMENTS", 512)
+    spec, topology = _mixed(world, local, 80.0)
     cost = CostModel(spec, topology)
-    t = spec.tables[3]
-    base = cost.table_load(t.name, TableLayout.table_wise(t.rows, t.dim, 0, cluster))
-    start = np.random.default_rng(0).standard_normal((8, topology.world_size)) * 1e6
-    for k in range(topology.world_size):
-        full = cost.table_load(t.name, TableLayout.table_wise(t.rows, t.dim, k, cluster))
-        renumbered = start.copy()
-        cost.add_one_cell(renumbered, base, k)
-        assert np.array_equal(renumbered, start + full.rows), k
+    rng = np.random.default_rng(0)
+    tables = [spec.tables[i] for i in rng.integers(0, len(spec.tables), 600)]
+    holders = rng.integers(0, world, len(tables))
+    holders[rng.random(len(tables)) < 0.1] = -1  # these are cut in two row slices
+    columns, full, expected = [], {}, rng.standard_normal((8, world)) * 1e6
+    start = expected.copy()
+    for j, (t, k) in enumerate(zip(tables, holders.tolist())):
+        base = cost.table_load(t.name, TableLayout.table_wise(t.rows, t.dim, 0, cluster))
+        columns.append(cost.one_cell_columns(base))
+        if k < 0:
+            cut = TableLayout(cluster, (0, t.rows // 2, t.rows), (0, t.dim), ((j % world,), ((j + 1) % world,)))
+            full[j] = cost.table_load(t.name, cut).rows
+            expected += full[j]
+        else:
+            expected += cost.table_load(t.name, TableLayout.table_wise(t.rows, t.dim, k, cluster)).rows
+    assert len(tables) * start.size > 10 * cost_module._SUM_ELEMENTS  # several stacks
+    cost.add_in_order(start, np.stack(columns), holders, full)
+    assert np.array_equal(start, expected)
 
 
 def test_progress_line_waits_then_draws_one_line() -> None:

@@ -88,6 +88,7 @@ WEIGHT_BYTES = 4  # an fp32 weight in the table (lookup work, not wire)
 SEQUENCE_GROUP = "sequence/"  # prefixes the sharding groups of sequence tables in RankLoad.groups
 BACKWARD_COMPUTE_MULTIPLIER = 2.0
 _LOAD_CACHE_SIZE = 16384
+_SUM_ELEMENTS = 1 << 19  # elements of the stacks add_in_order sums: a few MB, in cache
 
 
 @dataclass(frozen=True)
@@ -327,17 +328,39 @@ class CostModel:
             source = self._shifts[k] = ((self._node - k // lws) % nodes) * lws + (self._local - k % lws) % lws
         return source
 
-    def add_one_cell(self, rows: np.ndarray, base: RankLoad, k: int) -> None:
-        """rows += the load of a one-cell table on rank k whose load on rank 0 is `base`, to the same
-        bits as adding base's rows renumbered by shifted_ranks(k), in O(local world size) gathers:
-        such a table loads every rank of the other nodes alike, so they take one addition of a
-        constant, and only the holder's node is renumbered."""
-        lws = self.topology.local_world_size
-        here = slice(k - k % lws, k - k % lws + lws)
-        node = rows[:, here] + base.rows[:, self.shifted_ranks(k)[here]]
-        if self.topology.num_nodes > 1:
-            rows += base.rows[:, lws : lws + 1]
-        rows[:, here] = node
+    def one_cell_columns(self, base: RankLoad) -> np.ndarray:
+        """The [8, L + 1] columns of a one-cell table's load on rank 0 (`base`) that give its load on any
+        rank (add_in_order): its node's L ranks, and one rank of another node (every rank off the
+        holder's node takes the same load; L columns on one node)."""
+        return base.rows[:, : self.topology.local_world_size + 1]
+
+    def add_in_order(
+        self, rows: np.ndarray, columns: np.ndarray, holders: np.ndarray, full: Mapping[int, np.ndarray]
+    ) -> None:
+        """rows += the loads of n tables, added one table after another in order, to the same bits as
+        adding them one at a time: a one-cell table j on rank holders[j] adds its one_cell_columns
+        columns[j] renumbered by shifted_ranks (its node's ranks shifted, the others one column), any
+        other table (holders[j] < 0) the rows full[j]. A chunk of tables is stacked and summed along
+        the stack's first axis, which numpy adds in order, element by element: no Python per table
+        but for the tables of several cells."""
+        lws, nodes = self.topology.local_world_size, self.topology.num_nodes
+        local = np.arange(lws)
+        chunk = max(1, _SUM_ELEMENTS // rows.size)
+        for start in range(0, len(holders), chunk):
+            ks = holders[start : start + chunk]
+            stack = np.empty((len(ks) + 1,) + rows.shape)
+            stack[0] = rows
+            if nodes > 1:  # every table's off-node column, over every rank (the others' rows replace it)
+                stack[1:] = columns[start : start + len(ks), :, lws : lws + 1]
+            one = np.flatnonzero(ks >= 0)
+            if len(one):
+                cols, at = columns[start + one], ks[one]
+                node_ranks = (at - at % lws)[:, None] + local
+                shifted = (local - (at % lws)[:, None]) % lws
+                stack[(one + 1)[:, None], :, node_ranks] = cols[np.arange(len(one))[:, None], :, shifted]
+            for j in np.flatnonzero(ks < 0).tolist():
+                stack[j + 1] = full[start + j]
+            np.add.reduce(stack, axis=0, out=rows)
 
     def _single_cell_load(self, name: str, layout: TableLayout) -> RankLoad | None:
         """A one-cell table on rank k loads the ranks as the same table on rank 0 does, renumbered

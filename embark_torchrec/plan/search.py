@@ -33,9 +33,11 @@ a fixed order and phase 3's kicks draw from a seeded generator, so the result is
 Each round of phases 1 and 2 is linear in the tables, so that models of 50,000 tables plan in minutes: the
 cells of tables whose shape did not change keep their order (the few others are merged in); a
 placement keeps each table's cell ranks, and a one-cell table's load is its load on rank 0
-renumbered (CostModel.add_one_cell), added into the plan's total in table order, so that the total
-is CostModel.rank_load's to the last bit; the costliest rank's tables come from the placement and
-twins from groups built once. Phase 2 keeps, per rank, the tables with a cell there.
+renumbered, added into the plan's total in table order a stack of tables at a time
+(CostModel.add_in_order), so that the total is CostModel.rank_load's to the last bit; a table's
+further cells look at the ranks of its own nodes directly, not down the heap; the costliest rank's
+tables come from the placement and twins from groups built once. Phase 2 keeps, per rank, the tables
+with a cell there.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ class SearchStats:
     initial_step_ms: float = 0.0
     placements: int = 0  # placements of every movable cell (phase 1)
     cells_placed: int = 0
-    rank_probes: int = 0  # ranks taken off the heap to place those cells
+    rank_probes: int = 0  # ranks looked at to place those cells (off the heap, or of a table's nodes)
     tables_summed: int = 0  # per-table loads added into whole-plan totals
     tables_scanned: int = 0  # tables looked at for the costliest table or the heaviest cells of a rank
     loads_computed: int = 0  # per-table loads the cost model computed in full (CostModel.computed) in phases 1-2
@@ -114,6 +116,7 @@ class _Placement:
     shapes: dict[str, Shape]
     grids: dict[str, Grid]
     holders: dict[int, list[str]]
+    cell_ranks: np.ndarray  # per movable table, in order: the rank of its cell if it has one, else -1
     layouts: dict[str, TableLayout] = field(default_factory=dict)
 
 
@@ -189,6 +192,9 @@ class GreedySearch:
         self.total = RankLoad.zeros(self.world_size)
         self._holders: dict[int, set[str]] = {}  # phase 2: rank -> movable tables with a cell there
         self._cell_ms: dict[tuple[str, TableLayout], np.ndarray] = {}
+        # per movable table: its one-cell load's CostModel.one_cell_columns, filled when first scored
+        self._columns = np.zeros((len(self.movable),) + self.cost.one_cell_columns(self._fixed_total).shape)
+        self._have_columns = np.zeros(len(self.movable), dtype=bool)
         self._rank_ms = np.zeros(self.world_size)  # phase 2: per-rank load of self.total
 
     # ---- helpers ----------------------------------------------------------------------------
@@ -250,7 +256,7 @@ class GreedySearch:
 
     def _table_load(self, placement: _Placement, name: str) -> tuple[RankLoad, int | None]:
         """A movable table's load as placed, CostModel.table_load's, or for a one-cell table its
-        load on rank 0 and the rank its cell is on (CostModel.add_one_cell renumbers it)."""
+        load on rank 0 and the rank its cell is on (CostModel.add_in_order renumbers it)."""
         entry = self._cells(name, placement.shapes[name])
         if not entry.cells[0][-1]:
             return self.cost.table_load(name, self._layout(placement, name)), None
@@ -260,19 +266,26 @@ class GreedySearch:
 
     def _score(self, placement: _Placement) -> tuple[Objective, RankLoad]:
         """The placement's objective and per-rank total: the fixed tables' sum, then each movable
-        table's load added in table order, as CostModel.rank_load adds them."""
+        table's load added in table order, as CostModel.rank_load adds them (CostModel.add_in_order,
+        a one-cell table's from its load on rank 0)."""
         self.stats.evaluations += 1
         self.stats.tables_summed += len(self.movable)
         total = self._fixed_total.copy()
-        rows, groups = total.rows, total.groups
-        for name in self.movable:
+        ranks = placement.cell_ranks
+        full: dict[int, np.ndarray] = {}
+        kinds: list[Mapping[str, int]] = []
+        for j, name in enumerate(self.movable):
             load, k = self._table_load(placement, name)
             if k is None:
-                rows += load.rows
-            else:
-                self.cost.add_one_cell(rows, load, k)
-            for kind, n in load.groups.items():
-                groups[kind] = groups.get(kind, 0) + n
+                full[j] = load.rows
+            elif not self._have_columns[j]:
+                self._columns[j] = self.cost.one_cell_columns(load)
+                self._have_columns[j] = True
+            kinds.append(load.groups)
+        self.cost.add_in_order(total.rows, self._columns, ranks, full)
+        groups = total.groups
+        for kind, n in ((kind, n) for g in kinds for kind, n in g.items()):
+            groups[kind] = groups.get(kind, 0) + n
         return objective(self.cost.step_cost(total)), total
 
     # ---- phase 1: split and re-place ----------------------------------------------------------
@@ -296,17 +309,25 @@ class GreedySearch:
     def _place(self, shapes: Mapping[str, Shape], local_first: bool = False) -> _Placement | None:
         """Longest-cell-first placement of every movable cell; None when memory runs out.
 
-        local_first puts a table's further cells on the nodes that already hold one, where a
-        hierarchical reduction keeps their partial sums off the network."""
+        A cell goes to the least loaded allowed rank with room; a cell of a table of several cells
+        (all of one width on a rank) prefers a rank that holds none of the table's cells, and with
+        local_first, of those, one on a node that already holds one, where a hierarchical reduction
+        keeps their partial sums off the network. Ranks come off a heap of (load, rank) in that
+        order; the ranks of a table's own nodes are looked at directly (a rank chosen so leaves its
+        old heap entry behind, stale by its version)."""
         cells = self._sorted_cells(shapes)
         memory = self._fixed_memory.tolist()
         cap, lws = self.cap, self._lws
         one_cell: dict[str, int] = {}  # rank of each one-cell table
         grids: dict[str, list[list[int]]] = {}  # ranks of the cells of the others
         holds: dict[str, set[int]] = {}
+        nodes: dict[str, set[int]] = {}  # local_first: the nodes that hold cells of a table
+        near: dict[str, set[int]] = {}  # and their ranks that hold none
         width_on: dict[str, dict[int, int]] = {}  # one cell width per table on a rank
         holders: dict[int, list[str]] = {k: [] for k in range(self.world_size)}
-        heap = [(0.0, k) for k in range(self.world_size)]  # (estimated load, rank): least loaded first
+        loads = [0.0] * self.world_size  # estimated load of each rank
+        versions = [0] * self.world_size
+        heap = [(0.0, k, 0) for k in range(self.world_size)]  # (load, rank, version): least loaded first
         probes = 0
         self.unplaced = []
         for neg_ms, _, r, c, name, need, width, single in cells:
@@ -317,39 +338,56 @@ class GreedySearch:
                 while heap:
                     entry = heapq.heappop(heap)
                     k = entry[1]
+                    if entry[2] != versions[k]:
+                        continue
                     if (allowed is None or k in allowed) and memory[k] + need <= cap:
-                        choice = entry
+                        choice = k
                         break
                     popped.append(entry)
                 probes += len(popped) + (choice is not None)
             else:
                 held = holds.setdefault(name, set())
                 widths = width_on.setdefault(name, {})
-                nodes = {k // lws for k in held} if local_first and held else None
-                best = [None, None, None]  # least loaded rank at each preference level
-                while heap:
-                    entry = heapq.heappop(heap)
-                    popped.append(entry)
-                    k = entry[1]
-                    if (allowed is not None and k not in allowed) or memory[k] + need > cap:
-                        continue
-                    if widths.get(k, width) != width:
-                        continue
-                    level = 2 if k in held else 0 if nodes is None or k // lws in nodes else 1
-                    if best[level] is None:
-                        best[level] = entry
-                    if level == 0:
-                        break
-                probes += len(popped)
-                choice = next((b for b in best if b is not None), None)
+                if local_first and held:  # the least loaded rank of the table's nodes that holds none of its cells
+                    fitting = [
+                        (loads[k], k)
+                        for k in near[name]
+                        if (allowed is None or k in allowed)
+                        and memory[k] + need <= cap
+                        and widths.get(k, width) == width
+                    ]
+                    probes += len(near[name])
+                    choice = min(fitting)[1] if fitting else None
+                if choice is None:  # the least loaded rank that holds none of its cells, else the least loaded
+                    fallback = None
+                    while heap:
+                        entry = heapq.heappop(heap)
+                        k = entry[1]
+                        if entry[2] != versions[k]:
+                            continue
+                        popped.append(entry)
+                        if (allowed is not None and k not in allowed) or memory[k] + need > cap:
+                            continue
+                        if widths.get(k, width) != width:
+                            continue
+                        if k not in held:
+                            choice = k
+                            break
+                        if fallback is None:
+                            fallback = k
+                    probes += len(popped)
+                    if choice is None:
+                        choice = fallback
             for entry in popped:
-                if entry is not choice:
+                if entry[1] != choice:
                     heapq.heappush(heap, entry)
             if choice is None:
                 self.unplaced.append(name)
                 continue
-            load, k = choice
-            heapq.heappush(heap, (load - neg_ms, k))
+            k = choice
+            loads[k] -= neg_ms
+            versions[k] += 1
+            heapq.heappush(heap, (loads[k], k, versions[k]))
             if single:
                 one_cell[name] = k
             else:
@@ -358,6 +396,12 @@ class GreedySearch:
                     n_r, n_c = shapes[name]
                     grid = grids[name] = [[0] * n_c for _ in range(n_r)]
                 grid[r][c] = k
+                if local_first:
+                    ranks_near = near.setdefault(name, set())
+                    if k // lws not in nodes.setdefault(name, set()):
+                        nodes[name].add(k // lws)
+                        ranks_near.update(q for q in range(k - k % lws, k - k % lws + lws) if q not in held)
+                    ranks_near.discard(k)
                 held.add(k)
                 widths[k] = width
             holders[k].append(name)
@@ -368,7 +412,8 @@ class GreedySearch:
         if self.unplaced:
             return None
         placed = {n: ((one_cell[n],),) if n in one_cell else tuple(map(tuple, grids[n])) for n in self.movable}
-        return _Placement(dict(shapes), placed, holders)
+        cell_ranks = np.array([one_cell.get(n, -1) for n in self.movable], dtype=np.int64)
+        return _Placement(dict(shapes), placed, holders, cell_ranks)
 
     def _splits(self, name: str, shape: Shape) -> Iterator[Shape]:
         t = self.cost.table(name)
