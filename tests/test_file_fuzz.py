@@ -394,6 +394,44 @@ def test_each_value_round_trips_through_its_file(data: st.DataObject, workdir: P
     assert fmt.from_dict(json.loads(json.dumps(loaded.to_dict()))) == loaded
 
 
+# ---- YAML specs: YAML 1.1's numbers and booleans are the text written ------------------------------
+
+# Text YAML 1.1 (PyYAML's SafeLoader) reads as a number or a boolean when unquoted, and YAML 1.2's JSON schema as
+# the string written: octal-looking (0100: 64), base 60 (1:30: 90), hex, 0o octal, digit groups, a sign, yes/on,
+# .inf/.nan, dates.
+YAML_11_SCALARS = st.one_of(
+    st.integers(0, 10**6).map(lambda n: f"0{n}"),
+    st.tuples(st.integers(1, 59), st.integers(0, 59)).map(lambda t: f"{t[0]}:{t[1]:02d}"),
+    st.integers(0, 10**6).map(lambda n: f"{n:#x}"),
+    st.integers(0, 10**6).map(lambda n: f"{n:#o}"),
+    st.integers(1000, 10**7).map(lambda n: f"{n:_}"),
+    st.integers(0, 10**6).map(lambda n: f"+{n}"),
+    st.sampled_from(["yes", "No", "ON", "off", ".inf", "-.Inf", "+.inf", ".nan", ".NaN", ".5", "2024-01-01"]),
+)
+_SMALL_SPECS = tuple(i for i, d in enumerate(_documents("spec")) if len(json.loads(d)["tables"]) <= 30)
+
+
+@FUZZ
+@given(data=st.data())
+def test_yaml_reads_yaml_1_1_numbers_as_the_text_written(data: st.DataObject, workdir: Path) -> None:
+    """Any number or text of a spec, written in a YAML file as text YAML 1.1 would read as a number or a boolean,
+    loads exactly as the JSON document with that text as a string does: a number field refuses it naming the
+    field and the text (YAML 1.1 planned `rows: 0100` as 64 rows), a text field keeps it as written."""
+    yaml = pytest.importorskip("yaml")
+    index = data.draw(st.sampled_from(_SMALL_SPECS), label="document")
+    doc = json.loads(_documents("spec")[index])
+    scalars = [p for p in _paths("spec", index) if type(_get(doc, p)) in (int, float, str)]
+    path = data.draw(st.sampled_from(scalars), label="path")
+    written = data.draw(YAML_11_SCALARS, label="written")
+    file = workdir / "spec.yaml"
+    file.write_text(yaml.safe_dump(_with(doc, path, "__SCALAR__")).replace("__SCALAR__", written))
+    got = _outcome(SPEC, lambda: load_model_spec(file))
+    _same_outcome(SPEC, got, _outcome(SPEC, lambda: ModelSpec.from_dict(_with(doc, path, written))))
+    if type(_get(doc, path)) is not str:
+        field = next(k for k in reversed(path) if isinstance(k, str))
+        assert isinstance(got, SpecError) and field in str(got) and repr(written) in str(got), got
+
+
 # ---- TorchRec's ParameterConstraints go through the same fields -----------------------------------
 
 ANY_VALUE = st.one_of(
