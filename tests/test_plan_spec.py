@@ -325,6 +325,20 @@ def test_from_module_round_trips_multi_feature_pooling() -> None:
     assert [t.pooling for t in back.tables] == [t.pooling for t in spec.tables]
 
 
+@pytest.mark.parametrize("field", ["pooling_factors", "num_poolings"])
+def test_from_module_bounds_the_pooling_its_constraints_give(field: str) -> None:
+    """ParameterConstraints whose IDs per sample go beyond the plannable pooling (here 2e6 over two features) are
+    a SpecError naming the table and pooling_factors (the field the user wrote), not the derived `pooling`."""
+    from torchrec.distributed.planner.types import ParameterConstraints
+
+    ebc = _meta_ebc([("ta", 1000, 16, ["fa", "fb"])])
+    at_most = {field: [ranges.MAX_POOLING, ranges.MAX_POOLING]}
+    assert ModelSpec.from_module(ebc, {"ta": ParameterConstraints(**at_most)}).tables[0].pooling == ranges.MAX_POOLING
+    beyond = {field: [ranges.MAX_POOLING, 3 * ranges.MAX_POOLING]}
+    with pytest.raises(SpecError, match=r"table 'ta': field 'pooling_factors': the IDs per sample .* are 2e\+06"):
+        ModelSpec.from_module(ebc, {"ta": ParameterConstraints(**beyond)})
+
+
 # ---- expected unique ratio vs Monte-Carlo ------------------------------------------------------
 
 
