@@ -44,9 +44,12 @@ def sharded_sequence_model(
     optimizer: str = "sgd",
     lr: float = 0.1,
     invalid_ids: str = "raise",
+    pg: dist.ProcessGroup | None = None,
 ) -> DistributedModelParallel:
-    """A SequenceArch sharded by `layouts` through EmbarkEmbeddingCollectionSharder."""
-    ws = dist.get_world_size()
+    """A SequenceArch sharded by `layouts` through EmbarkEmbeddingCollectionSharder, on `pg` (the default group
+    unless given)."""
+    pg = pg or dist.group.WORLD
+    ws = dist.get_world_size(pg)
     meta = SequenceArch(tables, torch.device("meta"))
     plan = Plan(ws, local_world_size, dict(layouts))
     sharder = EmbarkEmbeddingCollectionSharder(
@@ -55,7 +58,7 @@ def sharded_sequence_model(
     )
     return DistributedModelParallel(
         meta,
-        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        env=ShardingEnv.from_process_group(pg),
         plan=ShardingPlan({"ec": sequence_sharding_plan(plan, meta.ec, "cpu")}),
         sharders=[sharder],
         device=torch.device("cpu"),

@@ -103,9 +103,12 @@ def sharded_model(
     lr: float = 0.1,
     invalid_ids: str = "raise",
     unique_lookup: str = "auto",
+    pg: dist.ProcessGroup | None = None,
 ) -> DistributedModelParallel:
-    """A SparseArch sharded by `layouts` through EmbarkEmbeddingBagCollectionSharder."""
-    ws = dist.get_world_size()
+    """A SparseArch sharded by `layouts` through EmbarkEmbeddingBagCollectionSharder, on `pg` (the default group
+    unless given, e.g. one with a short timeout)."""
+    pg = pg or dist.group.WORLD
+    ws = dist.get_world_size(pg)
     meta = SparseArch(tables, weighted, torch.device("meta"))
     plan = Plan(ws, local_world_size, dict(layouts))
     spec = ModelSpec.from_module(meta.ebc, batch_size=ws)
@@ -116,7 +119,7 @@ def sharded_model(
     )
     return DistributedModelParallel(
         meta,
-        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        env=ShardingEnv.from_process_group(pg),
         plan=ShardingPlan({"ebc": module_sharding_plan(plan, spec, "cpu")}),
         sharders=[sharder],
         device=torch.device("cpu"),

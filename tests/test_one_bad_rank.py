@@ -1,0 +1,289 @@
+"""A bad batch on ONE rank is every rank's error: each rank raises the same named error (the bad rank, the feature,
+what is wrong) within seconds, and no rank waits in an all-to-all its bad peer never joins.
+
+For each check the input validator makes (IDs out of range, negative IDs, uint8 / int16 / float IDs, lengths that
+disagree with the values or the weights, negative lengths, a missing feature, NaN and Inf per-sample weights), one
+rank feeds the bad batch and the others good ones, on a module of each sharding type: TorchRec's table-wise,
+column-wise, row-wise, table-row-wise and data-parallel run under our sharder, and our grid (flat and hierarchical)
+and unique-based types; weighted EmbeddingBagCollections with one batch size and with a variable batch per feature
+(VBE; not on data-parallel tables, whose VBE output TorchRec 1.8 fails to expand), and
+EmbeddingCollections (TorchRec's sequence table-wise and row-wise, our sequence grid and unique-based).
+At 2 ranks and at 4 (2 nodes x 2). The bad rank either stops (it waits, out of every collective, until the others
+have reported their error: a peer that needed it would deadlock, and the test fail on its short timeouts) or catches
+the error and goes on: then every rank runs the next good batch, which must give what it gave before. The modules run
+on a process group with a short timeout, so a regression fails in seconds instead of hanging.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from embark_torchrec.plan.groups import sharding_type
+from embark_torchrec.plan.layout import ceil_row_bounds
+from embark_torchrec.plan.layout import TableLayout
+from embark_torchrec.sharding.torchrec_compat import module_sharding_types, sequence_sharding_types
+from embark_torchrec.sharding.validation import InvalidInputError
+from embark_torchrec.testing import run_ranks
+from embark_torchrec.testing.sequence import sharded_sequence_model
+from embark_torchrec.testing.training import sharded_model
+
+ROWS, DIM, LWS = 40, 8, 2
+KEYS = ["a", "b"]
+PG_TIMEOUT_S = 20.0  # the modules' process group: a rank left waiting fails after this, not after 30 minutes
+WITHIN_S = 5.0  # every rank must have its error this soon after feeding the batch
+WORLDS = (2, 4)
+
+
+def _layouts(ws: int) -> dict[str, TableLayout]:
+    """One layout per sharding type; the two tables of a module share it."""
+    layouts = {
+        "table_wise": TableLayout.table_wise(ROWS, DIM, ws - 1),
+        "column_wise": TableLayout("rb", (0, ROWS), (0, 4, DIM), ((0, ws - 1),)),
+        "row_wise": TableLayout("rb", ceil_row_bounds(ROWS, ws), (0, DIM), tuple((k,) for k in range(ws))),
+        "data_parallel": TableLayout.data_parallel(),
+        "grid": TableLayout("rb", (0, 13, ROWS), (0, 4, DIM), ((0, ws - 1), (ws - 1, 0))),
+        "ub": TableLayout("ub", (0, 20, ROWS), (0, DIM), ((ws - 1,), (0,))),
+    }
+    if ws == 4:
+        layouts["table_row_wise"] = TableLayout(
+            "rb", ceil_row_bounds(ROWS, LWS), (0, DIM), ((2,), (3,)), hierarchical=True
+        )
+        layouts["grid_hier"] = TableLayout("rb", (0, 20, ROWS), (0, 4, DIM), ((1, 2), (3, 0)), hierarchical=True)
+    return layouts
+
+
+SEQUENCE_TYPES = ("table_wise", "row_wise", "grid", "ub")
+
+
+def _kjt(
+    keys: list[str], values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None, variable: bool
+) -> KeyedJaggedTensor:
+    """Two samples; under VBE feature "a" has 2 bags and "b" 1, which both samples read."""
+    if variable:
+        strides = [[2], [1]][: len(keys)]
+        inverse = torch.tensor([[0, 1], [0, 0]][: len(keys)])
+        return KeyedJaggedTensor(
+            keys=keys,
+            values=values,
+            lengths=lengths,
+            weights=weights,
+            stride_per_key_per_rank=strides,
+            inverse_indices=(keys, inverse),
+        )
+    return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=weights, stride=2)
+
+
+def _good(rank: int, step: int, weighted: bool, variable: bool) -> KeyedJaggedTensor:
+    lengths = [1, 2, 2] if variable else [1, 2, 2, 1]  # feature "a": its first 3 IDs
+    g = torch.Generator().manual_seed(100 * rank + step)
+    values = torch.randint(0, ROWS, (sum(lengths),), generator=g)
+    weights = torch.rand(sum(lengths), generator=g) + 0.5 if weighted else None
+    return _kjt(KEYS, values, torch.tensor(lengths), weights, variable)
+
+
+def _with(kjt: KeyedJaggedTensor, variable: bool, **change: Any) -> KeyedJaggedTensor:
+    parts = {"keys": kjt.keys(), "values": kjt.values(), "lengths": kjt.lengths(), "weights": kjt.weights_or_none()}
+    parts.update(change)
+    return _kjt(parts["keys"], parts["values"], parts["lengths"], parts["weights"], variable)
+
+
+def _set(t: torch.Tensor, i: int, value: float) -> torch.Tensor:
+    t = t.clone()
+    t[i] = value
+    return t
+
+
+# case -> (the bad batch from a good one, VBE or not; weighted only; error class; words every message has)
+Corrupt = Callable[[KeyedJaggedTensor, bool], KeyedJaggedTensor]
+CASES: dict[str, tuple[Corrupt, bool, str, list[str]]] = {
+    "id_too_big": (
+        lambda k, v: _with(k, v, values=_set(k.values(), 0, ROWS)),
+        False,
+        "InvalidIdError",
+        ["feature 'a' of table 'ta'", f"[{ROWS}] outside [0, {ROWS})"],
+    ),
+    "id_negative": (
+        lambda k, v: _with(k, v, values=_set(k.values(), 1, -1)),
+        False,
+        "InvalidIdError",
+        ["feature 'a'", "[-1]"],
+    ),
+    "ids_uint8": (lambda k, v: _with(k, v, values=k.values().to(torch.uint8)), False, "InvalidInputError", ["uint8"]),
+    "ids_int16": (lambda k, v: _with(k, v, values=k.values().to(torch.int16)), False, "InvalidInputError", ["int16"]),
+    "ids_float": (lambda k, v: _with(k, v, values=k.values().float()), False, "InvalidInputError", ["float32"]),
+    "lengths_exceed_values": (
+        lambda k, v: _with(
+            k, v, values=k.values()[:-1], weights=None if k.weights_or_none() is None else k.weights()[:-1]
+        ),
+        False,
+        "InvalidInputError",
+        ["the bag lengths add up to"],
+    ),
+    "negative_length": (
+        lambda k, v: _with(k, v, lengths=torch.tensor([-1, 4, 2] if v else [1, 3, 3, -1])),
+        False,
+        "InvalidInputError",
+        ["negative bag lengths"],
+    ),
+    "missing_feature": (
+        lambda k, v: _with(k, v, keys=["a"], values=k.values()[:3], weights=None, lengths=k.lengths()[:2]),
+        False,
+        "InvalidInputError",
+        ["features ['b'] are missing"],
+    ),
+    "weights_disagree": (
+        lambda k, v: _with(k, v, weights=k.weights()[:-1]),
+        True,
+        "InvalidInputError",
+        ["weights"],
+    ),
+    "weight_nan": (
+        lambda k, v: _with(k, v, weights=_set(k.weights(), 0, math.nan)),
+        True,
+        "InvalidInputError",
+        ["feature 'a' of table 'ta' has non-finite per-sample weights (1 NaN"],
+    ),
+    "weight_inf": (
+        lambda k, v: _with(k, v, weights=_set(k.weights(), 3, math.inf)),
+        True,
+        "InvalidInputError",
+        ["feature 'b' of table 'tb' has non-finite per-sample weights (1 +Inf"],
+    ),
+}
+
+
+def _outputs(model: Any, kjt: KeyedJaggedTensor) -> dict[str, torch.Tensor]:
+    out = model(kjt)
+    out = out.wait() if hasattr(out, "wait") else out
+    if isinstance(out, dict):  # an EmbeddingCollection's: a JaggedTensor per feature
+        return {k: jt.values().detach().clone() for k, jt in out.items()}
+    return {k: v.detach().clone() for k, v in out.to_dict().items()}
+
+
+def _feed_bad(
+    model: Any, store: dist.Store, tag: str, bad: int, stops: bool, good: KeyedJaggedTensor, bad_kjt: Any
+) -> dict[str, Any]:
+    """One rank's side of one case: its error (class and text) and how long it took to come."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    start = time.monotonic()
+    try:
+        _outputs(model, bad_kjt if rank == bad else good)
+        error = "no error"
+    except InvalidInputError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    elapsed = time.monotonic() - start
+    if stops:  # the bad rank takes no part in anything until every other rank has its error
+        if rank == bad:
+            store.wait([f"{tag}/{r}" for r in range(ws) if r != bad], timedelta(seconds=PG_TIMEOUT_S))
+        else:
+            store.set(f"{tag}/{rank}", "1")
+    return {"error": error, "seconds": elapsed}
+
+
+def _run_module(
+    model: Any, runs_as: list[str], name: str, weighted: bool, variable: bool, store: dist.Store
+) -> dict[str, Any]:
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    good = _good(rank, 0, weighted, variable)
+    want = _outputs(model, good)
+    out: dict[str, Any] = {"runs_as": runs_as}
+    for i, (case, (corrupt, needs_weights, _, _)) in enumerate(CASES.items()):
+        if needs_weights and not weighted:
+            continue
+        bad_kjt = corrupt(_good(rank, 1, weighted, variable), variable)
+        for stops in (True, False):
+            bad = (i + stops) % ws
+            tag = f"{name}/{case}/{stops}"
+            result = _feed_bad(model, store, tag, bad, stops, good, bad_kjt)
+            result["bad"] = bad
+            if not stops:  # everyone caught it and goes on: the next good batch runs as before
+                got = _outputs(model, good)
+                result["after"] = max(float((got[k] - want[k]).abs().max()) for k in want)
+            out[f"{case}/{'stops' if stops else 'continues'}"] = result
+    return out
+
+
+def _all_modules() -> dict[str, Any]:
+    ws = dist.get_world_size()
+    pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=PG_TIMEOUT_S))
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=60)
+    )
+    results: dict[str, Any] = {}
+    for kind, layout in _layouts(ws).items():
+        tables = [
+            EmbeddingBagConfig(name=f"t{f}", num_embeddings=ROWS, embedding_dim=DIM, feature_names=[f]) for f in KEYS
+        ]
+        for variable in (False, True) if kind != "data_parallel" else (False,):  # TorchRec's DP takes no VBE
+            torch.manual_seed(0)
+            model = sharded_model(tables, {t.name: layout for t in tables}, LWS, weighted=True, pg=pg)
+            name = f"ebc/{kind}/{'vbe' if variable else 'uniform'}"
+            results[name] = _run_module(model, module_sharding_types(model.module.ebc), name, True, variable, store)
+    for kind in SEQUENCE_TYPES:
+        layout = _layouts(ws)[kind]
+        tables = [
+            EmbeddingConfig(name=f"t{f}", num_embeddings=ROWS, embedding_dim=DIM, feature_names=[f]) for f in KEYS
+        ]
+        torch.manual_seed(0)
+        model = sharded_sequence_model(tables, {t.name: layout for t in tables}, LWS, pg=pg)
+        name = f"ec/{kind}"
+        results[name] = _run_module(model, sequence_sharding_types(model.module.ec), name, False, False, store)
+    return results
+
+
+@pytest.fixture(scope="module", params=WORLDS)
+def results(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
+    ws = request.param
+    return ws, run_ranks(_all_modules, ws, local_world_size=LWS, timeout_s=600)
+
+
+def test_each_module_runs_the_sharding_type_it_stands_for(results: tuple[int, list[dict[str, Any]]]) -> None:
+    """The matrix covers what it says: TorchRec's own types by their names, ours as embark types."""
+    ws, per_rank = results
+    for name, r in per_rank[0].items():
+        kind = name.split("/")[1]
+        layout = _layouts(ws)[kind]
+        want = sharding_type(layout, ROWS, ws, LWS, sequence=name.startswith("ec"))
+        assert r["runs_as"] == [want], (name, r["runs_as"], want)
+        if kind in ("grid", "grid_hier", "ub"):
+            assert want.startswith("embark_"), (name, want)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_one_bad_rank_gives_every_rank_the_same_named_error(
+    results: tuple[int, list[dict[str, Any]]], case: str
+) -> None:
+    """Every rank raises the same error, of the check's class, naming the bad rank and what is wrong, within
+    seconds, whether the bad rank stops or goes on; after it, the next good batch gives what it gave before."""
+    ws, per_rank = results
+    _, _, error_class, words = CASES[case]
+    checked = 0
+    for name in per_rank[0]:
+        for variant in ("stops", "continues"):
+            key = f"{case}/{variant}"
+            if key not in per_rank[0][name]:
+                continue
+            got = [r[name][key] for r in per_rank]
+            bad = got[0]["bad"]
+            texts = {g["error"] for g in got}
+            assert len(texts) == 1, (ws, name, key, texts)
+            (text,) = texts
+            assert text.startswith(f"{error_class}: rank {bad}: "), (ws, name, key, text)
+            for w in words:
+                assert w in text, (ws, name, key, w, text)
+            slow = {rank: g["seconds"] for rank, g in enumerate(got) if g["seconds"] > WITHIN_S}
+            assert not slow, (ws, name, key, slow)
+            if variant == "continues":
+                assert all(g["after"] == 0.0 for g in got), (ws, name, key, [g["after"] for g in got])
+            checked += 1
+    assert checked >= 2 * len(_layouts(ws)), (ws, case, checked)
