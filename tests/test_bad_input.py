@@ -1,9 +1,11 @@
 """Bad input gets a clear error naming rank, feature (and table), never a crash or silent corruption.
 
 One 2-rank spawn runs a model with a table-wise table (TorchRec's own sharding), a grid, a UB table and a DP table
-through every bad batch (each rank gets its own bad slice, so both fail before any collective); then the opt-in
-policies: clamp and drop must equal the unsharded model fed the clamped / filtered batch. Plan files and model specs
-with bad values are refused by name. A rank that dies mid-step makes the other fail within the process-group timeout.
+through every bad batch (each rank gets its own bad slice: the error names both; test_one_bad_rank.py covers one bad
+rank among good ones); then the opt-in policies: clamp and drop must equal the unsharded model fed the clamped /
+filtered batch. Plan files and model specs
+with bad values are refused by name. A rank that dies mid-step makes the other fail within the process-group timeout;
+a rank that raises on its bad batch and dies gives the other the same named error within seconds.
 """
 
 from __future__ import annotations
@@ -167,8 +169,10 @@ def test_bad_model_specs_are_refused_by_table(table: dict[str, Any], message: st
         ModelSpec.from_dict({"name": "m", "batch_size": 8, "tables": [table]})
 
 
-_DYING = textwrap.dedent(
-    """
+def _script(*bodies: str) -> str:
+    """A 2-rank script: argv rank, store port, tests dir; both ranks build the model and take one good step together,
+    then run the bodies."""
+    head = """
     import os, sys, time, datetime
     import torch, torch.distributed as dist
     rank = int(sys.argv[1])
@@ -180,30 +184,45 @@ _DYING = textwrap.dedent(
     model = sharded_model(T.TABLES, T.LAYOUTS, 2)
     model(T._kjt(*T.GOOD))  # one good step together
     dist.barrier()
+    """
+    return "".join(textwrap.dedent(part) for part in (head, *bodies))
+
+
+_SURVIVOR = """
+start = time.monotonic()
+try:
+    model(T._kjt(*T.GOOD))
+    print("NO ERROR")
+except Exception as exc:
+    print(f"ERROR after {time.monotonic() - start:.1f} s: {type(exc).__name__}: {exc}")
+    sys.stdout.flush()
+    os._exit(3)  # skip interpreter teardown: gloo threads of a broken group may abort it (torch 2.13)
+"""
+_DYING = _script(
+    """
     if rank == 1:
         os._exit(7)  # dies mid-training
-    start = time.monotonic()
-    try:
-        model(T._kjt(*T.GOOD))
-        print("NO ERROR")
-    except Exception as exc:
-        print(f"ERROR after {time.monotonic() - start:.1f} s: {type(exc).__name__}: {exc}")
-        sys.stdout.flush()
-        os._exit(3)  # skip interpreter teardown: gloo threads of a broken group may abort it (torch 2.13)
+    """,
+    _SURVIVOR,
+)
+_BAD_AND_DYING = _script(
     """
+    if rank == 1:
+        model(T._kjt(*T.BAD["id_too_big"][0]))  # raises, uncaught: the process dies with its traceback
+    """,
+    _SURVIVOR,
 )
 
 
-def test_a_dying_rank_fails_the_others_within_the_timeout(tmp_path: Any) -> None:
-    """When a rank dies mid-training, the surviving rank's next step raises within the process-group timeout
-    (20 s here) instead of hanging."""
+def _run_pair(tmp_path: Any, source: str) -> tuple[list[int], list[str], float]:
+    """Runs a 2-rank script in two processes: their exit codes, their outputs, and how long they took."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    script = tmp_path / "dying.py"
-    script.write_text(_DYING)
+    script = tmp_path / "ranks.py"
+    script.write_text(source)
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), os.environ.get("PYTHONPATH", "")]),
@@ -220,8 +239,31 @@ def test_a_dying_rank_fails_the_others_within_the_timeout(tmp_path: Any) -> None
     ]
     start = time.monotonic()
     outs = [p.communicate(timeout=240)[0] for p in procs]
-    assert procs[1].returncode == 7, outs[1][-2000:]
-    assert procs[0].returncode == 3, outs[0][-2000:]
-    line = next(ln for ln in outs[0].splitlines() if ln.startswith("ERROR after"))
+    return [p.returncode for p in procs], outs, time.monotonic() - start
+
+
+def _survivor_line(out: str) -> str:
+    return next(ln for ln in out.splitlines() if ln.startswith("ERROR after"))
+
+
+def test_a_dying_rank_fails_the_others_within_the_timeout(tmp_path: Any) -> None:
+    """When a rank dies mid-training, the surviving rank's next step raises within the process-group timeout
+    (20 s here) instead of hanging."""
+    codes, outs, took = _run_pair(tmp_path, _DYING)
+    assert codes[1] == 7, outs[1][-2000:]
+    assert codes[0] == 3, outs[0][-2000:]
+    line = _survivor_line(outs[0])
     assert float(line.split()[2]) <= 25.0, line
-    assert time.monotonic() - start < 240
+    assert took < 240
+
+
+def test_a_bad_rank_that_raises_and_dies_names_itself_on_the_others(tmp_path: Any) -> None:
+    """A rank whose batch has an ID out of range raises, uncaught, and its process dies; the good rank gets the same
+    named error (the bad rank, the feature and table, the ID) within seconds, not "Connection closed by peer"."""
+    codes, outs, _ = _run_pair(tmp_path, _BAD_AND_DYING)
+    named = "InvalidIdError: rank 1: feature 'g' of table 'grid' has IDs [30] outside [0, 30)"
+    assert codes[1] == 1 and named in outs[1], outs[1][-2000:]
+    assert codes[0] == 3, outs[0][-2000:]
+    line = _survivor_line(outs[0])
+    assert named in line, line
+    assert float(line.split()[2]) <= 5.0, line
