@@ -178,7 +178,10 @@ EMBARK_PLANS = ("grid", "grid_cuts", "grid_shared", "hier", "ub", "ub_shared")
 #: tiny tables replicated) and with dgx-h100's figures at free collectives and de-duplication (which put them on our UB
 #: type at 4 ranks)
 PLANNER_PLANS = ("torchrec_planner", "embark_planner", "embark_planner_h100")
-PLANS = BUILTIN_TYPES + tuple(CONSTRAINED) + EMBARK_PLANS + PLANNER_PLANS
+#: EmbarkPlanner (dgx-h100's figures, as embark_planner_h100) under TorchRec's examples' constraint patterns, given for
+#: every table of the case's model (see _example_constraints), planned by collective_plan
+EXAMPLE_PLANS = ("dense_kernel", "grid_planned", "ub_mixed")
+PLANS = BUILTIN_TYPES + tuple(CONSTRAINED) + EMBARK_PLANS + PLANNER_PLANS + EXAMPLE_PLANS
 
 
 def _topology(world_size: int) -> Any:
@@ -197,6 +200,26 @@ def _constraints(plan: str, names: Sequence[str]) -> dict[str, Any]:
 
     types_by_table = CONSTRAINED.get(plan) or dict.fromkeys(names, plan)
     return {name: force(types_by_table[name]) for name in names}
+
+
+def _example_constraints(plan: str, names: Sequence[str]) -> dict[str, Any]:
+    """Constraints for every table of the case's model, each ParameterConstraints(min_partition=4) as TorchRec's VBE
+    tests give them, but: dense_kernel: table_2 replicated by compute_kernels=["dense"] (train_dlrm_data_parallel.py's
+    way); grid_planned: table_2 on grid_shard; ub_mixed: table_2 and table_3 unique-based (ours), the others on
+    TorchRec's table_wise / column_wise."""
+    from torchrec.distributed.planner import ParameterConstraints
+
+    from embark_torchrec.plan.constraints import TableConstraints
+
+    out: dict[str, Any] = {n: ParameterConstraints(min_partition=4) for n in names}
+    if plan == "dense_kernel":
+        out["table_2"] = ParameterConstraints(compute_kernels=["dense"])
+    elif plan == "grid_planned":
+        out["table_2"] = ParameterConstraints(sharding_types=["grid_shard"], min_partition=4)
+    else:
+        out = {n: ParameterConstraints(sharding_types=["table_wise", "column_wise"], min_partition=4) for n in names}
+        out.update({n: TableConstraints(cluster="ub") for n in ("table_2", "table_3")})
+    return out
 
 
 def _embark_layouts(plan: str, world_size: int) -> dict[str, Any]:
@@ -265,10 +288,12 @@ def _embark_layouts(plan: str, world_size: int) -> dict[str, Any]:
     raise ValueError(f"no embark layouts named {plan!r}")
 
 
-def make_plan(case: Case, model: nn.Module) -> Any:
+def make_plan(case: Case, model: nn.Module, pg: Any) -> Any:
     """The case's ShardingPlan for a TestSparseNN built on meta, the same for both sharders. Every rank plans (the
     planners are deterministic; _agreed_plan checks that the ranks agree), so a planner's error is raised on every
-    rank instead of leaving the others waiting for rank 0's broadcast."""
+    rank; EXAMPLE_PLANS go through EmbarkPlanner.collective_plan, which raises rank 0's error on every rank. Under
+    row-wise Adagrad those plan the model as TorchRec's examples set it: RowWiseAdagrad through
+    apply_optimizer_in_backward."""
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.planner import EmbeddingShardingPlanner
     from torchrec.distributed.types import ShardingPlan
@@ -288,14 +313,26 @@ def make_plan(case: Case, model: nn.Module) -> Any:
     if case.plan == "torchrec_planner":
         planner = EmbeddingShardingPlanner(topology=_topology(world_size))
         return planner.plan(model, [EmbeddingBagCollectionSharder(fused_params=fused)])
+    # dgx-h100 at free collectives and de-duplication: with its 47.6 us per collective and 0.23 ns per ID these tiny
+    # tables stay whole and reduction-based; and with no dense compute, behind whose backward DDP would hide the
+    # tiny tables' all-reduces and make them all data-parallel (the case is here to run our types)
+    h100 = PRESETS["dgx-h100"].with_overrides(collective_us=0.0, unique_ns_per_id=0.0, dense_ms_per_ksample=0.0)
     if case.plan in ("embark_planner", "embark_planner_h100"):
-        # dgx-h100 at free collectives and de-duplication: with its 47.6 us per collective and 0.23 ns per ID these tiny
-        # tables stay whole and reduction-based; and with no dense compute, behind whose backward DDP would hide the
-        # tiny tables' all-reduces and make them all data-parallel (the case is here to run our types)
-        h100 = PRESETS["dgx-h100"].with_overrides(collective_us=0.0, unique_ns_per_id=0.0, dense_ms_per_ksample=0.0)
         hardware = h100 if case.plan.endswith("h100") else None
         planner = EmbarkPlanner(topology=_topology(world_size), batch_size=BATCH_SIZE, hardware=hardware)
         return planner.plan(model, [EmbarkEmbeddingBagCollectionSharder(fused_params=fused)])
+    if case.plan in EXAMPLE_PLANS:
+        constraints = _example_constraints(case.plan, names)
+        planner = EmbarkPlanner(_topology(world_size), BATCH_SIZE, constraints, hardware=h100)
+        sharders = [EmbarkEmbeddingBagCollectionSharder(fused_params=fused)]
+        if case.optimizer == "rowwise_adagrad":
+            from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+            from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+            model = copy.deepcopy(model)
+            apply_optimizer_in_backward(RowWiseAdagrad, model.sparse.parameters(), {"lr": LEARNING_RATE})
+            sharders = [EmbarkEmbeddingBagCollectionSharder()]
+        return planner.collective_plan(model, sharders, pg)
     layouts = _embark_layouts(case.plan, world_size)
     out = ShardingPlan(plan={})
     for path, ebc in ebcs.items():
@@ -660,13 +697,16 @@ def _meta_model(case: Case, tables: HarnessTables, cache: dict[Any, nn.Module]) 
 
 
 def _agreed_plan(case: Case, meta: nn.Module, pg: Any) -> tuple[Any, str | None]:
-    """(the plan, None) when every rank planned the same; else (None, the first rank's error or the mismatch)."""
+    """(the plan, None) when every rank planned the same; else (None, this rank's planning error, or the first
+    rank's, or the mismatch)."""
     try:
-        mine: tuple[Any, str | None] = (make_plan(case, meta), None)
+        mine: tuple[Any, str | None] = (make_plan(case, meta, pg), None)
     except Exception as exc:  # noqa: BLE001 - reported per case
         mine = (None, _failure(exc))
     everyone: list[Any] = [None] * dist.get_world_size(pg)
     dist.all_gather_object(everyone, mine, group=pg)
+    if mine[1] is not None:
+        return None, f"(rank {dist.get_rank(pg)} planning) {mine[1]}"
     for rank, (_, error) in enumerate(everyone):
         if error is not None:
             return None, f"(rank {rank} planning) {error}"

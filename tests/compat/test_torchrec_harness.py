@@ -31,6 +31,7 @@ import pytest
 from compat_driver import (
     BUILTIN_TYPES,
     CONSTRAINED,
+    EXAMPLE_PLANS,
     PLANS,
     NOT_RUNNABLE,
     OPTIONS,
@@ -60,8 +61,15 @@ def _checks(world: int, option: str) -> tuple[str, ...]:
     return ("driver",) if option in ("adagrad", "rowwise") else ("harness",)
 
 
-#: plans only some options are run with
-PLAN_OPTIONS = {"rw_tw": ("sum", "mean")}
+#: plans only some options are run with: TorchRec's examples' constraint patterns with what they are about (a
+#: replicated table trains; grid_shard trains under SGD and is refused under row-wise Adagrad; unique-based and
+#: TorchRec's types mixed, with constraints for every table, pass under VBE)
+PLAN_OPTIONS = {
+    "rw_tw": ("sum", "mean"),
+    "dense_kernel": ("sum", "adagrad"),
+    "grid_planned": ("sum", "rowwise"),
+    "ub_mixed": ("sum", "vbe"),
+}
 #: plans left out at 4 ranks: there TorchRec's planner and ours with the CPU preset place tables whole (table-wise
 #: or data-parallel), as the forced single-type plans already do
 SKIPPED_AT = {2: (), 4: ("torchrec_planner", "embark_planner")}
@@ -112,6 +120,12 @@ GAPS: dict[tuple[str, str], str] = {}
 #: our deliberate refusals: a row x column grid under row-wise Adagrad (TorchRec's fused optimizer cannot lay out
 #: its per-row state), refused by name when the model is sharded
 REFUSALS = {("grid", "rowwise"): r"table 'table_2': a 2 x 2 grid cannot keep exact_row_wise_adagrad's per-row state"}
+#: refusals at plan time, on every rank (collective_plan raises rank 0's error everywhere): grid_shard under the
+#: RowWiseAdagrad that TorchRec's examples give through apply_optimizer_in_backward
+PLAN_REFUSALS = {
+    ("grid_planned", "rowwise"): r"PlanError: table 'table_2': its constraints ask for a row x column grid "
+    r"\(sharding_types \['grid_shard'\]\), but its optimizer EXACT_ROWWISE_ADAGRAD \(from apply_optimizer_in_backward\)"
+}
 
 
 def _cases() -> list[Case]:
@@ -230,9 +244,17 @@ def test_embark_sharder(case: Case, outcomes: Any) -> None:
     """Our sharder, fed the configuration's plan, passes TorchRec's harness check (SGD) and our two-step driver:
     outputs, loss, dense gradients, every weight and the fused optimizer's state equal the unsharded model's at the
     harness's tolerances. Exceptions: a plan ours refuses by design (REFUSALS) must be refused by name, and where
-    TorchRec's own sharder fails too (TORCHREC_FAILS) ours is skipped, unless it passes there all the same."""
+    TorchRec's own sharder fails too (TORCHREC_FAILS) ours is skipped, unless it passes there all the same; a plan
+    refused at plan time (PLAN_REFUSALS) must be refused by name on every rank."""
     key = (case.plan, case.option)
     per_rank = outcomes(case)
+    if key in PLAN_REFUSALS:
+        for rank, outcome in enumerate(per_rank):
+            assert set(outcome.checks) == {"plan"}, f"{case.name}: rank {rank} went past planning: {outcome.checks}"
+            first = outcome.checks["plan"].splitlines()[0]
+            assert first.startswith(f"(rank {rank} planning) "), f"{case.name}: rank {rank} did not raise: {first}"
+            assert re.search(PLAN_REFUSALS[key], first), f"{case.name}: rank {rank}: {first}"
+        return
     if key in REFUSALS:
         failures = _failures(per_rank)
         assert set(failures) == {"driver"}, f"{case.name}: expected a refusal when sharding, got {failures}"
@@ -273,8 +295,9 @@ def test_torchrec_sharder(case: Case, outcomes: Any) -> None:
 def test_plans_have_the_layouts_they_name(world: int, outcomes: Any) -> None:
     """The configurations are not vacuous: each forced built-in type is what the plan holds for every table, the
     hand-built plans put tables on our grid, hierarchical and unique-based types (the shared features' tables too in
-    the *_shared plans), and EmbarkPlanner with dgx-h100's figures (free collectives and de-duplication) plans our types
-    at 4 ranks."""
+    the *_shared plans), EmbarkPlanner with dgx-h100's figures (free collectives and de-duplication) plans our types
+    at 4 ranks, and the examples' constraint patterns give what they ask: compute_kernels=["dense"] a replicated table,
+    grid_shard a grid, cluster "ub" beside table_wise / column_wise a mix of unique-based and TorchRec's types."""
     from compat_driver import MIXED_TYPES, RW_TW_TYPES
 
     def types(plan: str) -> dict[str, str]:
@@ -300,6 +323,12 @@ def test_plans_have_the_layouts_they_name(world: int, outcomes: Any) -> None:
     assert {"table_4"} <= {t for t, kind in types("hier").items() if kind == "embark_rb_hier"}
     if world == 4:
         assert any(kind.startswith("embark_") for kind in types("embark_planner_h100").values())
+    assert types("dense_kernel")["table_2"] == "data_parallel", types("dense_kernel")
+    assert types("grid_planned")["table_2"].startswith("embark_rb"), types("grid_planned")  # no built-in type: ours
+    mixed = types("ub_mixed")
+    assert {mixed["table_2"], mixed["table_3"]} == {"embark_ub"}, mixed
+    assert {kind for t, kind in mixed.items() if t not in ("table_2", "table_3")} <= {"table_wise", "column_wise"}
+    assert set(EXAMPLE_PLANS) == {"dense_kernel", "grid_planned", "ub_mixed"}
 
 
 def test_harness_needs_only_the_placeholder() -> None:
