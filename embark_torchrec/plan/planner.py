@@ -258,7 +258,7 @@ def _without_grids(
     from ..sharding.torchrec_compat import has_rowwise_state, in_backward_optimizers
 
     here = {k: v for k, v in constraints.items() if k in names}
-    given = [(s.fused_params or {}).get("optimizer", None) for s in sharders if isinstance(module, s.module_type)]
+    given = [(s.fused_params or {}).get("optimizer") for s in sharders if isinstance(module, s.module_type)]
     optimizers = [(o, "the sharder's fused_params") for o in given]
     optimizers += [(o, "apply_optimizer_in_backward") for o in in_backward_optimizers(module)]
     rowwise = next(((o, source) for o, source in optimizers if has_rowwise_state(o)), None)
