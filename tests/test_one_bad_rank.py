@@ -6,7 +6,7 @@ disagree with the values or the weights, negative lengths, a missing feature, Na
 rank feeds the bad batch and the others good ones, on a module of each sharding type: TorchRec's table-wise,
 column-wise, row-wise, table-row-wise and data-parallel run under our sharder, and our grid (flat and hierarchical)
 and unique-based types; weighted EmbeddingBagCollections with one batch size and with a variable batch per feature
-(VBE; not on data-parallel tables, whose VBE output TorchRec 1.8 fails to expand), and
+(VBE; on data-parallel tables, whose VBE output TorchRec 1.8 cannot expand, a VBE batch is refused by name), and
 EmbeddingCollections (TorchRec's sequence table-wise and row-wise, our sequence grid and unique-based).
 At 2 ranks and at 4 (2 nodes x 2). The bad rank either stops (it waits, out of every collective, until the others
 have reported their error: a peer that needed it would deadlock, and the test fail on its short timeouts) or catches
@@ -210,6 +210,15 @@ def _run_module(
                 got = _outputs(model, good)
                 result["after"] = max(float((got[k] - want[k]).abs().max()) for k in want)
             out[f"{case}/{'stops' if stops else 'continues'}"] = result
+    if weighted and not variable:  # one rank's batch is fine by itself, but a VBE one among uniform ones
+        bad = ws - 1
+        result = _feed_bad(model, store, f"{name}/vbe", bad, False, good, _good(rank, 1, weighted, True))
+        got = _outputs(model, good)
+        out["vbe_on_one_rank"] = {
+            **result,
+            "bad": bad,
+            "after": max(float((got[k] - want[k]).abs().max()) for k in want),
+        }
     return out
 
 
@@ -287,3 +296,32 @@ def test_one_bad_rank_gives_every_rank_the_same_named_error(
                 assert all(g["after"] == 0.0 for g in got), (ws, name, key, [g["after"] for g in got])
             checked += 1
     assert checked >= 2 * len(_layouts(ws)), (ws, case, checked)
+
+
+KJT_TYPES = ("table_wise", "column_wise", "row_wise", "table_row_wise")
+
+
+def test_a_variable_batch_on_one_rank_only_is_refused_alike_or_runs(results: tuple[int, list[dict[str, Any]]]) -> None:
+    """A VBE batch on one rank among uniform ones: TorchRec's KJT all-to-alls would send another set of tensors from
+    it (its per-key strides, no batch size), so on those types every rank raises the same error naming each rank's
+    layout; TorchRec's data-parallel sharding cannot expand a VBE output at all, so it is refused by name (on every
+    rank); our types pad it to a uniform batch, so there it runs. Either way every rank ends alike, and the next good
+    batch runs as before."""
+    ws, per_rank = results
+    for name in per_rank[0]:
+        if "vbe_on_one_rank" not in per_rank[0][name]:
+            continue
+        got = [r[name]["vbe_on_one_rank"] for r in per_rank]
+        texts = {g["error"] for g in got}
+        assert len(texts) == 1, (ws, name, texts)
+        (text,) = texts
+        kind, bad = name.split("/")[1], got[0]["bad"]
+        if kind in KJT_TYPES:
+            assert text.startswith("InvalidInputError: the ranks' KeyedJaggedTensors differ in layout"), (name, text)
+            assert f"rank {bad}: with weights, a variable batch per feature" in text, (name, text)
+        elif kind == "data_parallel":
+            assert text.startswith(f"InvalidInputError: rank {bad}: the KeyedJaggedTensor has a variable batch"), text
+            assert "data-parallel sharding of feature 'a' of table 'ta' cannot expand" in text, text
+        else:
+            assert text == "no error", (ws, name, text)
+        assert all(g["after"] == 0.0 for g in got), (ws, name, [g["after"] for g in got])

@@ -147,6 +147,12 @@ class EmbarkShardedEmbeddingBagCollection(CheckedInput, CountedModule, ShardedEm
             {c.name: list(c.feature_names) for c in module_configs(self)},
             {c.name: c.num_embeddings for c in module_configs(self)},
             invalid_ids,
+            uniform_batch_features=[  # TorchRec's data-parallel output dist cannot expand a variable batch
+                f
+                for kind, sharding in zip(module_sharding_types(self), module_shardings(self))
+                if kind == "data_parallel"
+                for f in sharding.feature_names()
+            ],
         )
         self._embark_shardings = [
             i for i, s in enumerate(module_shardings(self)) if isinstance(s, GridPooledEmbeddingSharding)

@@ -13,7 +13,7 @@ dropped (their bags get shorter), when the sharder is built with invalid_ids="cl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -40,8 +40,9 @@ class InvalidIdError(InvalidInputError):
     """An ID outside [0, rows) of its table; the message names table, feature and rank."""
 
 
-# what an InputFault reports
-OK, ID_DTYPE, LENGTHS_DTYPE, WEIGHTS_DTYPE, MISSING, COUNTS, NEGATIVE_LENGTH, NON_FINITE_WEIGHT, BAD_ID = range(9)
+# what an InputFault reports (its kind)
+OK, ID_DTYPE, LENGTHS_DTYPE, WEIGHTS_DTYPE, MISSING, COUNTS = range(6)
+NEGATIVE_LENGTH, NON_FINITE_WEIGHT, BAD_ID, VARIABLE_BATCH = range(6, 10)
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,13 @@ class InputValidator:
     """
 
     def __init__(
-        self, table_features: Dict[str, List[str]], table_rows: Dict[str, int], invalid_ids: str = "raise"
+        self,
+        table_features: Dict[str, List[str]],
+        table_rows: Dict[str, int],
+        invalid_ids: str = "raise",
+        uniform_batch_features: Sequence[str] = (),
     ) -> None:
+        """`uniform_batch_features`: features whose sharding cannot take a variable batch per feature (VBE)."""
         if invalid_ids not in INVALID_ID_POLICIES:
             raise ValueError(f"invalid_ids must be one of {INVALID_ID_POLICIES}, got {invalid_ids!r}")
         # a feature read by several tables must be a valid row of each: it is checked against the smallest
@@ -99,6 +105,7 @@ class InputValidator:
         self._index = {f: i for i, f in enumerate(self._features)}
         self._table_rows = table_rows
         self._policy = invalid_ids
+        self._uniform_only = set(uniform_batch_features)
         # per key order: each key's table rows (-1: not ours), or the features missing from it
         self._rows: Dict[tuple, torch.Tensor | List[str]] = {}
 
@@ -126,6 +133,10 @@ class InputValidator:
             return kjt, InputFault(LENGTHS_DTYPE, numbers=(_dtype_code(lengths.dtype), 0, 0))
         if weights is not None and not weights.is_floating_point():
             return kjt, InputFault(WEIGHTS_DTYPE, numbers=(_dtype_code(weights.dtype), 0, 0))
+        if self._uniform_only and kjt.variable_stride_per_key():
+            uniform = [k for k in keys if k in self._uniform_only]
+            if uniform:
+                return kjt, InputFault(VARIABLE_BATCH, self._index[uniform[0]])
         rows = self._rows_of(keys, values.device)
         if not isinstance(rows, torch.Tensor):
             missing = [self._index[f] for f in rows]
@@ -218,6 +229,11 @@ class InputValidator:
         elif fault.kind == NON_FINITE_WEIGHT:
             parts = [f"{n} {name}" for n, name in ((a, "NaN"), (b, "+Inf"), (c, "-Inf")) if n]
             what = f"{where} has non-finite per-sample weights ({', '.join(parts)} in this batch)"
+        elif fault.kind == VARIABLE_BATCH:
+            what = (
+                f"the KeyedJaggedTensor has a variable batch per feature (VBE), which TorchRec's data-parallel "
+                f"sharding of {where} cannot expand; give every feature the same batch size"
+            )
         elif fault.kind == BAD_ID:
             what = f"{where} has IDs {list(fault.shown)} outside [0, {b}) ({a} bad IDs in this batch)"
         else:
