@@ -32,7 +32,7 @@ from embark_torchrec.plan.groups import sharding_type
 from embark_torchrec.plan.layout import ceil_row_bounds
 from embark_torchrec.plan.layout import TableLayout
 from embark_torchrec.sharding.torchrec_compat import module_sharding_types, sequence_sharding_types
-from embark_torchrec.sharding.validation import InvalidInputError
+from embark_torchrec.sharding.validation import InputFault, InputValidator, InvalidInputError
 from embark_torchrec.testing import run_ranks
 from embark_torchrec.testing.sequence import sharded_sequence_model
 from embark_torchrec.testing.training import sharded_model
@@ -325,3 +325,27 @@ def test_a_variable_batch_on_one_rank_only_is_refused_alike_or_runs(results: tup
         else:
             assert text == "no error", (ws, name, text)
         assert all(g["after"] == 0.0 for g in got), (ws, name, [g["after"] for g in got])
+
+
+def test_validator_faults_travel_as_integers_and_read_the_same() -> None:
+    """Each fault survives the round trip through the exchange's integers and reads as the same words; NaN weights
+    or negative-free IDs of a key the module does not read are not this module's fault (no process group needed)."""
+    validator = InputValidator({"ta": ["a"], "tb": ["b"]}, {"ta": ROWS, "tb": ROWS})
+    good = _good(0, 0, True, False)
+    assert validator.check(good)[1] is None
+    for case, (corrupt, _, error_class, words) in CASES.items():
+        _, fault = validator.check(corrupt(good, False))
+        assert fault is not None, case
+        back = InputFault.from_ints(fault.to_ints())
+        assert back == fault and len(fault.to_ints()) == InputFault.FIELDS, case
+        error = validator.error({3: back})
+        assert type(error).__name__ == error_class and str(error).startswith("rank 3: "), (case, error)
+        assert all(w in str(error) for w in words), (case, error)
+    other = KeyedJaggedTensor(
+        keys=["a", "b", "x"],
+        values=torch.tensor([1, 2, 3]),
+        lengths=torch.tensor([1, 0, 1, 0, 1, 0]),
+        weights=torch.tensor([1.0, 1.0, math.nan]),
+        stride=2,
+    )
+    assert validator.check(other)[1] is None

@@ -12,9 +12,12 @@ the splits arrive every rank reads every rank's record: if any rank's batch is b
 each bad rank, its feature and what is wrong, before any tensor all-to-all starts; ranks whose batches differ in
 layout, which TorchRec's all-to-alls would hang or crash on, are refused the same way. A bad rank sends only the
 exchange. Each rank issued the same one collective for the batch, so a rank that catches the error and goes on
-(e.g. skips the batch) stays in step with the others. No collective is added: TorchRec sends one split exchange per
-sharding (or, under TrainPipelineSparseDist, one per process group for all pipelined modules), this sends one per
-module.
+(e.g. skips the batch) stays in step with the others.
+
+Collectives: TorchRec sends one split exchange per sharding with a KJT all-to-all (under TrainPipelineSparseDist, one
+per process group for all pipelined modules); this sends one per module instead. A module whose every table is
+data-parallel had none and gets this one (a few integers per rank, asynchronous): without it a bad batch could not
+reach the other ranks before their DDP all-reduce.
 """
 
 from __future__ import annotations
@@ -109,12 +112,13 @@ class SplitsExchange:
         self._rows: List[int] = []
         sent = np.zeros((world, len(pending) * _BLOCK + InputFault.FIELDS), dtype=np.int64)
         for i, p in enumerate(pending):
-            rows = _rows(p, world) if isinstance(p, KJTSplitsAllToAllMeta) else []
+            rows: List[List[int]] = []
             if isinstance(p, KJTSplitsAllToAllMeta):
                 if p.pg is not pg:
                     raise RuntimeError(
                         f"sharding {self._sharding_types[i]!r} sends its KJT on another process group than its module"
                     )
+                rows = _rows(p, world)
                 sent[:, i * _BLOCK] = _layout(p)
                 sent[:, i * _BLOCK + 1 : i * _BLOCK + 1 + len(rows)] = np.asarray(rows, dtype=np.int64).T
             self._rows.append(len(rows))
@@ -177,7 +181,7 @@ class ExchangedSplits(Awaitable[Any]):
         meta = self._pending
         if not isinstance(meta, KJTSplitsAllToAllMeta):
             assert meta is not None, "a bad rank's blank sharding got through its exchange"
-            return meta.wait()
+            return meta.wait()  # data-parallel: its NoWait
         variable = split_meta_input(meta).variable_stride_per_key()
         return KJTAllToAllTensorsAwaitable(
             pg=meta.pg,

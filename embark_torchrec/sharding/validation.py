@@ -172,9 +172,6 @@ class InputValidator:
 
     # the faults found on the device: worked out only on a bad batch, so their host syncs cost nothing otherwise
 
-    def _key_of_ids(self, keys: List[str], per_key: List[int], device: torch.device) -> torch.Tensor:
-        return torch.repeat_interleave(torch.arange(len(keys), device=device), torch.tensor(per_key, device=device))
-
     def _negative_lengths(self, kjt: KeyedJaggedTensor) -> InputFault:
         keys = kjt.keys()
         negative = kjt.lengths() < 0
@@ -191,13 +188,13 @@ class InputValidator:
         where = nan | pos | neg
         if not bool(where.any()):
             return None
-        k = int(self._key_of_ids(keys, per_key, weights.device)[where][0])
+        k = int(_key_of_ids(keys, per_key, weights.device)[where][0])
         return InputFault(NON_FINITE_WEIGHT, self._index[keys[k]], (int(nan.sum()), int(pos.sum()), int(neg.sum())))
 
     def _bad_ids(
         self, keys: List[str], per_key: List[int], values: torch.Tensor, bad: torch.Tensor, rows: torch.Tensor
     ) -> InputFault:
-        key_of = self._key_of_ids(keys, per_key, values.device)
+        key_of = _key_of_ids(keys, per_key, values.device)
         k = int(key_of[bad][0])
         shown = tuple(values[bad & (key_of == k)][:_SHOWN].tolist())
         return InputFault(BAD_ID, self._index[keys[k]], (int(bad.sum()), int(rows[k]), 0), shown)
@@ -247,6 +244,11 @@ class InputValidator:
         cls = InvalidIdError if first.kind == BAD_ID else InvalidInputError
         text = "; ".join(self.describe(r, faults[r]) for r in sorted(faults))
         return cls(f"{text} (every rank refuses this batch, before its input all-to-all)")
+
+
+def _key_of_ids(keys: List[str], per_key: List[int], device: torch.device) -> torch.Tensor:
+    """Each ID's key (an index into `keys`), from the IDs per key."""
+    return torch.repeat_interleave(torch.arange(len(keys), device=device), torch.tensor(per_key, device=device))
 
 
 def _rebuilt(
