@@ -5,6 +5,8 @@ a PlanError naming the sizes, and for memory the rank and its largest table."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
@@ -79,3 +81,17 @@ def test_memory_counts_each_ranks_cells_replicated_tables_and_element_size() -> 
     assert load_plan(plan, narrow, world_size=WORLD, compute_device="cpu", memory_cap_bytes=130e9).plan[""]
     with pytest.raises(PlanError, match=r"rank 0 would hold 128\.00 GB"):
         load_plan(plan, narrow, world_size=WORLD, compute_device="cpu", memory_cap_bytes=127e9)
+
+
+def test_on_a_gpu_the_default_cap_is_the_devices_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With compute_device cuda, the cap is the current GPU's total memory and the error names the device (CUDA
+    stood in for here: 80 GB on cuda:2; the check runs before anything is placed on it)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=80e9))
+    module = _module(SMALL, ("huge", HUGE_ROWS, HUGE_DIM, DataType.FP32))
+    plan = Plan(WORLD, 2, {**SMALL_PLAN, "huge": TableLayout.table_wise(HUGE_ROWS, HUGE_DIM, 0)})
+    with pytest.raises(
+        PlanError, match=r"rank 0 would hold 4096\.00 GB .* the 80\.00 GB it may hold \(cuda:2's memory\)"
+    ):
+        load_plan(plan, module, world_size=WORLD, compute_device="cuda")
