@@ -200,9 +200,9 @@ def test_json_output_is_valid_json_and_out_writes_the_plan(
     batch_sizes: list[int] = []
     plan_model = cli.plan_model
 
-    def recording(spec: Any, topology: Any) -> Any:
+    def recording(spec: Any, topology: Any, **options: Any) -> Any:
         batch_sizes.append(spec.batch_size)
-        return plan_model(spec, topology)
+        return plan_model(spec, topology, **options)
 
     monkeypatch.setattr(cli, "plan_model", recording)
     out = tmp_path / "plan.json"
@@ -229,8 +229,8 @@ def test_a_plan_whose_cost_is_not_finite_is_neither_written_nor_printed(
     --json crashed with "Out of range float values are not JSON compliant")."""
     plan_model = cli.plan_model
 
-    def nan_cost(spec: Any, topology: Any) -> Any:
-        planned = plan_model(spec, topology)
+    def nan_cost(spec: Any, topology: Any, **options: Any) -> Any:
+        planned = plan_model(spec, topology, **options)
         if where == "lookup_ms":
             return replace(planned, cost=replace(planned.cost, lookup_ms=math.nan))
         rank_lookup_ms = planned.cost.rank_lookup_ms.copy()
