@@ -53,7 +53,7 @@ DEFAULT_CASES = tuple(f"{m}@{w}" for m in PUBLIC for w in (64, 128)) + ADVERSARI
 # a plan that still took longer than the limit is reported as timed out (but cached as finished).
 IMPORT_GRACE_S = 30.0
 SLOW_EMBARK_S = 60.0
-YARDSTICK_EVALUATIONS = 40000
+YARDSTICK_EVALUATIONS = 30000
 
 
 @dataclass(frozen=True)
