@@ -200,3 +200,29 @@ def test_planner_shows_progress_on_rank_zero_only(monkeypatch: pytest.MonkeyPatc
         assert EmbarkPlanner(world_size=8, local_world_size=4)._progress() is expected
         for asked in (True, False):
             assert EmbarkPlanner(world_size=8, local_world_size=4, progress=asked)._progress() is asked
+
+
+def test_cli_progress_line_covers_every_stage(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """On a terminal, the CLI draws one progress line from the search to the report: the lower bound
+    (a minute at 50,000 tables) and the report are stages of it, and it ends once, before the report
+    is printed."""
+    from embark_torchrec.plan import cli
+
+    stages: list[str] = []
+    closed: list[int] = []
+
+    class Recorder(ProgressLine):
+        def __call__(self, stage: str, done: int, total: int | None = None, note: str = "") -> None:
+            stages.append(stage)
+
+        def close(self) -> None:
+            closed.append(len(stages))
+
+    monkeypatch.setattr(cli, "progress_line", lambda show, label: Recorder(label, io.StringIO()))
+    assert cli.main(["dcnv2", "--world-size", "16", "--local-world-size", "8"]) == 0
+    assert "lower bound" in capsys.readouterr().out
+    kinds = list(dict.fromkeys(stages))
+    for stage in ("clusters", "split rounds", "improving", "scoring", "lower bound", "report"):
+        assert stage in kinds, stage
+    assert kinds.index("improving") < kinds.index("lower bound") < kinds.index("report")
+    assert closed == [len(stages)]

@@ -29,6 +29,7 @@ from .constraints import TableConstraints
 from .cost import BACKWARD_COMPUTE_MULTIPLIER, CostModel, RankLoad
 from .groups import DATA_PARALLEL_COLLECTIVES, FLAT_COLLECTIVES, HIERARCHICAL_COLLECTIVES, UNIQUE_COLLECTIVES
 from .layout import TableLayout, WirePrecision
+from .report import Progress
 
 _FREE = TableConstraints()
 _DP_MIXES = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -45,20 +46,23 @@ def allowed_clusters(constraints: TableConstraints) -> tuple[str, ...]:
     return dp + ("rb",) + (("ub",) if constraints.unique_based else ())
 
 
-def _parts_ms(cost: CostModel, load: RankLoad) -> tuple[float, float, float, float]:
-    """A table's lookups and communication summed over ranks (each rank's max(sent, received) taken
-    as their mean), in ms, and its DP all-reduce's ms were it all intra-node, or all inter-node."""
-    even = load.copy()
+def _parts_ms(cost: CostModel, loads: list[RankLoad]) -> np.ndarray:
+    """Per load: a table's lookups and communication summed over ranks (each rank's max(sent, received)
+    taken as their mean), in ms, and its DP all-reduce's ms were it all intra-node, or all inter-node.
+    The loads are priced stacked (rows [8, load, W]), each element as CostModel.rank_times prices it."""
+    even = RankLoad(np.stack([load.rows for load in loads], axis=1))
     for send, recv in (("send_intra", "recv_intra"), ("send_inter", "recv_inter")):
-        mean = (getattr(load, send) + getattr(load, recv)) / 2
+        mean = (getattr(even, send) + getattr(even, recv)) / 2
         setattr(even, send, mean)
         setattr(even, recv, mean)
     lookup, intra, inter = cost.rank_times(even.rows)
-    intra_dp = inter_dp = 0.0
-    if load.dp_intra or load.dp_inter:
-        intra_dp = cost.step_cost(RankLoad(np.zeros_like(load.rows), dp_intra=load.dp_intra)).dp_allreduce_ms
-        inter_dp = cost.step_cost(RankLoad(np.zeros_like(load.rows), dp_inter=load.dp_inter)).dp_allreduce_ms
-    return float(lookup.sum()), float((intra + inter).sum()), intra_dp, inter_dp
+    dp = [
+        (float(cost.ring_allreduce_ms(load.dp_intra, 0.0)), float(cost.ring_allreduce_ms(0.0, load.dp_inter)))
+        if load.dp_intra or load.dp_inter
+        else (0.0, 0.0)
+        for load in loads
+    ]
+    return np.column_stack([lookup.sum(axis=1), (intra + inter).sum(axis=1), np.array(dp)])
 
 
 def _candidates(
@@ -88,9 +92,11 @@ def step_lower_bound(
     cost: CostModel,
     constraints: Mapping[str, TableConstraints] | None = None,
     precision: Mapping[str, WirePrecision] | None = None,
+    progress: Progress | None = None,
 ) -> float:
     """A step time no plan of the model on this topology beats under `cost` (see the module
-    docstring); `precision`: the wire precision per cluster, where a table's constraints give none."""
+    docstring); `precision`: the wire precision per cluster, where a table's constraints give none;
+    `progress` hears the tables priced (stage "lower bound")."""
     constraints = constraints or {}
     precision = precision or {}
     hw = cost.topology.hardware
@@ -99,7 +105,9 @@ def step_lower_bound(
     options: list[np.ndarray] = []  # per table: [option, (lookup ms, traffic ms, DP intra ms, DP inter ms)]
     fixed_kinds: set[str] = set()
     least_group = 0.0  # the cheapest group some table must join
-    for t in cost.spec.tables:
+    for i, t in enumerate(cost.spec.tables):
+        if progress is not None:
+            progress("lower bound", i, len(cost.spec.tables), "")
         c = constraints.get(t.name, _FREE)
         if c.layout is not None:
             layouts = [c.layout]
@@ -109,8 +117,8 @@ def step_lower_bound(
             for cluster in allowed_clusters(c):
                 wire = c.precision or precision.get(cluster, WirePrecision())
                 layouts += _candidates(cost, t.name, cluster, wire, c.min_cuts)
-        rows = [_parts_ms(cost, cost.table_load(t.name, layout)) for layout in layouts]
-        options.append(np.array(rows) / np.array([lookup_div, w, 1.0, 1.0]))
+        parts = _parts_ms(cost, [cost.table_load(t.name, layout) for layout in layouts])
+        options.append(parts / np.array([lookup_div, w, 1.0, 1.0]))
         least_group = max(least_group, _least_group_ms(cost, allowed_clusters(c)))
     collectives = max(sum(cost.group_ms(k) for k in fixed_kinds), least_group)
     idle = cost.step_cost(RankLoad.zeros(w))  # no table: the dense part alone

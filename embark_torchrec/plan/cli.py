@@ -29,7 +29,7 @@ from .cost import CostModel
 from .fields import INT64_MAX, integer, number
 from .layout import Plan
 from .plan_model import plan_model
-from .report import ScoredPlan, plot_rank_loads, render, summary
+from .report import ProgressLine, ScoredPlan, plot_rank_loads, progress_line, render, summary
 from .spec import ModelSpec, SpecError, builtin_model, load_model_spec
 from .hardware_file import HardwareError, resolve_hardware
 from .ranges import MAX_BATCH_SIZE, MAX_HBM_GB
@@ -183,28 +183,43 @@ def _run(args: argparse.Namespace) -> int:
     if args.batch_size is not None:
         spec = spec.with_batch_size(args.batch_size)
     topology = Topology(args.world_size, args.local_world_size, hardware)
-    planned = plan_model(spec, topology)
+    line = progress_line(None, f"planning {spec.name}")  # one line for every stage, on a terminal
+    try:
+        report = _plan_and_report(args, spec, topology, compare, line)
+    finally:
+        if line is not None:
+            line.close()
+    print(report)
+    return 0
+
+
+def _plan_and_report(
+    args: argparse.Namespace, spec: ModelSpec, topology: Topology, compare: list[str], line: ProgressLine | None
+) -> str:
+    """Plans, bounds, compares, writes the files asked for, and returns the report, with `line` (when
+    drawn) showing each stage."""
+    planned = plan_model(spec, topology, progress=line or False)
     cost = CostModel(spec, topology)
     plan = planned.plan.with_kinds(spec)  # the plan file says which tables are sequence tables
-    plans = [ScoredPlan("embark", plan, planned.cost, planned.seconds, step_lower_bound(cost))]
+    plans = [ScoredPlan("embark", plan, planned.cost, planned.seconds, step_lower_bound(cost, progress=line))]
     for name in compare:
+        if line is not None:
+            line(f"baseline {name}", 0, None)
         start = time.perf_counter()
         baseline = BASELINES[name](spec, topology).with_kinds(spec)
         plans.append(ScoredPlan(name, baseline, cost.evaluate(baseline), time.perf_counter() - start))
     for scored in plans:
         _check_finite(scored)
+    if line is not None:
+        line("report", 0, None)
     if args.out:
         plan.save(args.out)
     if args.plot:
         plot_rank_loads(plans, args.plot)
     if args.json:
         result = {"model": spec.name, "world_size": topology.world_size, "plans": {p.name: summary(p) for p in plans}}
-        print(json.dumps(result, allow_nan=False))
-    else:
-        print(render(plans, topology, spec.name))
-        if args.out:
-            print(f"\nplan file written to {args.out}")
-    return 0
+        return json.dumps(result, allow_nan=False)
+    return render(plans, topology, spec.name) + (f"\n\nplan file written to {args.out}" if args.out else "")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -242,7 +242,7 @@ class Improver:
                 chosen.append(n)
                 room += node_ranks[n]
             ranks = ranks[np.isin(nodes, chosen)]
-        heap = [(float(base[k]), int(k)) for k in ranks]
+        heap = list(zip(base[ranks].tolist(), ranks.tolist()))
         heapq.heapify(heap)
         placed = [[0] * n_c for _ in range(n_r)]
         for _, r, c in sorted((-float(ms[r, c]), r, c) for r in range(n_r) for c in range(n_c)):
@@ -369,12 +369,13 @@ class Improver:
     def _table_wise(self, names: list[str], rank_ms: np.ndarray) -> list[tuple[str, TableLayout]] | None:
         """The tables each whole on one rank, the costliest first onto the least loaded allowed rank
         (counting the ones placed before it); None when memory runs out."""
+        own = {name: self.cost.rank_load_ms(self.loads[name].rows) for name in names}
         ms = rank_ms.copy()
         for name in names:
-            ms -= self.cost.rank_load_ms(self.loads[name].rows)
+            ms -= own[name]
         out = []
-        for name in sorted(names, key=lambda n: (-self.cost.rank_load_ms(self.loads[n].rows).sum(), self.order[n])):
-            placed = self._placed(name, "rb", (1, 1), ms + self.cost.rank_load_ms(self.loads[name].rows))
+        for name in sorted(names, key=lambda n: (-own[n].sum(), self.order[n])):
+            placed = self._placed(name, "rb", (1, 1), ms + own[name])
             if placed is None:
                 return None
             ms += self.cost.rank_load_ms(self.cost.table_load(name, placed).rows)
