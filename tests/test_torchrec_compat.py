@@ -222,3 +222,17 @@ def test_sharded_ec_state_our_subclass_reads() -> None:
     assert callable(getattr(ShardedEmbeddingCollection, "_embedding_dim_for_sharding_type"))
     assert callable(getattr(ShardedEmbeddingCollection, "_create_input_dist"))
     assert callable(getattr(ShardedEmbeddingCollection, "_pre_load_state_dict_hook"))
+
+
+def test_storage_reservations_keep_their_share() -> None:
+    """TorchRec's percentage storage reservations keep the share of memory they hold back in `_percentage`, which
+    storage_reservation_share reads (a rename would silently read 0.0 and plan into that memory)."""
+    from torchrec.distributed.planner.storage_reservations import (
+        FixedPercentageStorageReservation,
+        HeuristicalStorageReservation,
+    )
+
+    from embark_torchrec.sharding.torchrec_compat import storage_reservation_share
+
+    for reservation in (FixedPercentageStorageReservation(0.3), HeuristicalStorageReservation(percentage=0.3)):
+        assert storage_reservation_share(reservation) == 0.3, type(reservation).__name__
