@@ -100,12 +100,12 @@ class SearchStats:
 
 @dataclass
 class _Cells:
-    """A table's unplaced grid (every cell on rank 0) and its cells; a one-cell grid also keeps its
-    load on rank 0, which the load on any other rank is a renumbering of."""
+    """A table's unplaced grid (every cell on rank 0) and its cells; a one-cell grid also keeps the
+    sharding groups of its load (whose columns GreedySearch._one_cell keeps)."""
 
     grid: TableLayout
     cells: list[Cell]
-    base: RankLoad | None = None
+    groups: Mapping[str, int] | None = None
 
 
 @dataclass
@@ -194,7 +194,6 @@ class GreedySearch:
         self._cell_ms: dict[tuple[str, TableLayout], np.ndarray] = {}
         # per movable table: its one-cell load's CostModel.one_cell_columns, filled when first scored
         self._columns = np.zeros((len(self.movable),) + self.cost.one_cell_columns(self._fixed_total).shape)
-        self._have_columns = np.zeros(len(self.movable), dtype=bool)
         self._rank_ms = np.zeros(self.world_size)  # phase 2: per-rank load of self.total
 
     # ---- helpers ----------------------------------------------------------------------------
@@ -254,15 +253,15 @@ class GreedySearch:
             layout = placement.layouts[name] = self._hierarchy(name, grid.with_ranks(placement.grids[name]))
         return layout
 
-    def _table_load(self, placement: _Placement, name: str) -> tuple[RankLoad, int | None]:
-        """A movable table's load as placed, CostModel.table_load's, or for a one-cell table its
-        load on rank 0 and the rank its cell is on (CostModel.add_in_order renumbers it)."""
-        entry = self._cells(name, placement.shapes[name])
-        if not entry.cells[0][-1]:
-            return self.cost.table_load(name, self._layout(placement, name)), None
-        if entry.base is None:
-            entry.base = self.cost.table_load(name, entry.grid)
-        return entry.base, placement.grids[name][0][0]
+    def _one_cell(self, name: str, entry: _Cells) -> Mapping[str, int]:
+        """A one-cell table's sharding groups; the first call keeps its load on rank 0's
+        CostModel.one_cell_columns in self._columns, which give its load on any rank (the whole loads
+        are not kept: 50,000 tables' take 800 MB at 256 ranks)."""
+        if entry.groups is None:
+            base = self.cost.table_load(name, entry.grid)
+            self._columns[self._order[name]] = self.cost.one_cell_columns(base)
+            entry.groups = base.groups
+        return entry.groups
 
     def _score(self, placement: _Placement) -> tuple[Objective, RankLoad]:
         """The placement's objective and per-rank total: the fixed tables' sum, then each movable
@@ -271,18 +270,17 @@ class GreedySearch:
         self.stats.evaluations += 1
         self.stats.tables_summed += len(self.movable)
         total = self._fixed_total.copy()
-        ranks = placement.cell_ranks
         full: dict[int, np.ndarray] = {}
         kinds: list[Mapping[str, int]] = []
         for j, name in enumerate(self.movable):
-            load, k = self._table_load(placement, name)
-            if k is None:
+            entry = self._cells(name, placement.shapes[name])
+            if entry.cells[0][-1]:
+                kinds.append(self._one_cell(name, entry))
+            else:
+                load = self.cost.table_load(name, self._layout(placement, name))
                 full[j] = load.rows
-            elif not self._have_columns[j]:
-                self._columns[j] = self.cost.one_cell_columns(load)
-                self._have_columns[j] = True
-            kinds.append(load.groups)
-        self.cost.add_in_order(total.rows, self._columns, ranks, full)
+                kinds.append(load.groups)
+        self.cost.add_in_order(total.rows, self._columns, placement.cell_ranks, full)
         groups = total.groups
         for kind, n in ((kind, n) for g in kinds for kind, n in g.items()):
             groups[kind] = groups.get(kind, 0) + n
@@ -441,8 +439,14 @@ class GreedySearch:
             return None
         columns = []
         for n in names:
-            load, k = self._table_load(placement, n)
-            columns.append(load.rows[:, rank if k is None else self.cost.shifted_ranks(k)[rank]])
+            entry = self._cells(n, placement.shapes[n])
+            if entry.cells[0][-1]:  # its load on rank 0 renumbered: every rank off its node loads alike
+                self._one_cell(n, entry)
+                k = placement.grids[n][0][0]
+                column = (rank - k) % self._lws if rank // self._lws == k // self._lws else self._lws
+                columns.append(self._columns[self._order[n]][:, column])
+            else:
+                columns.append(self.cost.table_load(n, self._layout(placement, n)).rows[:, rank])
         loads = self.cost.rank_load_ms(np.stack(columns, axis=1))
         return max((float(ms), -self._order[n], n) for ms, n in zip(loads, names))[2]
 
