@@ -1,8 +1,10 @@
-"""Planning time as the model and the cluster grow: plan_model on synthetic models of 100 to 50,000
-tables at a fixed rank count, and of a fixed table count on 8 to 1,024 ranks (dgx-h100, 8 ranks per
-node, global batch 65,536). Prints a markdown table: wall and CPU seconds (medians of --repeats
-runs; cases slower than --once-above-s run once), split rounds, polish moves and improvement moves
-(phase 3, whose fixed budget of priced candidates is part of every case's time), estimated step time.
+"""Planning time as the model and the cluster grow: what the CLI does (plan_model, then the lower bound
+in a cost model of its own, then the report) on synthetic models of 100 to 50,000 tables at a fixed
+rank count, and of a fixed table count on 8 to 1,024 ranks (dgx-h100, 8 ranks per node, global batch
+65,536). Prints a markdown table: wall and CPU seconds of it all and CPU seconds of the bound (medians
+of --repeats runs; cases slower than --once-above-s run once), split rounds, polish moves and
+improvement moves (phase 3, whose fixed budget of priced candidates is part of every case's time),
+estimated step time.
 
     PYTHONPATH=. python benchmarks/plan_time.py            # the full table, about 10 minutes
     PYTHONPATH=. python benchmarks/plan_time.py --quick    # a small subset, under a minute
@@ -22,7 +24,10 @@ from typing import Iterable
 
 import numpy as np
 
+from embark_torchrec.plan.bound import step_lower_bound
+from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.plan_model import PlannedModel, plan_model
+from embark_torchrec.plan.report import ScoredPlan, render
 from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec
 from embark_torchrec.plan.topology import Topology, hardware_preset
 
@@ -55,13 +60,15 @@ class Timing:
     ranks: int
     seconds: list[float]
     cpu_seconds: list[float]
+    bound_cpu_seconds: list[float]
     planned: PlannedModel
 
     def row(self) -> str:
         stats = self.planned.stats
         return (
             f"| {self.tables:,} | {self.ranks:,} | {statistics.median(self.seconds):.1f} | "
-            f"{statistics.median(self.cpu_seconds):.1f} | {len(self.seconds)} | {stats.rounds if stats else 0} | "
+            f"{statistics.median(self.cpu_seconds):.1f} | {statistics.median(self.bound_cpu_seconds):.1f} | "
+            f"{len(self.seconds)} | {stats.rounds if stats else 0} | "
             f"{stats.moves if stats else 0} | {stats.improve_moves if stats else 0} | {self.planned.cost.step_ms:.2f} |"
         )
 
@@ -70,14 +77,19 @@ def measure(tables: int, ranks: int, repeats: int, once_above_s: float) -> Timin
     spec, topo = synthetic_spec(tables), topology(ranks)
     seconds: list[float] = []
     cpu_seconds: list[float] = []
+    bound_cpu_seconds: list[float] = []
     while len(seconds) < repeats:
         start, cpu_start = time.perf_counter(), time.process_time()
         planned = plan_model(spec, topo, progress=False)
+        bound_start = time.process_time()
+        bound = step_lower_bound(CostModel(spec, topo))
+        bound_cpu_seconds.append(time.process_time() - bound_start)
+        render([ScoredPlan("embark", planned.plan, planned.cost, planned.seconds, bound)], topo, spec.name)
         seconds.append(time.perf_counter() - start)
         cpu_seconds.append(time.process_time() - cpu_start)
         if seconds[0] > once_above_s:
             break
-    return Timing(tables, ranks, seconds, cpu_seconds, planned)
+    return Timing(tables, ranks, seconds, cpu_seconds, bound_cpu_seconds, planned)
 
 
 def cases(args: argparse.Namespace) -> list[tuple[int, int]]:
@@ -89,10 +101,12 @@ def cases(args: argparse.Namespace) -> list[tuple[int, int]]:
 def markdown(timings: Iterable[Timing], args: argparse.Namespace) -> str:
     lines = [
         f"Planning time of synthetic models ({HARDWARE}, {LOCAL_WORLD_SIZE} ranks per node, global batch "
-        f"{BATCH_SIZE:,}): wall and CPU seconds of plan_model, medians of the runs.",
+        f"{BATCH_SIZE:,}): wall and CPU seconds of plan_model, the lower bound and the report, and CPU seconds "
+        "of the bound alone, medians of the runs.",
         "",
-        "| tables | ranks | wall s | CPU s | runs | split rounds | polish moves | improve moves | estimated step ms |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| tables | ranks | wall s | CPU s | bound CPU s | runs | split rounds | polish moves | improve moves "
+        "| estimated step ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *(t.row() for t in timings),
         "",
         f"Reproduce: `PYTHONPATH=. python benchmarks/plan_time.py{' --quick' if args.quick else ''}`",
