@@ -521,16 +521,16 @@ def _reference_spec(job: Job, s: Settings) -> Any:
 
 def _reference_estimate_ms(job: Job, s: Settings, hardware: Hardware) -> tuple[float, int]:
     """The cost model's lookups + communication of the table-wise reference step on `hardware`, and the
-    collectives its one sharding group issues per step."""
+    collectives it issues per step (its one sharding group's and its module's split exchange)."""
     from .plan.cost import CostModel
-    from .plan.groups import collectives_per_step
+    from .plan.groups import module_collectives_per_step
     from .plan.topology import Topology
 
     model = CostModel(_reference_spec(job, s), Topology(job.world_size, job.local_world_size, hardware))
     load = model.rank_load(_reference_plan(job, s, "rb"))
     (kind,) = load.groups
     cost = model.step_cost(load)
-    return cost.lookup_ms + cost.comm_ms, collectives_per_step(kind)
+    return cost.lookup_ms + cost.comm_ms, module_collectives_per_step([kind])
 
 
 def _ub_round_times(job: Job, s: Settings, optimizer: str) -> tuple[list[float], list[float]]:
@@ -617,7 +617,7 @@ def measure_sharded_steps(job: Job, s: Settings, optimizer: str, hardware: Hardw
         [(t * 1e3 - estimate_ms) * 1e3 / collectives for t in table_wise],
         "us",
         f"{s.ub_tables} one-hot tables x {s.ub_batch} samples per rank trained table-wise in DMP: step - the cost "
-        f"model's lookups and bytes ({estimate_ms:.3g} ms), per collective of its sharding group ({collectives}); "
+        f"model's lookups and bytes ({estimate_ms:.3g} ms), per collective it issues ({collectives}); "
         "at least alltoall_latency_us",
     )
     ids = s.ub_tables * s.ub_batch  # per rank and step

@@ -8,25 +8,36 @@ fp8/fp16) and a DP table, on Zipf IDs. The counters measure the payloads handed 
 tensors; our all-to-alls' encoded payload per member, which the per-table split must add up to, or counting
 raises). Every rank's counted bytes, per table, kind (ids, lengths, embeddings, gradients) and peer, must equal
 traffic.table_messages given the batch's actual IDs per row slice (RB) and distinct IDs per row slice (UB), exactly.
+
+The module's split exchange (sharding/input_exchange.py: every group's split sizes and the rank's input-fault record,
+once per module and batch) is counted as "metadata": per rank and peer it must equal traffic.split_exchange_messages
+and the bytes each exchange hands all_to_all_single, recorded by a stand-in for input_exchange's torch.distributed,
+in this model, in a module of one data-parallel table (whose only collective besides DDP's is this exchange), and in
+test_sharding_pipeline's model trained under TrainPipelineSparseDist.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+import test_sharding_pipeline as P
 from embark_torchrec.plan.cost import CostModel
+from embark_torchrec.plan.groups import sharding_type
 from embark_torchrec.plan.layout import TableLayout, WirePrecision
 from embark_torchrec.plan.spec import ModelSpec, TableSpec
 from embark_torchrec.plan.topology import Topology
-from embark_torchrec.plan.traffic import table_messages
-from embark_torchrec.sharding.comm_stats import enable_comm_stats
+from embark_torchrec.plan.traffic import Message, split_exchange_messages, table_messages
+from embark_torchrec.sharding import input_exchange
+from embark_torchrec.sharding.comm_stats import INPUT_EXCHANGE, CommKey, CommStats, enable_comm_stats, group_ranks
 from embark_torchrec.sharding.torchrec_counting import ALL_TABLES
 from embark_torchrec.testing import global_kjt_batch, ids_per_row_slice, run_ranks
 from embark_torchrec.testing.training import sharded_model
@@ -73,26 +84,96 @@ LAYOUTS = {
 GROUP_OF_ONE = {"row_wise": "rw", "table_row_wise": "twrw"}
 
 
-def _batches() -> list[KeyedJaggedTensor]:
+def _batches(tables: list[EmbeddingBagConfig] = TABLES) -> list[KeyedJaggedTensor]:
     """The global batch, with int32 lengths (what the cost model assumes on the wire)."""
     out = []
-    for kjt in global_kjt_batch(TABLES, WS, BATCH, seed=SEED, ids="zipf", max_bag_size=6):
+    for kjt in global_kjt_batch(tables, WS, BATCH, seed=SEED, ids="zipf", max_bag_size=6):
         out.append(
             KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths().to(torch.int32), stride=BATCH)
         )
     return out
 
 
-def _one_step() -> dict[str, Any]:
-    rank = dist.get_rank()
-    model = sharded_model(TABLES, LAYOUTS, LWS)
-    stats = enable_comm_stats(model)
-    assert enable_comm_stats(model) is stats
-    out = model(_batches()[rank])
+DP_TABLE = next(t for t in TABLES if t.name == "dp")
+EXCHANGE_KEY = CommKey(INPUT_EXCHANGE, ALL_TABLES, "metadata")
+
+
+class _RecordedExchanges:
+    """Stands in for input_exchange's torch.distributed: adds up, per peer, the bytes each split exchange hands
+    all_to_all_single (its input and output split evenly over the group's members), then runs it."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.per_peer = np.zeros((2, WS))  # sent to / received from each global rank
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool) -> Any:
+        peers = group_ranks(group)
+        for side, tensor in enumerate((input, output)):
+            for peer, chunk in zip(peers, tensor.chunk(len(peers))):
+                self.per_peer[side, peer] += chunk.numel() * chunk.element_size()
+        self.calls += 1
+        return dist.all_to_all_single(output, input, group=group, async_op=async_op)
+
+
+@contextlib.contextmanager
+def _recorded_exchanges() -> Iterator[_RecordedExchanges]:
+    recorded = _RecordedExchanges()
+    input_exchange.dist = recorded  # type: ignore[assignment]
+    try:
+        yield recorded
+    finally:
+        input_exchange.dist = dist
+
+
+def _exchange(run: Callable[[], CommStats]) -> tuple[CommStats, dict[str, Any]]:
+    """`run`'s CommStats, and what it counted as metadata (only the split exchange's key may hold any) and what its
+    exchanges handed the collective, none to oneself."""
+    with _recorded_exchanges() as recorded:
+        stats = run()
+    recorded.per_peer[:, dist.get_rank()] = 0.0
+    return stats, {
+        "counted": stats.per_peer(EXCHANGE_KEY),
+        "passed": recorded.per_peer,
+        "calls": recorded.calls,
+        "metadata_keys": [k for k in stats.keys() if k.kind == "metadata"],
+    }
+
+
+def _train_one_step(model: torch.nn.Module, kjt: KeyedJaggedTensor) -> None:
+    out = model(kjt)
     out = (out.wait() if hasattr(out, "wait") else out).to_dict()
-    gen = torch.Generator().manual_seed(rank)
+    gen = torch.Generator().manual_seed(dist.get_rank())
     loss = sum((v * torch.randn(v.shape, generator=gen)).sum() for v in out.values())
     loss.backward()
+
+
+def _counted_step(tables: list[EmbeddingBagConfig], layouts: dict[str, TableLayout]) -> CommStats:
+    """One training step of these tables sharded by `layouts`, counted from its start."""
+    model = sharded_model(tables, layouts, LWS)
+    stats = enable_comm_stats(model)
+    assert enable_comm_stats(model) is stats
+    _train_one_step(model, _batches(tables)[dist.get_rank()])
+    return stats
+
+
+def _pipelined_steps() -> CommStats:
+    """test_sharding_pipeline's model and batches, trained through TrainPipelineSparseDist."""
+    torch.manual_seed(P.SEED)
+    model, optimizer = P._sharded(P.DenseSparseModel(torch.device("cpu")))
+    stats = enable_comm_stats(model)
+    pipeline = TrainPipelineSparseDist(model, optimizer, torch.device("cpu"), execute_all_batches=True)
+    iterator = iter(P._batches(dist.get_rank()))
+    with contextlib.suppress(StopIteration):
+        while True:
+            pipeline.progress(iterator)
+    return stats
+
+
+def _one_step() -> dict[str, Any]:
+    stats, exchange = _exchange(lambda: _counted_step(TABLES, LAYOUTS))
     by_table: dict[tuple[str, str], np.ndarray] = {}
     for k in stats.keys():
         table = GROUP_OF_ONE.get(k.sharding_type, k.table) if k.table == ALL_TABLES else k.table
@@ -102,12 +183,53 @@ def _one_step() -> dict[str, Any]:
         "sharding_types": sorted({k.sharding_type for k in stats.keys()}),
         "render": stats.render(),
         "totals": stats.totals(),
+        "exchanges": {
+            "one_step": exchange,
+            "data_parallel": _exchange(lambda: _counted_step([DP_TABLE], {"dp": LAYOUTS["dp"]}))[1],
+            "pipelined": _exchange(_pipelined_steps)[1],
+        },
     }
 
 
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, Any]]:
     return run_ranks(_one_step, WS, local_world_size=LWS, timeout_s=300)
+
+
+def _per_rank(messages: Iterable[Message]) -> np.ndarray:
+    """[W, 2, W] bytes each rank sends to / receives from each peer."""
+    out = np.zeros((WS, 2, WS))
+    for m in messages:
+        out[m.src, 0, m.dst] += m.nbytes
+        out[m.dst, 1, m.src] += m.nbytes
+    return out
+
+
+def _groups(tables: Iterable[EmbeddingBagConfig], layouts: dict[str, TableLayout]) -> int:
+    return len({sharding_type(layouts[t.name], t.num_embeddings, WS, LWS) for t in tables})
+
+
+# per case of _one_step's exchanges: (the module's sharding groups, its batches)
+EXCHANGE_CASES = {
+    "one_step": (_groups(TABLES, LAYOUTS), 1),
+    "data_parallel": (1, 1),
+    "pipelined": (_groups(P.TABLES, P.LAYOUTS), P.STEPS),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXCHANGE_CASES))
+def test_split_exchange_counted_equals_predicted_and_passed(results: list[dict[str, Any]], case: str) -> None:
+    """Per rank and peer, the split exchange's counted metadata bytes equal traffic.split_exchange_messages once per
+    module and batch, and the bytes its tensors hand all_to_all_single; it is the only metadata counted."""
+    groups, batches = EXCHANGE_CASES[case]
+    predicted = batches * _per_rank(split_exchange_messages(WS, groups))
+    for rank, r in enumerate(results):
+        exchange = r["exchanges"][case]
+        assert exchange["metadata_keys"] == [EXCHANGE_KEY], (case, rank)
+        assert exchange["calls"] == batches, (case, rank)
+        np.testing.assert_array_equal(exchange["counted"], predicted[rank], err_msg=f"{case} rank {rank}")
+        np.testing.assert_array_equal(exchange["passed"], predicted[rank], err_msg=f"{case} rank {rank}")
+    assert predicted.sum() > 0
 
 
 def _predicted(table: EmbeddingBagConfig) -> dict[str, np.ndarray]:
@@ -119,14 +241,11 @@ def _predicted(table: EmbeddingBagConfig) -> dict[str, np.ndarray]:
     )
     cost = CostModel(spec, Topology(WS, LWS))
     layout = LAYOUTS[table.name]
-    out = {kind: np.zeros((WS, 2, WS)) for kind in KINDS}
     ids = None
     if layout.cluster != "dp":
         ids = ids_per_row_slice(_batches(), table.feature_names, layout.row_bounds, layout.cluster == "ub")
-    for m in table_messages(cost, table.name, layout, ids):
-        out[m.kind][m.src, 0, m.dst] += m.nbytes
-        out[m.kind][m.dst, 1, m.src] += m.nbytes
-    return out
+    messages = table_messages(cost, table.name, layout, ids)
+    return {kind: _per_rank(m for m in messages if m.kind == kind) for kind in KINDS}
 
 
 @pytest.mark.parametrize("table", TABLES, ids=lambda t: t.name)

@@ -3,7 +3,8 @@
 For each sharding type (TorchRec's table-wise, column-wise, row-wise, table-row-wise, data-parallel; our flat and
 hierarchical RB grids and UB), 4 gloo ranks (2 nodes x 2, one spawn for all cases) train one step of a model whose
 tables all run in that group, and count every c10d collective the step dispatches (DDP's included); a model with
-tables in three groups must issue the sum of the three. The count must equal groups.collectives_per_step, and the
+tables in three groups, and one with a data-parallel table beside a table-wise one, must issue the sum of their
+groups' and one split exchange for the module. The count must equal groups.module_collectives_per_step, and the
 cost model must charge exactly group_ms for each distinct group, whatever the number of tables in it.
 """
 
@@ -18,7 +19,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from embark_torchrec.plan.cost import CostModel
-from embark_torchrec.plan.groups import collectives_per_step, sharding_type
+from embark_torchrec.plan.groups import (
+    FLAT_COLLECTIVES,
+    HIERARCHICAL_COLLECTIVES,
+    INPUT_EXCHANGE_COLLECTIVES,
+    UNIQUE_COLLECTIVES,
+    collectives_per_step,
+    module_collectives_per_step,
+    sharding_type,
+)
 from embark_torchrec.plan.layout import Plan, TableLayout
 from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec
@@ -49,6 +58,7 @@ MIXED_LAYOUTS = {"t0": LAYOUTS["table_wise"][0], "t1": LAYOUTS["embark_ub"][1], 
 CASES: dict[str, tuple[list[EmbeddingBagConfig], dict[str, TableLayout]]] = {
     **{kind: (TABLES, dict(zip(("t0", "t1"), pair))) for kind, pair in LAYOUTS.items()},
     "mixed": (MIXED_TABLES, MIXED_LAYOUTS),
+    "with_data_parallel": (TABLES, {"t0": LAYOUTS["table_wise"][0], "t1": LAYOUTS["data_parallel"][0]}),
 }
 
 
@@ -87,20 +97,25 @@ def counted() -> list[dict[str, int]]:
 
 
 def _expected(tables: list[EmbeddingBagConfig], layouts: Mapping[str, TableLayout]) -> int:
-    kinds = {sharding_type(layouts[t.name], t.num_embeddings, WS, LWS) for t in tables}
-    return sum(collectives_per_step(k) for k in kinds)
+    return module_collectives_per_step(sharding_type(layouts[t.name], t.num_embeddings, WS, LWS) for t in tables)
 
 
 @pytest.mark.parametrize("kind", sorted(LAYOUTS))
 def test_group_issues_the_collectives_it_is_charged(counted: list[dict[str, int]], kind: str) -> None:
+    """A module of one group issues the group's collectives and its split exchange (a data-parallel group alone:
+    its DDP all-reduce and the exchange, which carries the batch's input check to every rank)."""
     tables, layouts = CASES[kind]
     assert {sharding_type(layouts[t.name], ROWS, WS, LWS) for t in tables} == {kind}
-    assert [c[kind] for c in counted] == [collectives_per_step(kind)] * WS
+    assert [c[kind] for c in counted] == [collectives_per_step(kind) + INPUT_EXCHANGE_COLLECTIVES] * WS
 
 
 def test_groups_add_up(counted: list[dict[str, int]]) -> None:
-    """Three tables in three groups: the step issues the sum of the groups' collectives."""
-    assert [c["mixed"] for c in counted] == [_expected(*CASES["mixed"])] * WS == [5 + 5 + 7] * WS
+    """Tables in several groups of one module: the step issues the sum of the groups' collectives and one split
+    exchange, however many groups share it."""
+    mixed = FLAT_COLLECTIVES + UNIQUE_COLLECTIVES + HIERARCHICAL_COLLECTIVES + INPUT_EXCHANGE_COLLECTIVES
+    assert [c["mixed"] for c in counted] == [_expected(*CASES["mixed"])] * WS == [mixed] * WS == [4 + 4 + 6 + 1] * WS
+    with_dp = [c["with_data_parallel"] for c in counted]
+    assert with_dp == [_expected(*CASES["with_data_parallel"])] * WS == [4 + 1 + 1] * WS
 
 
 def test_cost_model_charges_each_distinct_group_once() -> None:
@@ -117,7 +132,7 @@ def test_cost_model_charges_each_distinct_group_once() -> None:
     dp_group = collectives_per_step("data_parallel") * hw.collective_us / 1e3  # its own DDP's all-reduce
     assert collective_ms({**tw, "t2": TableLayout.data_parallel()}) == pytest.approx(one_group + dp_group)
     mixed = {**tw, "t1": LAYOUTS["embark_ub"][0], "t2": LAYOUTS["embark_rb_hier"][0]}
-    assert collective_ms(mixed) == pytest.approx((5 + 5 + 7) * hw.collective_us / 1e3)
+    assert collective_ms(mixed) == pytest.approx((4 + 4 + 6) * hw.collective_us / 1e3)
     step = cost.evaluate(Plan(WS, LWS, mixed))
     assert step.step_ms == pytest.approx(
         step.lookup_ms + step.comm_ms + step.collective_ms + step.dp_allreduce_ms + step.dense_ms

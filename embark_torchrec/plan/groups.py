@@ -3,15 +3,18 @@
 TorchRec builds one EmbeddingSharding (one input dist and one output dist, each with its own
 collectives) per distinct sharding-type string in a module. So every distinct string a plan uses
 adds a fixed number of collectives per training step, whatever its tables' sizes; on a transport with
-a high launch cost (gloo) that count matters as much as the bytes. The counts below are those the
-runtime issues (counted by wrapping torch.distributed's collectives around a training step, in
-tests/test_plan_groups.py). Weighted features (and MEAN pooling on our RB types, which send 1 / length
-as weights) add one all-to-all, their weights, to the input dist; model specs do not say which
-features are weighted, so that one is not priced.
+a high launch cost (gloo) that count matters as much as the bytes. Each sharded module (EBC or EC) adds
+one more per step, whatever its groups: its split exchange (sharding/input_exchange.py), which carries
+every group's split sizes. The counts below are those the runtime issues (counted by wrapping
+torch.distributed's collectives around a training step, in tests/test_plan_groups.py). Weighted
+features (and MEAN pooling on our RB types, which send 1 / length as weights) add one all-to-all,
+their weights, to the input dist; model specs do not say which features are weighted, so that one
+is not priced.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
 from functools import lru_cache
 
@@ -19,18 +22,22 @@ from .layout import TableLayout, ceil_row_bounds, parse_sharding_type, sharding_
 from .wire import EMBARK_ID_BYTES, TORCHREC_ID_BYTES
 
 DATA_PARALLEL = "data_parallel"
-# collectives per training step of one group, forward and backward: the KJT input dist (splits,
-# lengths, values), then the pooled output and its gradient; hierarchical (and TWRW) reductions add
-# an intra-node stage each way; UB sends its de-duplicated IDs through the same KJT all-to-all (its
-# counts are the KJT's lengths), then vectors and their gradients; a data-parallel group has no dists,
-# but TorchRec wraps its lookups in a DistributedDataParallel of their own, whose reducer all-reduces
-# their gradients in the backward (one all-reduce per DDP bucket of 25 MB; priced as one)
+# collectives per training step of one group, forward and backward: the KJT input dist's tensors
+# (lengths, values: their split sizes travel in the module's split exchange), then the pooled output
+# and its gradient; hierarchical (and TWRW) reductions add an intra-node stage each way; UB sends its
+# de-duplicated IDs through the same KJT all-to-all (its counts are the KJT's lengths), then vectors
+# and their gradients; a data-parallel group has no dists, but TorchRec wraps its lookups in a
+# DistributedDataParallel of their own, whose reducer all-reduces their gradients in the backward
+# (one all-reduce per DDP bucket of 25 MB; priced as one)
 DATA_PARALLEL_COLLECTIVES = 1
 # the dense modules' DDP all-reduces their gradients alike, once per step for any plan
 DENSE_COLLECTIVES = 1
-FLAT_COLLECTIVES = 5
-HIERARCHICAL_COLLECTIVES = 7
-UNIQUE_COLLECTIVES = 5
+FLAT_COLLECTIVES = 4
+HIERARCHICAL_COLLECTIVES = 6
+UNIQUE_COLLECTIVES = 4
+# once per sharded module and step, whatever its groups (data-parallel ones only included): the split
+# exchange of every group's split sizes and every rank's input check
+INPUT_EXCHANGE_COLLECTIVES = 1
 # TorchRec's EmbeddingCollection runs these built-in types exactly; every other layout of a sequence
 # table runs as ours (TorchRec's sequence column-wise needs one width for all its tables)
 SEQUENCE_BUILTIN_TYPES = (DATA_PARALLEL, "table_wise", "row_wise")
@@ -90,10 +97,18 @@ def id_bytes(kind: str) -> int:
 
 @lru_cache(maxsize=None)
 def collectives_per_step(kind: str) -> int:
-    """Collectives one sharding group issues per training step (forward and backward)."""
+    """Collectives one sharding group issues per training step (forward and backward), its module's split
+    exchange aside (module_collectives_per_step)."""
     if kind in _BUILTIN_COLLECTIVES:
         return _BUILTIN_COLLECTIVES[kind]
     cluster, hierarchical, _ = parse_sharding_type(kind)
     if cluster == "ub":
         return UNIQUE_COLLECTIVES
     return HIERARCHICAL_COLLECTIVES if hierarchical else FLAT_COLLECTIVES
+
+
+def module_collectives_per_step(kinds: Iterable[str]) -> int:
+    """Collectives one sharded module issues per training step, its tables in the sharding groups `kinds`: each
+    distinct group's own and the module's split exchange (none for a module without tables)."""
+    distinct = set(kinds)
+    return sum(collectives_per_step(k) for k in distinct) + (INPUT_EXCHANGE_COLLECTIVES if distinct else 0)

@@ -18,6 +18,9 @@ What each cluster sends (F features, b samples per rank, cell (r, c) of width w_
 - UB (pooled or sequence): every rank s sends each distinct holder of row slice r one int32 count per feature and its
   distinct IDs of r (row-local int32); each cell sends s one vector of w_c per distinct ID of s; gradients
   back the same way.
+
+Per sharded module rather than per table: its split exchange (split_exchange_messages), which the cost model
+prices as one collective (groups.INPUT_EXCHANGE_COLLECTIVES), not by its bytes.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .cost import CostModel
-from .wire import LENGTH_BYTES, vector_bytes
+from .wire import LENGTH_BYTES, split_exchange_bytes, vector_bytes
 from .groups import id_bytes, sharding_type
 from .layout import TableLayout
 
@@ -36,8 +39,15 @@ from .layout import TableLayout
 class Message:
     src: int
     dst: int
-    kind: str  # "ids", "lengths", "embeddings" or "gradients", as comm_stats counts them
+    kind: str  # "ids", "lengths", "embeddings", "gradients" or "metadata", as comm_stats counts them
     nbytes: float
+
+
+def split_exchange_messages(world_size: int, groups: int) -> list[Message]:
+    """One batch's split exchange of a sharded module of `groups` sharding groups (sharding/input_exchange.py): every
+    rank sends every other rank the groups' split sizes and its input-fault record (wire.split_exchange_bytes)."""
+    nbytes = float(split_exchange_bytes(groups))
+    return [Message(s, d, "metadata", nbytes) for s in range(world_size) for d in range(world_size) if s != d]
 
 
 def expected_ids(cost: CostModel, name: str, layout: TableLayout) -> np.ndarray:

@@ -7,6 +7,9 @@ cannot drift apart.
 - bag lengths (and UB's per-group counts, which travel as KJT lengths): int32.
 - embedding and gradient rows: ELEMENT_BYTES per value at the cluster's wire precision; fp8 adds one
   fp32 scale per row (sharding/codecs.py's row-wise e4m3 codec).
+- the split exchange (sharding/input_exchange.py): once per sharded module (EBC or EC) and batch, every
+  rank sends every other rank one row of int64: per sharding group of the module, a layout code and
+  SPLIT_ROWS split sizes, then its INPUT_FAULT_INTS-integer input-fault record.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ MAX_SLICE_ROWS = 2**31
 LENGTH_BYTES = 4
 ELEMENT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0}
 FP8_SCALE_BYTES = 4  # one fp32 scale per row vector
+SPLIT_INT_BYTES = 8  # the split exchange's integers are int64
+SPLIT_ROWS = 4  # split sizes per group: lengths, values, then two of: strides, weights, batch size
+INPUT_FAULT_INTS = 11  # sharding/validation.py's InputFault.FIELDS
 
 Count = Union[float, np.ndarray]
 
@@ -33,3 +39,13 @@ def rows_bytes(elements: Count, rows: Count, precision: str) -> Count:
 def vector_bytes(width: int, precision: str) -> float:
     """Wire bytes of one embedding (or gradient) row of `width` elements."""
     return float(rows_bytes(float(width), 1.0, precision))
+
+
+def split_exchange_ints(groups: int) -> int:
+    """Integers each rank sends each other rank in the split exchange of a module of `groups` sharding groups."""
+    return groups * (1 + SPLIT_ROWS) + INPUT_FAULT_INTS
+
+
+def split_exchange_bytes(groups: int) -> int:
+    """Wire bytes each rank sends each other rank in that exchange, once per module and batch."""
+    return split_exchange_ints(groups) * SPLIT_INT_BYTES

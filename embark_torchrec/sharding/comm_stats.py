@@ -5,14 +5,18 @@ EmbarkShardedEmbeddingCollection in a model and returns this rank's `CommStats`.
 (hierarchical reduction, unique-based dists) record each call's bytes per peer, sharding type, table
 and kind; the TorchRec all-to-alls our grid borrows, and TorchRec's own pooled shardings run by our
 sharder (table-wise, column-wise, row-wise, table-row-wise), are counted by hooks
-(torchrec_counting.py); TorchRec's own sequence (EC) shardings are not counted. Off by default: a dist that is not
-counting pays one `is None` check.
+(torchrec_counting.py); TorchRec's own sequence (EC) shardings are not counted. Each module's split exchange
+(input_exchange.py) is counted by `SplitsExchangeCounter`. Off by default: a dist that is not counting pays one
+`is None` check.
 
 Kinds: "ids", "lengths" (int32 bag lengths; for UB the per-group counts), "weights", "metadata"
-(TorchRec's split sizes), "embeddings" (forward) and "gradients" (backward). A message to oneself
-is not on the wire and is not counted. The gradients of TorchRec's pooled all-to-alls mirror their
-forward messages and are recorded at forward time; ours are recorded when backward sends them.
-Data-parallel tables are all-reduced by DDP with the dense part and are not counted here.
+(the split exchange: once per module and batch, every sharding group's split sizes and the rank's
+input-fault record, filed under sharding type INPUT_EXCHANGE and table ALL_TABLES), "embeddings"
+(forward) and "gradients" (backward). A message to oneself is not on the wire and is not counted.
+The gradients of TorchRec's pooled all-to-alls mirror their forward messages and are recorded at
+forward time; ours are recorded when backward sends them. Data-parallel tables are all-reduced by
+DDP with the dense part and are not counted here (a module of data-parallel tables only still
+sends its split exchange, which is).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from ..plan.wire import rows_bytes
 
 KINDS = ("metadata", "lengths", "ids", "weights", "embeddings", "gradients")
 _DIRECTIONS = ("sent", "received")
+ALL_TABLES = "*"  # bytes of a sharding group's (or a module's) tables together
+INPUT_EXCHANGE = "input_exchange"  # the sharding type under which a module's split exchange is filed
 
 
 @dataclass(frozen=True)
@@ -140,6 +146,27 @@ def group_ranks(pg: Any) -> List[int]:
     import torch.distributed as dist
 
     return [dist.get_global_rank(pg, i) for i in range(dist.get_world_size(pg))]
+
+
+class SplitsExchangeCounter:
+    """Counts a module's split exchanges (input_exchange.SplitsExchange) as "metadata", from the tensors it hands
+    to all_to_all_single: each member gets, and sends back, an equal share of their first dimension (read off
+    their shapes: no host sync)."""
+
+    def __init__(self, stats: CommStats, pg: Any) -> None:
+        self._stats, self._peers = stats, group_ranks(pg)
+
+    def __call__(self, sent: torch.Tensor, received: torch.Tensor) -> None:
+        n = len(self._peers)
+        sent_bytes, received_bytes = ([t.numel() // n * t.element_size()] * n for t in (sent, received))
+        world = self._stats.world_size
+        self._stats.record(
+            INPUT_EXCHANGE,
+            ALL_TABLES,
+            "metadata",
+            per_peer_bytes(world, self._peers, sent_bytes),
+            per_peer_bytes(world, self._peers, received_bytes),
+        )
 
 
 def enable_comm_stats(model: torch.nn.Module) -> CommStats:

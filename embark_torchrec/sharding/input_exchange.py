@@ -17,7 +17,8 @@ exchange. Each rank issued the same one collective for the batch, so a rank that
 Collectives: TorchRec sends one split exchange per sharding with a KJT all-to-all (under TrainPipelineSparseDist, one
 per process group for all pipelined modules); this sends one per module instead. A module whose every table is
 data-parallel had none and gets this one (a few integers per rank, asynchronous): without it a bad batch could not
-reach the other ranks before their DDP all-reduce.
+reach the other ranks before their DDP all-reduce. Its size per peer is plan/wire.py's split_exchange_bytes; with
+counting on (comm_stats), each exchange's tensors are counted as "metadata".
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ from torchrec.distributed.embedding_sharding import KJTListSplitsAwaitable, KJTS
 from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from ..plan.wire import SPLIT_ROWS, split_exchange_ints
+from .comm_stats import CommStats, SplitsExchangeCounter
 from .torchrec_compat import collective_group, input_dist_all_to_all, kjt_splits, kjt_stagger, split_meta_input
 from .validation import OK, InputFault, InputValidator, InvalidInputError
 
-ROWS = 4  # split rows per sharding: lengths, values, then two of: strides (variable batch), weights, batch size
-_BLOCK = 1 + ROWS  # per sharding: its layout code, then its rows
+_BLOCK = 1 + SPLIT_ROWS  # per sharding: its layout code, then its split rows (plan/wire.py)
 _NO_KJT = 0  # the layout code of a sharding without a KJT all-to-all (data-parallel), or of a bad rank's blank
 
 
@@ -106,11 +108,12 @@ class SplitsExchange:
         validator: InputValidator,
         sharding_types: Sequence[str],
         device: torch.device,
+        counter: Optional[SplitsExchangeCounter] = None,
     ) -> None:
         world = pg.size()
         self._validator, self._sharding_types = validator, list(sharding_types)
         self._rows: List[int] = []
-        sent = np.zeros((world, len(pending) * _BLOCK + InputFault.FIELDS), dtype=np.int64)
+        sent = np.zeros((world, split_exchange_ints(len(pending))), dtype=np.int64)
         for i, p in enumerate(pending):
             rows: List[List[int]] = []
             if isinstance(p, KJTSplitsAllToAllMeta):
@@ -130,6 +133,8 @@ class SplitsExchange:
             self._work: Optional[dist.Work] = dist.all_to_all_single(
                 self._received, self._sent, group=pg, async_op=True
             )
+            if counter is not None:
+                counter(self._sent, self._received)
         else:
             self._received, self._work = self._sent, None
         self._splits: Optional[np.ndarray] = None
@@ -200,9 +205,12 @@ class ExchangedSplits(Awaitable[Any]):
 
 class CheckedInput:
     """What our sharded EBC and EC share at the door: the batch checked (`check_input`), then the input dist's
-    request turned into one that waits the module's split exchange first (`exchange_splits`)."""
+    request turned into one that waits the module's split exchange first (`exchange_splits`), counted when the
+    module counts its bytes (`comm_stats`)."""
 
     _validate: InputValidator
+    comm_stats: Optional[CommStats]
+    _exchange_counter: Optional[SplitsExchangeCounter] = None
 
     def check_input(self, features: Any) -> tuple[Any, Optional[InputFault]]:
         if isinstance(features, KeyedJaggedTensor):
@@ -221,7 +229,12 @@ class CheckedInput:
         """`request` (TorchRec's, of the input dists' pending all-to-alls), or for a bad batch (`fault`, no request)
         one of blank shardings, waiting the exchange first."""
         pending = list(request.awaitables) if request is not None else [None] * len(sharding_types)
-        exchange = SplitsExchange(pg, pending, fault, self._validate, sharding_types, device)
+        counter = None
+        if self.comm_stats is not None:
+            if self._exchange_counter is None:
+                self._exchange_counter = SplitsExchangeCounter(self.comm_stats, pg)
+            counter = self._exchange_counter
+        exchange = SplitsExchange(pg, pending, fault, self._validate, sharding_types, device, counter)
         if request is None:
             request = KJTListSplitsAwaitable([], ctx)
         request.awaitables = [ExchangedSplits(exchange, i, p) for i, p in enumerate(pending)]

@@ -5,7 +5,8 @@ PooledEmbeddingsReduceScatter) read the tensors each call sends and receives. KJ
 key, so bytes go to the table of each key; pooled all-to-alls per column, from the sharding's
 per-rank embedding dims; reduce-scatters (torchrec's row-wise and table-row-wise) count their
 logical messages (each rank's chunk for each peer, and the all-gather of gradients back) and are
-attributed to the sharding's tables together ("*").
+attributed to the sharding's tables together (ALL_TABLES). The KJT all-to-alls' split sizes travel in
+their module's split exchange (input_exchange.py), counted apart (comm_stats.SplitsExchangeCounter).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from torchrec.distributed.dist_data import KJTAllToAll, PooledEmbeddingsAllToAll, PooledEmbeddingsReduceScatter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from .comm_stats import CommStats, Ledger, group_ranks
+from .comm_stats import ALL_TABLES, CommStats, Ledger, group_ranks
 from .torchrec_compat import (
     build_lazy_output_dists,
     collective_codecs,
@@ -29,8 +30,6 @@ from .torchrec_compat import (
     received_peer_order,
 )
 
-ALL_TABLES = "*"
-
 
 def base_feature(key: str) -> str:
     """The feature a KJT key stands for (our grid cells are virtual features "feature#r.c")."""
@@ -38,10 +37,10 @@ def base_feature(key: str) -> str:
 
 
 class KJTCounter:
-    """Counts one KJTAllToAll: lengths, IDs and weights per key and peer, plus the split sizes
-    TorchRec exchanges first. The sent side is read when the all-to-all is called; the received
-    side from what the lookup gets (record_received), since TrainPipelineSparseDist fuses the
-    splits exchange and builds the tensor all-to-all itself.
+    """Counts one KJTAllToAll: lengths, IDs and weights per key and peer. The sent side is read
+    when the all-to-all is called (which only records what it will send: input_exchange.py, or
+    TrainPipelineSparseDist's forward); the received side from what the lookup gets
+    (record_received), since the tensor all-to-all is built after the module's split exchange.
 
     IDs per key and peer are summed on the device, step after step, and read (one host sync) only
     when the statistics are (flush, called by CommStats); bag counts are known on the host."""
@@ -71,10 +70,6 @@ class KJTCounter:
         for key, peer in zip(keys, self._peer_of_key):
             self._add(per_table, key, "lengths", 0, int(peer), sent.stride() * sent.lengths().element_size())
         self._flush_bytes(per_table)
-        labels = 3 + (sent.weights_or_none() is not None)  # lengths, values, [weights,] and the batch size
-        meta = np.zeros(self._stats.world_size)
-        meta[self._peers] = labels * 8.0
-        self._stats.record(self._sharding_type, ALL_TABLES, "metadata", meta, meta)
 
     def record_received(self, received: KeyedJaggedTensor, stride_per_rank: Optional[List[int]]) -> None:
         """The all-to-all's output: per key, one segment of bags from each peer."""
