@@ -236,3 +236,52 @@ def test_storage_reservations_keep_their_share() -> None:
 
     for reservation in (FixedPercentageStorageReservation(0.3), HeuristicalStorageReservation(percentage=0.3)):
         assert storage_reservation_share(reservation) == 0.3, type(reservation).__name__
+
+
+def test_input_exchange_internals_exist() -> None:
+    """What input_exchange.py reads through torchrec_compat is where it expects it: an input dist keeps its
+    KJTAllToAll in `_dist` (input_dist_all_to_all; DP's has none, and `_dist` is the one TrainPipelineSparseDist
+    swaps), a KJTAllToAll its stagger in `_stagger` (kjt_stagger), a KJTSplitsAllToAllMeta its KJT in `_input`
+    (split_meta_input); and TorchRec still takes the fields and arguments input_exchange builds its split meta, tensor
+    all-to-all and split request with, and its pipeline's fused split exchange passes over awaitables that are not
+    split metas (the module's own exchange sends them)."""
+    import types
+
+    from torchrec.distributed.dist_data import KJTAllToAll, KJTAllToAllTensorsAwaitable
+    from torchrec.distributed.embedding_sharding import (
+        FusedKJTListSplitsAwaitable,
+        KJTListSplitsAwaitable,
+        KJTSplitsAllToAllMeta,
+    )
+    from torchrec.distributed.sharding.dp_sharding import DpSparseFeaturesDist
+    from torchrec.distributed.sharding.rw_sharding import RwSparseFeaturesDist
+    from torchrec.distributed.sharding.tw_sharding import TwSparseFeaturesDist
+    from torchrec.distributed.sharding.twrw_sharding import TwRwSparseFeaturesDist
+    from torchrec.distributed.train_pipeline import utils as pipeline_utils
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from embark_torchrec.sharding.torchrec_compat import input_dist_all_to_all, kjt_stagger, split_meta_input
+
+    for input_dist in (TwSparseFeaturesDist, RwSparseFeaturesDist, TwRwSparseFeaturesDist):
+        assert "self._dist = KJTAllToAll(" in inspect.getsource(input_dist.__init__), input_dist
+    assert "_dist" not in inspect.getsource(DpSparseFeaturesDist)
+    assert 'hasattr(input_dist, "_dist")' in inspect.getsource(pipeline_utils)
+    a2a = KJTAllToAll.__new__(KJTAllToAll)  # no process group needed to tell its type
+    assert input_dist_all_to_all(types.SimpleNamespace(_dist=a2a)) is a2a
+    assert input_dist_all_to_all(types.SimpleNamespace(_dist=torch.nn.Identity())) is None
+    assert input_dist_all_to_all(DpSparseFeaturesDist()) is None
+
+    assert "self._stagger = stagger" in inspect.getsource(KJTAllToAll.__init__)
+    assert kjt_stagger(types.SimpleNamespace(_stagger=2)) == 2
+
+    kjt = KeyedJaggedTensor(keys=["f"], values=torch.tensor([1, 2]), lengths=torch.tensor([2]))
+    meta_fields = {f.name for f in dataclasses.fields(KJTSplitsAllToAllMeta)}  # DeferredKJTAllToAll sets them all
+    meta_args = "pg _input splits splits_tensors input_splits input_tensors labels keys device stagger"
+    assert meta_fields == set(meta_args.split()), meta_fields
+    meta = KJTSplitsAllToAllMeta(**{name: None for name in meta_fields} | {"_input": kjt})
+    assert split_meta_input(meta) is kjt
+    tensors_args = "pg input splits input_splits output_splits input_tensors labels keys device stagger stride_per_rank"
+    assert set(tensors_args.split()) <= set(inspect.signature(KJTAllToAllTensorsAwaitable.__init__).parameters)
+    assert list(inspect.signature(KJTListSplitsAwaitable.__init__).parameters)[1:3] == ["awaitables", "ctx"]
+    assert "self.awaitables = awaitables" in inspect.getsource(KJTListSplitsAwaitable.__init__)
+    assert "if isinstance(awaitable, KJTSplitsAllToAllMeta)" in inspect.getsource(FusedKJTListSplitsAwaitable.__init__)
