@@ -118,6 +118,17 @@ def test_groups_add_up(counted: list[dict[str, int]]) -> None:
     assert with_dp == [_expected(*CASES["with_data_parallel"])] * WS == [4 + 1 + 1] * WS
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cost_model_charges_what_runs(counted: list[dict[str, int]], case: str) -> None:
+    """The cost model's collectives for each case's plan are the ones its step issued (its groups' and the module's
+    split exchange), priced at collective_us."""
+    tables, layouts = CASES[case]
+    hw = PRESETS["cpu-gloo"]
+    specs = tuple(TableSpec(t.name, t.num_embeddings, t.embedding_dim, 1.0, tuple(t.feature_names)) for t in tables)
+    step = CostModel(ModelSpec("m", WS * BATCH, specs), Topology(WS, LWS, hw)).evaluate(Plan(WS, LWS, dict(layouts)))
+    assert [step.collective_ms] * WS == pytest.approx([c[case] * hw.collective_us / 1e3 for c in counted])
+
+
 def test_cost_model_charges_each_distinct_group_once() -> None:
     """Each distinct group adds its own collectives to the plan's, once, whatever the number of tables in it."""
     hw = PRESETS["cpu-gloo"]

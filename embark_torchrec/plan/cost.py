@@ -56,7 +56,9 @@ same traffic message by message, and the runtime's dists send exactly that):
 - Collectives: each sharding group the plan runs (one per distinct sharding-type string, see
   groups.py) issues a fixed number of collectives per step, each costing collective_us to launch
   and synchronise, whatever its size (milliseconds on gloo; zero in the GPU presets). A
-  data-parallel group issues one, its own DDP's all-reduce; the dense part's DDP one more.
+  data-parallel group issues one, its own DDP's all-reduce; each sharded module (the pooled
+  tables' EBC, the sequence tables' EC) one split exchange, whatever its groups; the dense part's
+  DDP one more.
 
 Time per rank: lookup_ms = lookup bytes / HBM bandwidth + IDs x lookup_ns_per_id + de-duplication;
 comm_ms = max(sent, received) intra / NVLink bandwidth + max(sent, received) inter / network
@@ -78,7 +80,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from .groups import DENSE_COLLECTIVES, collectives_per_step, id_bytes, sharding_type
+from .groups import DENSE_COLLECTIVES, collectives_per_step, id_bytes, module_collectives_per_step, sharding_type
 from .layout import Plan, TableLayout
 from .spec import IdDistribution, ModelSpec, TableSpec
 from .topology import Topology
@@ -492,6 +494,16 @@ class CostModel:
         costs per step in collective launches."""
         return collectives_per_step(kind.removeprefix(SEQUENCE_GROUP)) * self.topology.hardware.collective_us / 1e3
 
+    def collectives_ms(self, groups: Mapping[str, int]) -> float:
+        """What a plan's sharding groups (RankLoad.groups) cost per step in collective launches: each group's
+        own (group_ms) and one split exchange per sharded module holding any (the pooled tables' EBC, the
+        sequence tables' EC)."""
+        kinds = [kind for kind, n in groups.items() if n > 0]
+        sequence = [kind.removeprefix(SEQUENCE_GROUP) for kind in kinds if kind.startswith(SEQUENCE_GROUP)]
+        pooled = [kind for kind in kinds if not kind.startswith(SEQUENCE_GROUP)]
+        count = module_collectives_per_step(pooled) + module_collectives_per_step(sequence)
+        return count * self.topology.hardware.collective_us / 1e3
+
     def rank_load(self, plan: Plan | Mapping[str, TableLayout]) -> RankLoad:
         tables = plan.tables if isinstance(plan, Plan) else plan
         return RankLoad.total((self.table_load(n, layout) for n, layout in tables.items()), self.topology.world_size)
@@ -546,7 +558,7 @@ class CostModel:
         return StepCost(
             lookup_ms=lookup_ms,
             comm_ms=float((intra + inter).max()),
-            collective_ms=sum(self.group_ms(kind) for kind, n in load.groups.items() if n > 0),
+            collective_ms=self.collectives_ms(load.groups),
             dp_allreduce_ms=float(dp),
             dense_ms=dense_compute + dense_ar,
             overlap_ms=min(float(dp) + dense_ar, backward),
