@@ -20,7 +20,8 @@ from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.layout import TableLayout
 from embark_torchrec.plan.plan_model import PlannedModel, plan_model
 from embark_torchrec.plan.report import ProgressLine, progress_line
-from embark_torchrec.plan.search import GreedySearch, SearchConfig
+from embark_torchrec.plan.search import SearchConfig, SearchStats, SplitRounds
+from embark_torchrec.plan.search_state import SearchState
 from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec
 from embark_torchrec.plan.topology import PRESETS, Topology
 
@@ -113,12 +114,14 @@ def test_a_placements_score_is_the_cost_models_to_the_last_bit(world: int, local
     evaluation of every candidate would pick."""
     spec, topology = _mixed(world, local, hbm_gb)
     cost = CostModel(spec, topology)
-    search = GreedySearch(cost, assign_clusters(cost, {}), {}, SearchConfig())
-    _, placement = search._initial_shapes()
-    _, total = search._score(placement)
-    layouts = {**search.fixed, **{n: search._layout(placement, n) for n in search.movable}}
+    state = SearchState(cost, assign_clusters(cost, {}), {}, SearchConfig())
+    search = SplitRounds(SearchStats())
+    search.prepare(state)
+    _, placement = search.initial_placement()
+    _, total = search.score(placement)
+    layouts = {**state.fixed, **{n: search.placed_layout(placement, n) for n in state.movable}}
     expected = cost.rank_load(layouts)
-    assert any(layouts[n].num_row_slices * layouts[n].num_col_slices == 1 for n in search.movable)
+    assert any(layouts[n].num_row_slices * layouts[n].num_col_slices == 1 for n in state.movable)
     assert np.array_equal(total.rows, expected.rows)
     assert (total.dp_intra, total.dp_inter, total.groups) == (expected.dp_intra, expected.dp_inter, expected.groups)
 

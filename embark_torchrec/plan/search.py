@@ -13,7 +13,13 @@ is worse than the current plan, because on a plateau of equally loaded ranks a c
 its twins are cut too. After `patience` rounds without a new best, the best plan seen wins.
 
 Phase 2, polish: local moves on the costliest ranks (cut one cell's row or column slice onto a light
-rank, or move the cell), each applied only if it lowers the estimated step time.
+rank, or move the cell: moves.cell_moves, the same moves phase 3 tries), each applied only if it lowers
+the estimated step time.
+
+The phases are strategies over one SearchState (search_state.py), the plan under search: phase 1
+(SplitRounds) leaves its best placement there, phase 2 (Polish) and phase 3 (improve.Improvement)
+price their moves against it and apply the ones they take. Clusters come before (clusters.py): they
+decide which tables the state holds as movable.
 
 Phase 3, improve (improve.py): a hill climb priced exactly, move by move, on the tables that load
 the bottleneck ranks most: cell moves and cuts, swaps of one-cell tables, re-splits (a slice more
@@ -36,29 +42,30 @@ placement keeps each table's cell ranks, and a one-cell table's load is its load
 renumbered, added into the plan's total in table order a stack of tables at a time
 (CostModel.add_in_order), so that the total is CostModel.rank_load's to the last bit; a table's
 further cells look at the ranks of its own nodes directly, not down the heap; the costliest rank's
-tables come from the placement and twins from groups built once. Phase 2 keeps, per rank, the tables
+tables come from the placement and twins from groups built once. The state keeps, per rank, the tables
 with a cell there.
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Iterator, Mapping
 
 import numpy as np
 
 from .constraints import TableConstraints
 from .cost import CostModel, RankLoad
-from .improve import Improver
+from .improve import Improvement
 from .layout import Plan, PlanError, TableLayout, WirePrecision
+from .moves import cell_moves, cells_on, even_grid, light_ranks
 from .objective import Objective, better, objective
 from .report import Progress
+from .search_state import SearchState, better_move
 
 Shape = tuple[int, int]  # (row slices, column slices)
 Grid = tuple[tuple[int, ...], ...]  # the rank of each cell, [row slice][column slice]
-Cell = tuple[float, int, int, int, str, float, int, bool]  # see GreedySearch._cells
-_FREE = TableConstraints()
+Cell = tuple[float, int, int, int, str, float, int, bool]  # see SplitRounds._cells
 
 
 @dataclass(frozen=True)
@@ -101,7 +108,7 @@ class SearchStats:
 @dataclass
 class _Cells:
     """A table's unplaced grid (every cell on rank 0) and its cells; a one-cell grid also keeps the
-    sharding groups of its load (whose columns GreedySearch._one_cell keeps)."""
+    sharding groups of its load (whose columns SplitRounds._one_cell keeps)."""
 
     grid: TableLayout
     cells: list[Cell]
@@ -120,99 +127,62 @@ class _Placement:
     layouts: dict[str, TableLayout] = field(default_factory=dict)
 
 
-class GreedySearch:
-    """One search for one model, topology and cluster assignment (which phase 3 may change)."""
+class SplitRounds:
+    """Phases 1 (the first placement, then the split rounds) on a search state: it leaves the best
+    placement seen in the state. Its caches (unplaced grids and their cells, one-cell tables' load
+    columns, the last cells sorted) live as long as the phase."""
 
-    def __init__(
-        self,
-        cost: CostModel,
-        clusters: Mapping[str, str],
-        constraints: Mapping[str, TableConstraints],
-        config: SearchConfig,
-        progress: Progress | None = None,
-    ) -> None:
-        self.cost = cost
-        self.clusters = dict(clusters)
-        self.constraints = constraints
-        self.config = config
+    def __init__(self, stats: SearchStats, progress: Progress | None = None) -> None:
+        self.stats = stats
         self.progress = progress
-        self.world_size = cost.topology.world_size
-        self.cap = cost.topology.hbm_cap_bytes
-        self.stats = SearchStats()
-        self._shapes: dict[str, Shape] = {}
-        self._con = {t.name: constraints.get(t.name, _FREE) for t in cost.spec.tables}
-        self._precisions = {
-            n: c.precision or config.precision.get(self.clusters[n], WirePrecision()) for n, c in self._con.items()
-        }
-        self.fixed: dict[str, TableLayout] = {}
-        self.movable: list[str] = []
-        for t in cost.spec.tables:
-            c = self._con[t.name]
-            if c.layout is not None:
-                self.fixed[t.name] = c.layout
-            elif self.clusters[t.name] == "dp":
-                self.fixed[t.name] = TableLayout.data_parallel(self._precision(t.name))
-            else:
-                self.movable.append(t.name)
-        # shared by the tables every rank is allowed for: 50,000 tables need no 50,000 rank lists
-        everyone = np.arange(self.world_size)
+
+    def prepare(self, state: SearchState) -> None:
+        """Reads what the phase needs of the state and builds the twins' groups (done by run)."""
+        self.state = state
+        self.cost = state.cost
+        self.config = state.config
+        self.world_size = state.world_size
+        self.cap = state.cap
+        self._lws = state.local_world_size
+        self.movable = state.movable
+        self._con = state.constraints
+        self._allowed_ranks = state.allowed
+        self._allowed_set = state.allowed_set
+        self._order = state.order
+        self._fixed_memory = state.fixed_memory
+        self._fixed_total = state.fixed_total
         everyone_key = tuple(range(self.world_size))
-        self._allowed_ranks: dict[str, np.ndarray] = {}
-        self._allowed_set: dict[str, set[int] | None] = {}  # None: every rank
         self._twin_groups: dict[tuple, list[str]] = {}
         self._twin_key: dict[str, tuple] = {}
         for n in self.movable:
             c = self._con[n]
-            ranks = sorted(set(c.ranks)) if c.ranks is not None else None
-            self._allowed_ranks[n] = everyone if ranks is None else np.array(ranks, dtype=np.int64)
-            self._allowed_set[n] = None if ranks is None else set(ranks)
             key = (
                 self.cost.signature[n],
-                self.clusters[n],
-                everyone_key if ranks is None else tuple(ranks),
+                state.clusters[n],
+                everyone_key if c.ranks is None else tuple(self._allowed_ranks[n].tolist()),
                 self._precision(n),
                 (c.row_cuts, c.column_cuts, c.grid_cuts, c.min_column_width),
             )
             self._twin_key[n] = key
             self._twin_groups.setdefault(key, []).append(n)
-        self._hier_cache: dict[TableLayout, bool] = {}
-        self._lws = cost.topology.local_world_size
-        self._order = {n: i for i, n in enumerate(self.movable)}
+        self._shapes: dict[str, Shape] = {}
         self._cell_cache: dict[tuple[str, Shape], _Cells] = {}
         self._last_sorted: tuple[dict[str, Shape], list[Cell]] = ({}, [])
-        fixed_loads = [cost.table_load(name, layout) for name, layout in self.fixed.items()]
-        self._fixed_memory = np.zeros(self.world_size)
-        for load in fixed_loads:
-            self._fixed_memory += load.memory
-        self._fixed_total = RankLoad.total(fixed_loads, self.world_size)
         self.unplaced: list[str] = []
-        # state of the plan under construction (phase 2 updates it one table at a time)
-        self.layouts: dict[str, TableLayout] = {}
-        self.loads: dict[str, RankLoad] = {}  # of the movable tables' current layouts, filled when needed
-        self.total = RankLoad.zeros(self.world_size)
-        self._holders: dict[int, set[str]] = {}  # phase 2: rank -> movable tables with a cell there
-        self._cell_ms: dict[tuple[str, TableLayout], np.ndarray] = {}
         # per movable table: its one-cell load's CostModel.one_cell_columns, filled when first scored
         self._columns = np.zeros((len(self.movable),) + self.cost.one_cell_columns(self._fixed_total).shape)
-        self._rank_ms = np.zeros(self.world_size)  # phase 2: per-rank load of self.total
 
     # ---- helpers ----------------------------------------------------------------------------
 
     def _precision(self, name: str) -> WirePrecision:
-        return self._precisions[name]
+        return self.state.precision(name, self.state.clusters[name])
 
     def _report(self, stage: str, done: int, total: int | None, note: str = "") -> None:
         if self.progress is not None:
             self.progress(stage, done, total, note)
 
     def _grid(self, name: str, shape: Shape) -> TableLayout:
-        """An even R x C grid (columns on multiples of 4) with every cell on rank 0, to be placed."""
-        t = self.cost.table(name)
-        n_r, n_c = shape
-        rows = tuple(round(i * t.rows / n_r) for i in range(n_r + 1))
-        quads = t.dim // 4
-        cols = tuple(4 * round(i * quads / n_c) for i in range(n_c + 1))
-        return TableLayout(self.clusters[name], rows, cols, ((0,) * n_c,) * n_r, self._precision(name))
+        return even_grid(self.state, name, self.state.clusters[name], shape)
 
     def _cells(self, name: str, shape: Shape) -> _Cells:
         """The unplaced grid of a table and its cells as (-cost ms, table order, r, c, name, bytes,
@@ -234,23 +204,11 @@ class GreedySearch:
             entry = self._cell_cache[key] = _Cells(grid, cells)
         return entry
 
-    def _hierarchy(self, name: str, layout: TableLayout) -> TableLayout:
-        """Row-split RB tables reduce inside the node first when that lowers the table's own
-        communication bottleneck, counting the extra collectives of the two-stage reduction."""
-        if layout.cluster != "rb" or layout.num_row_slices < 2:
-            return layout
-        if layout not in self._hier_cache:
-            flat, hier = (replace(layout, hierarchical=h) for h in (False, True))
-            steps = [self.cost.step_cost(self.cost.table_load(name, v)) for v in (flat, hier)]
-            ms = [step.comm_ms + step.collective_ms for step in steps]
-            self._hier_cache[layout] = ms[1] < ms[0]
-        return replace(layout, hierarchical=self._hier_cache[layout])
-
-    def _layout(self, placement: _Placement, name: str) -> TableLayout:
+    def placed_layout(self, placement: _Placement, name: str) -> TableLayout:
         layout = placement.layouts.get(name)
         if layout is None:
             grid = self._cells(name, placement.shapes[name]).grid
-            layout = placement.layouts[name] = self._hierarchy(name, grid.with_ranks(placement.grids[name]))
+            layout = placement.layouts[name] = self.state.hierarchy(name, grid.with_ranks(placement.grids[name]))
         return layout
 
     def _one_cell(self, name: str, entry: _Cells) -> Mapping[str, int]:
@@ -263,7 +221,7 @@ class GreedySearch:
             entry.groups = base.groups
         return entry.groups
 
-    def _score(self, placement: _Placement) -> tuple[Objective, RankLoad]:
+    def score(self, placement: _Placement) -> tuple[Objective, RankLoad]:
         """The placement's objective and per-rank total: the fixed tables' sum, then each movable
         table's load added in table order, as CostModel.rank_load adds them (CostModel.add_in_order,
         a one-cell table's from its load on rank 0)."""
@@ -277,7 +235,7 @@ class GreedySearch:
             if entry.cells[0][-1]:
                 kinds.append(self._one_cell(name, entry))
             else:
-                load = self.cost.table_load(name, self._layout(placement, name))
+                load = self.cost.table_load(name, self.placed_layout(placement, name))
                 full[j] = load.rows
                 kinds.append(load.groups)
         self.cost.add_in_order(total.rows, self._columns, placement.cell_ranks, full)
@@ -446,7 +404,7 @@ class GreedySearch:
                 column = (rank - k) % self._lws if rank // self._lws == k // self._lws else self._lws
                 columns.append(self._columns[self._order[n]][:, column])
             else:
-                columns.append(self.cost.table_load(n, self._layout(placement, n)).rows[:, rank])
+                columns.append(self.cost.table_load(n, self.placed_layout(placement, n)).rows[:, rank])
         loads = self.cost.rank_load_ms(np.stack(columns, axis=1))
         return max((float(ms), -self._order[n], n) for ms, n in zip(loads, names))[2]
 
@@ -481,7 +439,7 @@ class GreedySearch:
             )
         return (n_r, n_c)
 
-    def _initial_shapes(self) -> tuple[dict[str, Shape], _Placement]:
+    def initial_placement(self) -> tuple[dict[str, Shape], _Placement]:
         """Table-wise; while some cells find no rank with memory, row-split the tables they belong
         to (or, when those cannot be cut further, the table with the largest slices)."""
         shapes = self._shapes = {n: self._least_shape(n) for n in self.movable}
@@ -512,9 +470,10 @@ class GreedySearch:
             for n in growing:
                 shapes[n] = (2 * shapes[n][0], shapes[n][1])
 
-    def _split_rounds(self) -> None:
-        self._shapes, placement = self._initial_shapes()
-        score, total = self._score(placement)
+    def run(self, state: SearchState) -> None:
+        self.prepare(state)
+        self._shapes, placement = self.initial_placement()
+        score, total = self.score(placement)
         self.stats.initial_step_ms = self.cost.step_cost(total).step_ms
         best = current = (score, placement, total)
         stalled = 0
@@ -532,7 +491,7 @@ class GreedySearch:
                     for local_first in (False, True) if shape[0] > 1 else (False,):
                         placed = self._place(trial, local_first)
                         if placed is not None:
-                            options.append((self._score(placed), trial, placed))
+                            options.append((self.score(placed), trial, placed))
             if not options:
                 break
             (score, total), self._shapes, placement = min(options, key=lambda o: o[0][0])
@@ -542,131 +501,99 @@ class GreedySearch:
                 stalled = 0
             else:
                 stalled += 1
-        _, placement, self.total = best
-        self.layouts = dict(self.fixed)
+        _, placement, total = best
+        layouts = dict(state.fixed)
         for name in self.movable:
-            self.layouts[name] = self._layout(placement, name)
+            layouts[name] = self.placed_layout(placement, name)
+        state.set_plan(layouts, total)
 
-    # ---- phase 2: polish -------------------------------------------------------------------------
 
-    def _load(self, name: str) -> RankLoad:
-        load = self.loads.get(name)
-        if load is None:
-            load = self.loads[name] = self.cost.table_load(name, self.layouts[name])
-        return load
+class Polish:
+    """Phase 2 on a search state: local moves on the costliest ranks' heaviest cells (moves.cell_moves
+    onto the least loaded ranks), each taken only if it lowers the objective."""
 
-    def _least_loaded(self, name: str, exclude: int) -> list[int]:
-        """The allowed ranks but `exclude` with the least load, ties to the lower rank."""
-        ranks = self._allowed_ranks[name]
-        ranks = ranks[ranks != exclude]
-        order = np.lexsort((ranks, self._rank_ms[ranks]))[: self.config.placement_candidates]
-        return ranks[order].tolist()
+    def __init__(self, stats: SearchStats, progress: Progress | None = None) -> None:
+        self.stats = stats
+        self.progress = progress
+        self._cell_ms: dict[tuple[str, TableLayout], np.ndarray] = {}
 
-    def _moves(self, name: str, r: int, c: int, rank: int) -> Iterator[TableLayout]:
-        """Cut the cell's row or column slice with the new half on a light rank q (where the table's
-        constraints allow that cut), or move it to q."""
-        layout = self.layouts[name]
-        con = self._con[name]
-        r0, r1 = layout.row_bounds[r], layout.row_bounds[r + 1]
-        c0, c1 = layout.col_bounds[c], layout.col_bounds[c + 1]
-        half = (c1 - c0) // 8 * 4
-        cut_rows = con.row_cuts and (layout.num_col_slices == 1 or con.grid_cuts) and r1 - r0 >= 2
-        cut_cols = con.column_cuts and (layout.num_row_slices == 1 or con.grid_cuts)
-        cut_cols = cut_cols and min(half, c1 - c0 - half) >= con.min_column_width
-        row = layout.ranks[r]
-        column = tuple(layout.ranks[i][c] for i in range(layout.num_row_slices))
-        for q in self._least_loaded(name, exclude=rank):
-            if cut_rows:
-                yield layout.split_rows(r, (r0 + r1) // 2, row[:c] + (q,) + row[c + 1 :])
-            if cut_cols:
-                yield layout.split_cols(c, c0 + half, column[:r] + (q,) + column[r + 1 :])
-            grid = [list(cells) for cells in layout.ranks]
-            grid[r][c] = q
-            yield layout.with_ranks(tuple(tuple(cells) for cells in grid))
-
-    def _heaviest_cells(self, rank: int) -> list[tuple[str, int, int]]:
+    def _heaviest_cells(self, state: SearchState, rank: int) -> list[tuple[str, int, int]]:
         scored = []
-        names = self._holders.get(rank, set())
+        names = state.holders[rank]
         self.stats.tables_scanned += len(names)
         for name in names:
-            layout = self.layouts[name]
+            layout = state.layouts[name]
             ms = self._cell_ms.get((name, layout))
             if ms is None:
-                ms = self._cell_ms[(name, layout)] = self.cost.cell_ms(name, layout)
-            order = self._order[name]
-            scored += [
-                (-float(ms[r, c]), order, r, c)
-                for r, row in enumerate(layout.ranks)
-                for c, k in enumerate(row)
-                if k == rank
-            ]
+                ms = self._cell_ms[(name, layout)] = state.cost.cell_ms(name, layout)
+            order = state.order[name]
+            scored += [(-float(ms[r, c]), order, r, c) for r, c in cells_on(layout, rank)]
         scored.sort()
-        return [(self.movable[o], r, c) for _, o, r, c in scored[: self.config.cells_per_rank]]
+        return [(state.names[o], r, c) for _, o, r, c in scored[: state.config.cells_per_rank]]
 
-    def _try(self, name: str, layout: TableLayout) -> tuple[Objective, TableLayout, RankLoad, RankLoad] | None:
-        if layout.mixed_width_rank() is not None:
-            return None
-        self.stats.evaluations += 1
-        layout = self._hierarchy(name, layout)
-        new = self.cost.table_load(name, layout)
-        total = self.total.copy()
-        total.add(self._load(name), -1.0)
-        total.add(new)
-        if total.memory.max() > self.cap:
-            return None
-        return objective(self.cost.step_cost(total)), layout, new, total
-
-    def _hold(self, name: str, layout: TableLayout, holds: bool) -> None:
-        """Records (or forgets) the ranks the table's layout has cells on."""
-        for k in layout.used_ranks():
-            if holds:
-                self._holders.setdefault(k, set()).add(name)
-            else:
-                self._holders[k].discard(name)
-
-    def _polish(self) -> None:
-        for name in self.movable:
-            self._hold(name, self.layouts[name], True)
-        current = objective(self.cost.step_cost(self.total))
-        for move in range(self.config.polish_moves):
-            self._report("polishing", move, self.config.polish_moves, f"best {current[0]:.3f} ms")
-            step = self.cost.step_cost(self.total)
-            self._rank_ms = step.rank_load_ms
+    def run(self, state: SearchState) -> None:
+        config = state.config
+        current = objective(state.cost.step_cost(state.total))
+        for move in range(config.polish_moves):
+            if self.progress is not None:
+                self.progress("polishing", move, config.polish_moves, f"best {current[0]:.3f} ms")
+            step = state.cost.step_cost(state.total)
+            measures = ((step.rank_load_ms, config.placement_candidates),)
             comm = step.rank_intra_ms + step.rank_inter_ms
             worst = dict.fromkeys(int(np.argmax(a)) for a in (step.rank_load_ms, step.rank_lookup_ms, comm))
             best = None
-            for name, r, c, k in (cell + (k,) for k in worst for cell in self._heaviest_cells(k)):
-                for layout in self._moves(name, r, c, k):
-                    tried = self._try(name, layout)
-                    if tried is not None and (best is None or better(tried[0], best[1])):
-                        best = (name,) + tried
-            if best is None or not better(best[1], current):
+            priced = state.priced
+            for name, r, c, k in (cell + (k,) for k in worst for cell in self._heaviest_cells(state, k)):
+                for layout in cell_moves(state, name, [(r, c)], light_ranks(state, name, measures, k)):
+                    best = better_move(best, state.evaluate([(name, layout)]))
+            self.stats.evaluations += state.priced - priced
+            if best is None or not better(best.objective, current):
                 return
-            name, current, layout, new, total = best
-            self._hold(name, self.layouts[name], False)
-            self._hold(name, layout, True)
-            self.layouts[name], self.loads[name], self.total = layout, new, total
+            state.apply(best)
+            current = best.objective
             self.stats.moves += 1
 
-    def _improve(self) -> None:
-        self.stats.loads_computed = self.cost.computed
-        self.stats.greedy_step_ms = self.cost.step_cost(self.total).step_ms
-        self._report("improving", 0, self.config.improve_evaluations)
-        improver = Improver(self, self.progress)
-        self.stats.improve_moves = improver.run()
-        self.stats.improve_evaluations = improver.evaluations
-        self.stats.improve_kicks = improver.kicks
-        self.stats.improve_loads_computed = self.cost.computed - self.stats.loads_computed
+
+class GreedySearch:
+    """One search for one model, topology and cluster assignment (which phase 3 may change): the
+    phases, as strategies over one SearchState, in order."""
+
+    def __init__(
+        self,
+        cost: CostModel,
+        clusters: Mapping[str, str],
+        constraints: Mapping[str, TableConstraints],
+        config: SearchConfig,
+        progress: Progress | None = None,
+    ) -> None:
+        self.cost = cost
+        self.config = config
+        self.progress = progress
+        self.stats = SearchStats()
+        self.state = SearchState(cost, clusters, constraints, config)
+
+    @property
+    def layouts(self) -> dict[str, TableLayout]:
+        return self.state.layouts
 
     def run(self) -> Plan:
-        if self.movable:
-            self._split_rounds()
-            self._polish()
+        state = self.state
+        if state.movable:
+            for phase in (SplitRounds(self.stats, self.progress), Polish(self.stats, self.progress)):
+                phase.run(state)
         else:
-            self.layouts = dict(self.fixed)
-            self.total = self._fixed_total.copy()
-        self._improve()
+            state.set_plan(dict(state.fixed), state.fixed_total.copy())
+        self.stats.loads_computed = self.cost.computed
+        self.stats.greedy_step_ms = self.cost.step_cost(state.total).step_ms
+        if self.progress is not None:
+            self.progress("improving", 0, self.config.improve_evaluations, "")
+        improvement = Improvement(self.progress)
+        improvement.run(state)
+        self.stats.improve_moves = improvement.moves
+        self.stats.improve_evaluations = improvement.evaluations
+        self.stats.improve_kicks = improvement.kicks
+        self.stats.improve_loads_computed = self.cost.computed - self.stats.loads_computed
         topo = self.cost.topology
         order = [t.name for t in self.cost.spec.tables]
         allreduce = self.config.precision.get("dp", WirePrecision()).backward  # DDP's, dense gradients included
-        return Plan(topo.world_size, topo.local_world_size, {n: self.layouts[n] for n in order}, {}, allreduce)
+        return Plan(topo.world_size, topo.local_world_size, {n: state.layouts[n] for n in order}, {}, allreduce)

@@ -1,0 +1,249 @@
+"""The search's moves: every new layout a phase tries for a table (or a group of tables), from one place.
+
+Each generator reads the plan under search (SearchState) and yields layouts that keep the table's
+constraints: its allowed ranks (a table of more cells than allowed ranks is never made), its cuts
+(rows, columns, grids, the fewest slices, the narrowest columns), its clusters and its precision.
+Memory and the one column width per table on a rank are checked when a move is priced
+(SearchState.evaluate). Placements are longest cell first onto the least loaded allowed ranks with
+memory left, one cell of the table per rank.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import replace
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+
+from .bound import allowed_clusters
+from .layout import TableLayout
+from .search_state import Changes, SearchState
+
+Shape = tuple[int, int]  # (row slices, column slices)
+
+
+def even_grid(state: SearchState, name: str, cluster: str, shape: Shape) -> TableLayout:
+    """An even R x C grid of the table (columns on multiples of 4) with every cell on rank 0, to be placed."""
+    t = state.cost.table(name)
+    n_r, n_c = shape
+    rows = tuple(round(i * t.rows / n_r) for i in range(n_r + 1))
+    quads = t.dim // 4
+    cols = tuple(4 * round(i * quads / n_c) for i in range(n_c + 1))
+    return TableLayout(cluster, rows, cols, ((0,) * n_c,) * n_r, state.precision(name, cluster))
+
+
+def light_ranks(state: SearchState, name: str, measures: Sequence[tuple[np.ndarray, int]], exclude: int) -> list[int]:
+    """The table's allowed ranks but `exclude`: for each (per-rank measure, n), the n least by it
+    (ties to the lower rank), in that order, each once."""
+    ranks = state.allowed[name]
+    ranks = ranks[ranks != exclude]
+    out: dict[int, None] = {}
+    for loads, n in measures:
+        out.update(dict.fromkeys(ranks[np.lexsort((ranks, loads[ranks]))[:n]].tolist()))
+    return list(out)
+
+
+def cell_moves(
+    state: SearchState, name: str, cells: Iterable[tuple[int, int]], targets: list[int]
+) -> Iterator[TableLayout]:
+    """Each of these cells (row slice, column slice) moved to a target rank, or cut in half (its row
+    slice, or its column slice) with the new half there, where the table's cuts and its allowed
+    ranks leave room for one more slice."""
+    layout = state.layouts[name]
+    con = state.constraints[name]
+    count = layout.num_row_slices * layout.num_col_slices
+    room = len(state.allowed[name])
+    for r, c in cells:
+        r0, r1 = layout.row_bounds[r], layout.row_bounds[r + 1]
+        c0, c1 = layout.col_bounds[c], layout.col_bounds[c + 1]
+        half = (c1 - c0) // 8 * 4
+        cut_rows = con.row_cuts and (layout.num_col_slices == 1 or con.grid_cuts) and r1 - r0 >= 2
+        cut_rows = cut_rows and count + layout.num_col_slices <= room
+        cut_cols = con.column_cuts and (layout.num_row_slices == 1 or con.grid_cuts)
+        cut_cols = cut_cols and min(half, c1 - c0 - half) >= con.min_column_width
+        cut_cols = cut_cols and count + layout.num_row_slices <= room
+        row = layout.ranks[r]
+        column = tuple(layout.ranks[i][c] for i in range(layout.num_row_slices))
+        for q in targets:
+            grid = [list(ranks) for ranks in layout.ranks]
+            grid[r][c] = q
+            yield layout.with_ranks(tuple(map(tuple, grid)))
+            if cut_rows:
+                yield layout.split_rows(r, (r0 + r1) // 2, row[:c] + (q,) + row[c + 1 :])
+            if cut_cols:
+                yield layout.split_cols(c, c0 + half, column[:r] + (q,) + column[r + 1 :])
+
+
+def cells_on(layout: TableLayout, rank: int) -> list[tuple[int, int]]:
+    """The (row slice, column slice) of each of the layout's cells on `rank`."""
+    return [(r, c) for r, row in enumerate(layout.ranks) for c, k in enumerate(row) if k == rank]
+
+
+def shapes_near(state: SearchState, name: str, layout: TableLayout) -> Iterator[Shape]:
+    """One row or column slice more or fewer, or twice or half as many, as the table's constraints allow."""
+    n_r, n_c = layout.num_row_slices, layout.num_col_slices
+    shapes = ((n_r + 1, n_c), (n_r - 1, n_c), (n_r, n_c + 1), (n_r, n_c - 1))
+    shapes += ((2 * n_r, n_c), (n_r // 2, n_c), (n_r, 2 * n_c), (n_r, n_c // 2))
+    return (s for s in dict.fromkeys(shapes) if allows_shape(state, name, s))
+
+
+def allows_shape(state: SearchState, name: str, shape: Shape) -> bool:
+    """Whether the table's constraints, sizes and allowed ranks admit an even grid of this shape."""
+    con = state.constraints[name]
+    t = state.cost.table(name)
+    r, c = shape
+    if r < con.min_cuts[0] or c < con.min_cuts[1] or r * c > len(state.allowed[name]):
+        return False
+    if r > t.rows or c > t.dim // con.min_column_width:
+        return False
+    return not ((r > 1 and not con.row_cuts) or (c > 1 and not con.column_cuts) or (r > 1 < c and not con.grid_cuts))
+
+
+def placed(
+    state: SearchState, name: str, cluster: str, shape: Shape, rank_ms: np.ndarray, local: bool = False
+) -> TableLayout | None:
+    """An even grid of the table, its cells placed longest first, one per rank, onto the allowed
+    ranks least loaded without the table and with memory for them; None when memory runs out.
+    `local`: only on the fewest least loaded nodes that have ranks enough, so that a
+    hierarchical reduction keeps partial sums inside them."""
+    cost = state.cost
+    grid = even_grid(state, name, cluster, shape)
+    n_r, n_c = shape
+    rows, cols = grid.row_bounds, grid.col_bounds
+    ms = cost.cell_ms(name, grid)
+    own = state.load(name)
+    base = rank_ms - cost.rank_load_ms(own.rows)
+    memory = state.total.memory - own.memory
+    ranks = state.allowed[name]
+    if local:
+        lws = state.local_world_size
+        nodes = ranks // lws
+        node_ms = np.bincount(nodes, weights=base[ranks], minlength=cost.topology.num_nodes)
+        node_ranks = np.bincount(nodes, minlength=cost.topology.num_nodes)
+        chosen, room = [], 0
+        for n in np.lexsort((np.arange(len(node_ms)), node_ms / np.maximum(node_ranks, 1))):
+            if room >= n_r * n_c or not node_ranks[n]:
+                continue
+            chosen.append(n)
+            room += node_ranks[n]
+        ranks = ranks[np.isin(nodes, chosen)]
+    heap = list(zip(base[ranks].tolist(), ranks.tolist()))
+    heapq.heapify(heap)
+    cells = [[0] * n_c for _ in range(n_r)]
+    for _, r, c in sorted((-float(ms[r, c]), r, c) for r in range(n_r) for c in range(n_c)):
+        need = (rows[r + 1] - rows[r]) * cost.row_memory(name, cols[c + 1] - cols[c])
+        skipped = []
+        while heap and memory[heap[0][1]] + need > state.cap:
+            skipped.append(heapq.heappop(heap))
+        if not heap:
+            return None
+        k = heapq.heappop(heap)[1]  # not pushed back: one cell of the table per rank
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        cells[r][c] = k
+        memory[k] += need
+    return grid.with_ranks(tuple(map(tuple, cells)))
+
+
+def reshapes(state: SearchState, name: str, rank_ms: np.ndarray) -> Iterator[TableLayout]:
+    """The table re-split (shapes_near) and placed, anywhere and, when row-split RB, node by node."""
+    layout = state.layouts[name]
+    for shape in shapes_near(state, name, layout):
+        for local in (False, True) if layout.cluster == "rb" and shape[0] > 1 else (False,):
+            grid = placed(state, name, layout.cluster, shape, rank_ms, local)
+            if grid is not None:
+                yield grid
+
+
+def reclusters(state: SearchState, name: str, rank_ms: np.ndarray) -> Iterator[TableLayout]:
+    """The table in each other cluster its constraints allow: DP, or RB / UB on the same grid
+    (from DP: its fewest slices, placed)."""
+    layout = state.layouts[name]
+    con = state.constraints[name]
+    for cluster in allowed_clusters(con):
+        if cluster == layout.cluster:
+            continue
+        if cluster == "dp":
+            yield TableLayout.data_parallel(state.precision(name, "dp"))
+        elif layout.cluster == "dp":
+            grid = placed(state, name, cluster, con.min_cuts, rank_ms)
+            if grid is not None:
+                yield grid
+        else:
+            yield replace(layout, cluster=cluster, precision=state.precision(name, cluster), hierarchical=False)
+
+
+def swaps(state: SearchState, name: str, rank: int, targets: list[int]) -> Iterator[Changes]:
+    """A one-cell table on `rank` swapped, per target rank, with that rank's heaviest one-cell table
+    lighter than it there that may go to `rank`."""
+    layout = state.layouts[name]
+    if layout.num_row_slices * layout.num_col_slices != 1:
+        return
+    cost = state.cost
+    mine = float(cost.rank_load_ms(state.load(name).rows[:, rank : rank + 1])[0])
+    for q in targets:
+        options = []
+        for other in state.holders[q]:
+            theirs_layout = state.layouts[other]
+            allowed = state.constraints[other].ranks
+            if theirs_layout.num_row_slices * theirs_layout.num_col_slices != 1:
+                continue
+            if allowed is not None and rank not in allowed:
+                continue
+            theirs = float(cost.rank_load_ms(state.load(other).rows[:, q : q + 1])[0])
+            if theirs < mine:
+                options.append((-theirs, state.order[other], other))
+        if options:
+            other = min(options)[2]
+            yield [(name, layout.with_ranks(((q,),))), (other, state.layouts[other].with_ranks(((rank,),)))]
+
+
+def group_of(state: SearchState, name: str) -> str:
+    (kind,) = state.load(name).groups
+    return kind
+
+
+def table_wise(state: SearchState, names: list[str], rank_ms: np.ndarray) -> Changes | None:
+    """The tables each whole on one rank, the costliest first onto the least loaded allowed rank
+    (counting the ones placed before it); None when memory runs out."""
+    cost = state.cost
+    own = {name: cost.rank_load_ms(state.load(name).rows) for name in names}
+    ms = rank_ms.copy()
+    for name in names:
+        ms -= own[name]
+    out = []
+    for name in sorted(names, key=lambda n: (-own[n].sum(), state.order[n])):
+        grid = placed(state, name, "rb", (1, 1), ms + own[name])
+        if grid is None:
+            return None
+        ms += cost.rank_load_ms(cost.table_load(name, grid).rows)
+        out.append((name, grid))
+    return out
+
+
+def dissolutions(state: SearchState, rank_ms: np.ndarray) -> Iterator[Changes]:
+    """Each sharding group of the tables that may change, and all of them at once, emptied in one
+    move: all its tables data-parallel, or table-wise (placed one after another onto the least
+    loaded ranks), or UB <-> RB on the same grids. A group's collectives cost the step only while
+    one table is left in it, which no single-table move can change, so these are priced whole (when
+    every table of the group may take the form)."""
+    groups: dict[str, list[str]] = {}
+    for name in state.names:
+        groups.setdefault(group_of(state, name), []).append(name)
+    if len(groups) > 1:
+        groups[""] = list(state.names)
+    for names in groups.values():
+        clusters = {state.layouts[n].cluster for n in names}
+        allowed = [allowed_clusters(state.constraints[n]) for n in names]
+        if clusters != {"dp"} and all("dp" in a for a in allowed):
+            yield [(n, TableLayout.data_parallel(state.precision(n, "dp"))) for n in names]
+        if all("rb" in a and state.constraints[n].min_cuts == (1, 1) for n, a in zip(names, allowed)):
+            whole = table_wise(state, names, rank_ms)
+            if whole is not None and any(state.layouts[n] != layout for n, layout in whole):
+                yield whole
+        for source, target in (("ub", "rb"), ("rb", "ub")):
+            if clusters == {source} and all(target in a for a in allowed):
+                yield [
+                    (n, replace(state.layouts[n], cluster=target, precision=state.precision(n, target))) for n in names
+                ]
