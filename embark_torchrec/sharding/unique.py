@@ -6,8 +6,8 @@ holders are the ranks holding cells of that row slice.
 
 - input dist (UniqueSparseFeaturesDist): one torch.unique over all the group's features (IDs
   offset per feature) gives each group's distinct row-local IDs; they go to each holder through
-  TorchRec's KJTAllToAll as one bag per (holder, group) key, so the counts ride TorchRec's split
-  exchange (and TrainPipelineSparseDist's fused one);
+  TorchRec's KJTAllToAll as one bag per (holder, group) key, so the counts ride the module's split
+  exchange (input_exchange.py);
 - lookup (unique_lookup_input): the holder looks every received ID up as a bag of one with
   TorchRec's lookup in variable-batch mode (one "batch" per sender and cell), whose output is
   already laid out sender by sender, as the output all-to-all sends it;
