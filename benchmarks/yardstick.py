@@ -401,26 +401,31 @@ class Yardstick:
         order = ranks[np.lexsort((ranks, measure[ranks]))]
         return int(order[int(self.rng.integers(min(4, len(order))))])
 
-    def _move(self, state: _State, name: str) -> list[Changes]:
+    def _moved_cell(self, state: _State, name: str) -> tuple[TableLayout, int, int, int, int] | None:
+        """A cell of the table (one on a busy rank when it has one), where it is and a rank to move it to:
+        (layout, row, column, its rank, target rank); None for a data-parallel table."""
         layout = state.layouts[name]
         if layout.cluster == "dp":
-            return []
+            return None
         k = self._busy_rank(state)
         r, c = self._cell_on(layout, k if k in layout.used_ranks() else None)
         src = layout.ranks[r][c]
-        q = self._target(state, name, src)
+        return layout, r, c, src, self._target(state, name, src)
+
+    def _move(self, state: _State, name: str) -> list[Changes]:
+        moved = self._moved_cell(state, name)
+        if moved is None:
+            return []
+        layout, r, c, _, q = moved
         grid = [list(row) for row in layout.ranks]
         grid[r][c] = q
         return [[(name, layout.with_ranks(tuple(map(tuple, grid))))]]
 
     def _swap(self, state: _State, name: str) -> list[Changes]:
-        layout = state.layouts[name]
-        if layout.cluster == "dp":
+        moved = self._moved_cell(state, name)
+        if moved is None:
             return []
-        k = self._busy_rank(state)
-        r, c = self._cell_on(layout, k if k in layout.used_ranks() else None)
-        src = layout.ranks[r][c]
-        q = self._target(state, name, src)
+        layout, r, c, src, q = moved
         others = [n for n in state.holders[q] if n != name]
         if not others:
             return []
