@@ -30,7 +30,9 @@ from embark_torchrec.sharding.torchrec_plans import from_sharding_plan
 from embark_torchrec.plan.constraints import TableConstraints
 from embark_torchrec.plan.groups import builtin_sharding_type
 from embark_torchrec.plan.layout import Plan, TableLayout, WirePrecision, sharding_type_name
-from embark_torchrec.plan.planner import EmbarkPlanner, default_hardware
+from embark_torchrec.plan.plan_model import plan_model
+from embark_torchrec.plan.planner import TORCHREC_DEFAULT, EmbarkPlanner, default_hardware
+from embark_torchrec.plan.search import SearchConfig
 from embark_torchrec.sharding.parameter_sharding import module_sharding_plan
 from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 from embark_torchrec.plan.spec import ModelSpec, SpecError, TableSpec
@@ -733,3 +735,51 @@ def test_torchrec_topology_on_cpu_and_torchrec_defaults() -> None:
     )
     assert given.hardware.hbm_gb == 6.0
     assert given.hardware.intra_node_bw_gbps == PRESETS["cpu-gloo"].intra_node_bw_gbps
+
+
+# ---- TorchRec's default plan as a candidate ---------------------------------------------------------
+
+_CRIPPLED = SearchConfig(max_rounds=0, polish_moves=0, improve_evaluations=0)
+
+
+def _torchrec_planner(monkeypatch: pytest.MonkeyPatch, candidate: Any, **kwargs: Any) -> EmbarkPlanner:
+    """A planner whose TorchRec default plan is `candidate` (a function of the joint spec and topology)."""
+    import embark_torchrec.sharding.torchrec_plans as torchrec_plans
+
+    monkeypatch.setattr(torchrec_plans, "torchrec_default_plan", candidate)
+    return EmbarkPlanner(world_size=8, local_world_size=4, batch_size=512, hardware="dgx-h100", **kwargs)
+
+
+def test_torchrec_plan_returned_when_the_cost_model_prices_it_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With torchrec_candidate, TorchRec's plan is plan_model's candidate: priced faster than a crippled
+    search's plan, it is the plan returned (PlannedModel.source "torchrec")."""
+    spec = ModelSpec.from_module(_ebc(), batch_size=512 * 8, name="sparse")
+    good = plan_model(spec, Topology(8, 4, PRESETS["dgx-h100"]), progress=False).plan
+    planner = _torchrec_planner(monkeypatch, lambda s, t: good, torchrec_candidate=True, config=_CRIPPLED)
+    planner.plan(_Model(), [EmbarkEmbeddingBagCollectionSharder()])
+    planned = planner.plans["sparse"]
+    assert planned.source == TORCHREC_DEFAULT
+    assert planned.plan.tables == good.tables
+
+
+def test_torchrec_planner_by_default_only_on_cuda_and_its_failure_leaves_the_search(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """By default TorchRec's planner runs for a small model on CUDA, not on CPU; when it fails the failure
+    is logged and the search's plan is returned."""
+    calls: list[int] = []
+
+    def failing(spec: ModelSpec, topology: Topology) -> Plan:
+        calls.append(topology.world_size)
+        raise RuntimeError("no plan")
+
+    cpu = _torchrec_planner(monkeypatch, failing, compute_device="cpu")
+    cpu.plan(_Model(), [EmbarkEmbeddingBagCollectionSharder()])
+    assert calls == [] and cpu.plans["sparse"].source != TORCHREC_DEFAULT
+    cuda = _torchrec_planner(monkeypatch, failing, compute_device="cuda")
+    with caplog.at_level(logging.WARNING, logger="embark_torchrec.plan.planner"):
+        cuda.plan(_Model(), [EmbarkEmbeddingBagCollectionSharder()])
+    assert calls == [8] and "no plan" in caplog.text
+    assert cuda.plans["sparse"].source != TORCHREC_DEFAULT
+    with pytest.raises(SpecError, match="torchrec_candidate"):
+        EmbarkPlanner(world_size=8, torchrec_candidate="yes")

@@ -1,20 +1,37 @@
-"""plan_model: the whole EMBark planning pipeline on a model spec, with no torchrec import."""
+"""plan_model: the whole EMBark planning pipeline on a model spec, with no torchrec import.
+
+The planner never returns a plan its own cost model prices slower than a baseline it knows of:
+table-row-wise (the EMBark paper's, baselines.py), built and priced here when the tables have no
+constraints, and any candidate plan the caller passes (EmbarkPlanner passes TorchRec's default
+plan, which needs TorchRec's planner to build). A candidate counts only when it lays out every
+table, fits every rank's memory and honours every table's constraints; the cheapest plan wins,
+the search's on a tie, and a baseline that wins is logged.
+"""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Mapping
 
+import numpy as np
+
 from .baselines import table_row_wise_plan
+from .bound import allowed_clusters
 from .clusters import assign_clusters
 from .constraints import TableConstraints
 from .cost import CostModel, OptimizerMemory, StepCost
-from .layout import Plan
+from .layout import Plan, PlanError, TableLayout
 from .report import Progress, progress_line
 from .search import GreedySearch, SearchConfig, SearchStats
-from .spec import ModelSpec
+from .spec import ModelSpec, TableSpec
 from .topology import Topology
+
+logger = logging.getLogger(__name__)
+EMBARK = "embark"
+TABLE_ROW_WISE = "table-row-wise"
+_FREE = TableConstraints()
 
 
 @dataclass(frozen=True)
@@ -28,6 +45,81 @@ class PlannedModel:
     seconds: float
     clusters: Mapping[str, str] = field(default_factory=dict)
     stats: SearchStats | None = None
+    source: str = EMBARK  # whose plan this is: the search's, or the baseline that priced faster
+
+
+def refusal(t: TableSpec, layout: TableLayout, constraints: TableConstraints, world_size: int) -> str | None:
+    """Why this layout of the table breaks its constraints (fixed layout, clusters, cuts, fewest
+    slices, narrowest columns, allowed ranks, precision) or the plan's rules, or None."""
+    name = t.name
+    if constraints.layout is not None:
+        return None if layout == constraints.layout else "its layout is fixed"
+    if layout.cluster not in allowed_clusters(constraints):
+        return f"cluster {layout.cluster} is not allowed"
+    if constraints.precision is not None and layout.precision != constraints.precision:
+        return f"precision {layout.precision} is not {constraints.precision}"
+    if layout.cluster == "dp":
+        return None
+    try:
+        layout.validate(name, t.rows, t.dim, world_size)
+    except PlanError as e:
+        return str(e)
+    n_r, n_c = layout.num_row_slices, layout.num_col_slices
+    if n_r < constraints.min_cuts[0] or n_c < constraints.min_cuts[1]:
+        return f"fewer than {constraints.min_cuts} slices"
+    if (
+        (n_r > 1 and not constraints.row_cuts)
+        or (n_c > 1 and not constraints.column_cuts)
+        or (n_r > 1 < n_c and not constraints.grid_cuts)
+    ):
+        return "cuts not allowed"
+    if min(np.diff(layout.col_bounds)) < constraints.min_column_width:
+        return f"columns narrower than {constraints.min_column_width}"
+    if constraints.ranks is not None and not layout.used_ranks() <= set(constraints.ranks):
+        return "ranks not allowed"
+    return None
+
+
+def _usable(plan: Plan, spec: ModelSpec, topology: Topology, constraints: Mapping[str, TableConstraints]) -> str | None:
+    """Why a candidate plan may not be returned (another world, a table missing, extra or refused), or None."""
+    if plan.world_size != topology.world_size or plan.local_world_size != topology.local_world_size:
+        return f"it is for {plan.world_size} ranks of {plan.local_world_size} per node"
+    names = {t.name for t in spec.tables}
+    if set(plan.tables) != names:
+        return f"it lays out tables {sorted(set(plan.tables) ^ names)} the model has not, or not these"
+    for t in spec.tables:
+        why = refusal(t, plan.tables[t.name], constraints.get(t.name, _FREE), topology.world_size)
+        if why is not None:
+            return f"table {t.name!r}: {why}"
+    return None
+
+
+def _cheapest(
+    planned: tuple[Plan, StepCost],
+    candidates: Mapping[str, Plan],
+    cost: CostModel,
+    constraints: Mapping[str, TableConstraints],
+) -> tuple[str, Plan, StepCost]:
+    """The search's plan, or the usable candidate its cost model prices faster (the first on a tie)."""
+    source, (plan, step) = EMBARK, planned
+    topology = cost.topology
+    for name, candidate in candidates.items():
+        why = _usable(candidate, cost.spec, topology, constraints)
+        if why is not None:
+            logger.debug("the %s plan is not considered: %s", name, why)
+            continue
+        candidate_step = cost.evaluate(candidate)
+        if candidate_step.rank_memory.max() > topology.hbm_cap_bytes or candidate_step.step_ms >= step.step_ms:
+            continue
+        source, plan, step = name, candidate, candidate_step
+    if source != EMBARK:
+        logger.info(
+            "the %s plan (%.3f ms) beats the search's (%.3f ms) under the cost model: returning it",
+            source,
+            step.step_ms,
+            planned[1].step_ms,
+        )
+    return source, plan, step
 
 
 def plan_model(
@@ -37,11 +129,14 @@ def plan_model(
     config: SearchConfig | None = None,
     optimizer: OptimizerMemory | None = None,
     progress: bool | Progress | None = None,
+    candidates: Mapping[str, Plan] | None = None,
 ) -> PlannedModel:
     """Clusters, then the greedy 3D search; the result is validated against every invariant.
 
-    The search is greedy, so without constraints its plan is also compared with the table-row-wise
-    baseline (EMBark's reference layout), and the cheaper of the two that fits memory is returned.
+    The search is greedy, so its plan is also compared with the table-row-wise baseline (EMBark's
+    reference layout; when no table has constraints) and with `candidates` (by name, e.g.
+    TorchRec's default plan), and the cheapest that fits memory and honours the constraints is
+    returned (PlannedModel.source names it).
 
     progress: a Progress to call as planning goes; True draws a ProgressLine on stderr, False
     nothing, None (the default) a ProgressLine when stderr is a terminal (it shows only once
@@ -64,14 +159,13 @@ def plan_model(
         if report is not None:
             report("scoring", 0, None, "")
         step = cost.evaluate(plan)
-        if not constraints:
-            baseline = table_row_wise_plan(spec, topology)
-            base_step = cost.evaluate(baseline)
-            if base_step.step_ms < step.step_ms and base_step.rank_memory.max() <= topology.hbm_cap_bytes:
-                plan, step = baseline, base_step
-                clusters = {t.name: "rb" for t in spec.tables}
+        baselines = {TABLE_ROW_WISE: table_row_wise_plan(spec, topology)}
+        source, plan, step = _cheapest((plan, step), {**baselines, **(candidates or {})}, cost, constraints)
+        if source != EMBARK:
+            clusters = {name: layout.cluster for name, layout in plan.tables.items()}
         plan.validate(spec, step.rank_memory, topology.hbm_cap_bytes)
     finally:
         if line is not None:
             line.close()
-    return PlannedModel(spec, topology, plan, step, time.perf_counter() - start, clusters, search.stats)
+    seconds = time.perf_counter() - start
+    return PlannedModel(spec, topology, plan, step, seconds, clusters, search.stats, source)
