@@ -362,6 +362,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"embark_torchrec.cluster: {e}", file=sys.stderr)
         return 2
+    # SIGINT too: a shell's background job (and what it starts) inherits SIGINT ignored, and Python then keeps it so
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_on_signal)
     keep = args.log_dir is not None

@@ -204,11 +204,18 @@ def test_cli_failing_script_returns_its_code_and_leaves_nothing(
 
 
 def test_cli_interrupted_leaves_nothing(emulated: cluster.EmulatedCluster, tmp_path: Path) -> None:
-    """Ctrl-C (SIGINT) while the script runs: exit 130, no namespace, link or process left."""
+    """Ctrl-C (SIGINT) while the script runs: exit 130, no namespace, link or process left; also when the CLI
+    starts with SIGINT ignored, as a shell's background job (and all it starts) does."""
     script = tmp_path / "sleep.py"
     script.write_text("import time\ntime.sleep(120)\n")
     before = _network_state()
-    proc = subprocess.Popen(_cli("--", str(script)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        _cli("--", str(script)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
     deadline = time.monotonic() + 60
     while _network_state() == before and time.monotonic() < deadline:
         time.sleep(0.2)
