@@ -31,12 +31,27 @@ from __future__ import annotations
 import numpy as np
 
 from .cost import StepCost
-from .moves import cell_moves, cells_on, dissolutions, light_ranks, reclusters, reshapes, swaps
+from .moves import (
+    cell_moves,
+    cells_on,
+    confinement,
+    dissolutions,
+    group_of,
+    light_ranks,
+    reclusters,
+    recuts,
+    regroup_alternatives,
+    regroupings,
+    reshapes,
+    swaps,
+)
 from .objective import better, objective
 from .report import Progress
 from .search_state import Move, SearchState, better_move
 
 _KICK_TRIES = 8
+SMALL_DISSOLUTION = 64  # tables of a sharding group whose dissolution every round of the climb tries
+SMALL_GROUP = 4  # tables of a sharding group whose every table the sweep also tries in other clusters and shapes
 
 
 class Improvement:
@@ -54,30 +69,54 @@ class Improvement:
 
     # ---- candidates ----------------------------------------------------------------------------
 
-    def _heaviest_tables(self, rank: int) -> list[str]:
-        """The tables with a cell on `rank` that load it most, heaviest first (ties in table order)."""
+    def _heaviest_tables(self, rank: int, comm: bool = False) -> list[str]:
+        """The tables with a cell on `rank` that load it most (by lookups and communication, or by
+        communication alone), heaviest first (ties in table order)."""
         s = self.state
         names = sorted(s.holders[rank], key=s.order.__getitem__)
         if not names:
             return []
-        ms = s.cost.rank_load_ms(np.stack([s.load(n).rows[:, rank] for n in names], axis=1))
+        columns = np.stack([s.load(n).rows[:, rank] for n in names], axis=1)
+        if comm:
+            _, intra, inter = s.cost.rank_times(columns)
+            ms = intra + inter
+        else:
+            ms = s.cost.rank_load_ms(columns)
         ranked = sorted(zip((-ms).tolist(), (s.order[n] for n in names), names))
         return [n for _, _, n in ranked[: s.config.improve_tables]]
 
-    def _bottleneck_move(self, step: StepCost) -> Move | None:
-        """The best move of the tables that load the bottleneck ranks most."""
+    def _bottleneck_move(self, step: StepCost, deep: bool = False) -> Move | None:
+        """The best move of the tables that load the bottleneck ranks most (the busiest rank by
+        communication: the tables that load its links most), the emptying of each sharding group of
+        at most SMALL_DISSOLUTION tables (a few moves, each of many tables), and the re-cuts into many
+        more (or differently shaped) slices at once of the table that loads the slowest rank most.
+        `deep`: the moves tried when those found nothing, the re-cuts of every one of those tables."""
         s = self.state
         comm = step.rank_intra_ms + step.rank_inter_ms
         measures = ((step.rank_load_ms, s.config.improve_targets), (step.rank_lookup_ms, 1), (comm, 1))
-        worst = dict.fromkeys(int(np.argmax(a)) for a in (step.rank_lookup_ms, comm, step.rank_load_ms))
+        worst = {int(np.argmax(step.rank_lookup_ms)): False}
+        worst.setdefault(int(np.argmax(comm)), True)
+        slowest = int(np.argmax(step.rank_load_ms))
+        worst.setdefault(slowest, False)
         best = None
-        for k in worst:
-            for name in self._heaviest_tables(k):
-                targets = light_ranks(s, name, measures, k)
-                changes = [[(name, c)] for c in cell_moves(s, name, cells_on(s.layouts[name], k), targets)]
-                changes += [[(name, c)] for c in reshapes(s, name, step.rank_load_ms)]
-                changes += [[(name, c)] for c in reclusters(s, name, step.rank_load_ms)]
-                changes += swaps(s, name, k, targets)
+        if not deep:
+            for change in dissolutions(s, step.rank_load_ms, SMALL_DISSOLUTION):
+                best = better_move(best, s.evaluate(change))
+        for k, by_comm in worst.items():
+            for i, name in enumerate(self._heaviest_tables(k, by_comm)):
+                if deep:
+                    changes = [[(name, c)] for c in recuts(s, name, step.rank_load_ms)]
+                else:
+                    targets = light_ranks(s, name, measures, k)
+                    changes = [[(name, c)] for c in cell_moves(s, name, cells_on(s.layouts[name], k), targets)]
+                    changes += [[(name, c)] for c in reshapes(s, name, step.rank_load_ms)]
+                    confined = confinement(s, name, step.rank_load_ms)
+                    if confined is not None:
+                        changes.append([(name, confined)])
+                    changes += [[(name, c)] for c in reclusters(s, name, step.rank_load_ms)]
+                    changes += swaps(s, name, k, targets)
+                    if i == 0 and k == slowest:  # the slowest rank's heaviest table: re-cut at once too
+                        changes += [[(name, c)] for c in recuts(s, name, step.rank_load_ms)]
                 for change in changes:
                     best = better_move(best, s.evaluate(change))
                 if self._spent():
@@ -85,20 +124,37 @@ class Improvement:
         return best
 
     def _sweep_move(self, step: StepCost) -> Move | None:
-        """The best re-clustering of any table, re-split of any table of several cells, or dissolution
-        of a sharding group."""
+        """The best dissolution of a sharding group (any, and all at once), re-clustering of any table,
+        re-split of any table of several cells (and, for the
+        tables of groups of at most SMALL_GROUP tables, each in another cluster at other shapes), or
+        tables moved into another sharding group together (regroupings: a group opened or closed when
+        no one table's move pays for its collectives)."""
         s = self.state
         best = None
+        current = objective(step)[0]
+        sizes: dict[str, int] = {}
+        for name in s.names:
+            kind = group_of(s, name)
+            sizes[kind] = sizes.get(kind, 0) + 1
+        options = []
         for change in dissolutions(s, step.rank_load_ms):
             best = better_move(best, s.evaluate(change))
         for name in s.names:
             layouts = list(reclusters(s, name, step.rank_load_ms))
             if s.layouts[name].num_row_slices * s.layouts[name].num_col_slices > 1:
                 layouts += reshapes(s, name, step.rank_load_ms)
+            if sizes[group_of(s, name)] <= SMALL_GROUP:
+                layouts += regroup_alternatives(s, name, step.rank_load_ms)
             for layout in layouts:
-                best = better_move(best, s.evaluate([(name, layout)]))
+                move = s.evaluate([(name, layout)])
+                if move is not None:
+                    ((_, priced, load),) = move.changes
+                    options.append((move.objective[0] - current, name, priced, next(iter(load.groups))))
+                best = better_move(best, move)
             if self._spent():
-                break
+                return best
+        for change in regroupings(s, options, step.rank_load_ms):
+            best = better_move(best, s.evaluate(change, decide_hierarchy=False))
         return best
 
     def _kick(self) -> bool:
@@ -137,6 +193,8 @@ class Improvement:
                 self.progress("improving", s.priced - self._start, s.config.improve_evaluations, note)
             step = s.cost.step_cost(s.total)
             move = self._bottleneck_move(step)
+            if move is None or not better(move.objective, current):
+                move = better_move(move, self._bottleneck_move(step, deep=True))
             if (move is None or not better(move.objective, current)) and not swept:
                 move = better_move(move, self._sweep_move(step))
                 swept = current == best_objective

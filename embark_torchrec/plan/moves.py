@@ -17,6 +17,8 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 
 from .bound import allowed_clusters
+from .cost import SEQUENCE_GROUP
+from .groups import sharding_type
 from .layout import TableLayout
 from .search_state import Changes, SearchState
 
@@ -199,6 +201,13 @@ def swaps(state: SearchState, name: str, rank: int, targets: list[int]) -> Itera
             yield [(name, layout.with_ranks(((q,),))), (other, state.layouts[other].with_ranks(((rank,),)))]
 
 
+def group_kind(state: SearchState, name: str, layout: TableLayout) -> str:
+    """The sharding group the table runs in under this layout, as RankLoad.groups keys it."""
+    t = state.cost.table(name)
+    kind = sharding_type(layout, t.rows, state.world_size, state.local_world_size, t.is_sequence)
+    return SEQUENCE_GROUP + kind if t.is_sequence else kind
+
+
 def group_of(state: SearchState, name: str) -> str:
     (kind,) = state.load(name).groups
     return kind
@@ -222,18 +231,21 @@ def table_wise(state: SearchState, names: list[str], rank_ms: np.ndarray) -> Cha
     return out
 
 
-def dissolutions(state: SearchState, rank_ms: np.ndarray) -> Iterator[Changes]:
+def dissolutions(state: SearchState, rank_ms: np.ndarray, most: int | None = None) -> Iterator[Changes]:
     """Each sharding group of the tables that may change, and all of them at once, emptied in one
     move: all its tables data-parallel, or table-wise (placed one after another onto the least
     loaded ranks), or UB <-> RB on the same grids. A group's collectives cost the step only while
     one table is left in it, which no single-table move can change, so these are priced whole (when
-    every table of the group may take the form)."""
+    every table of the group may take the form). `most`: only the groups of at most that many
+    tables (a move's work grows with its tables)."""
     groups: dict[str, list[str]] = {}
     for name in state.names:
         groups.setdefault(group_of(state, name), []).append(name)
-    if len(groups) > 1:
+    if len(groups) > 1 and most is None:
         groups[""] = list(state.names)
     for names in groups.values():
+        if most is not None and len(names) > most:
+            continue
         clusters = {state.layouts[n].cluster for n in names}
         allowed = [allowed_clusters(state.constraints[n]) for n in names]
         if clusters != {"dp"} and all("dp" in a for a in allowed):
@@ -247,3 +259,138 @@ def dissolutions(state: SearchState, rank_ms: np.ndarray) -> Iterator[Changes]:
                 yield [
                     (n, replace(state.layouts[n], cluster=target, precision=state.precision(n, target))) for n in names
                 ]
+
+
+def recut_shapes(state: SearchState, name: str, layout: TableLayout) -> Iterator[Shape]:
+    """Other cuts in one move, where shapes_near only adds or drops a slice or doubles or halves:
+    as many cells, or as many as a quarter, half or all of a node's ranks, or 2, 4, ... nodes' (up to
+    every rank), each count as rows x columns for 1, 2, 4, ... column slices (narrower cells send
+    narrower partial sums and vectors), as the table's constraints allow."""
+    lws, world = state.local_world_size, state.world_size
+    count = layout.num_row_slices * layout.num_col_slices
+    counts = [count, lws // 4, lws // 2] + [lws * 2**i for i in range(max(1, world // lws).bit_length())]
+    shapes = []
+    for k in dict.fromkeys(c for c in counts if c >= 2 and c <= world):
+        n_c = 1
+        while n_c <= k:
+            shapes.append((k // n_c, n_c))
+            n_c *= 2
+    current = (layout.num_row_slices, layout.num_col_slices)
+    return (s for s in dict.fromkeys(shapes) if s != current and allows_shape(state, name, s))
+
+
+def recuts(state: SearchState, name: str, rank_ms: np.ndarray) -> Iterator[TableLayout]:
+    """The table re-cut into many more slices (recut_shapes), each placed on the fewest least loaded
+    nodes that hold it (a row split then reduces inside them first) and, for cuts over several nodes,
+    anywhere."""
+    layout = state.layouts[name]
+    if layout.cluster == "dp":
+        return
+    for shape in recut_shapes(state, name, layout):
+        for local in (True, False) if shape[0] * shape[1] > state.local_world_size else (True,):
+            grid = placed(state, name, layout.cluster, shape, rank_ms, local)
+            if grid is not None:
+                yield grid
+
+
+def confinement(state: SearchState, name: str, rank_ms: np.ndarray) -> TableLayout | None:
+    """The table's grid placed again on the fewest least loaded nodes that have ranks for it: its
+    cells' traffic then stays inside them (a row split's partial sums reduce there first), where a
+    placement by load alone spreads it over every node; None when it is on one node already, or
+    memory runs out."""
+    layout = state.layouts[name]
+    lws = state.local_world_size
+    cells = layout.num_row_slices * layout.num_col_slices
+    if layout.cluster == "dp" or cells == 1 or len({k // lws for k in layout.used_ranks()}) <= -(-cells // lws):
+        return None
+    return placed(state, name, layout.cluster, (layout.num_row_slices, layout.num_col_slices), rank_ms, True)
+
+
+def regroupings(
+    state: SearchState, options: Sequence[tuple[float, str, TableLayout, str]], rank_ms: np.ndarray
+) -> Iterator[Changes]:
+    """Tables moved into another sharding group together. `options`: per priced one-table move, what
+    it changes the step by, the table, its layout and its sharding group (a group's first table pays
+    its collectives). Per group, the tables with a move into it that gain most, each by its best such
+    move: the 2, 4, 8, ... of them and all. A group whose collectives no one table's saving pays for
+    opens when several tables' savings together do; a group all of whose tables move closes. A
+    row-split RB table also counts for the group of its other reduction (flat or hierarchical), which
+    SearchState.hierarchy declines for the table alone when the group's collectives are not yet paid
+    for. The moves are made together as placed_together places them, each table reduced as its
+    layout says (SearchState.evaluate with decide_hierarchy False)."""
+    best: dict[str, dict[str, tuple[float, int, str, TableLayout]]] = {}
+    for gain, name, layout, kind in options:
+        variants = [(layout, kind)]
+        if layout.cluster == "rb" and layout.num_row_slices > 1 and not state.cost.table(name).is_sequence:
+            other = replace(layout, hierarchical=not layout.hierarchical)  # the group a hierarchy() alone declined
+            variants.append((other, group_kind(state, name, other)))
+        for variant, group in variants:
+            here = best.setdefault(group, {})
+            entry = (gain, state.order[name], name, variant)
+            if group != group_kind(state, name, state.layouts[name]) and (
+                name not in here or entry[:2] < here[name][:2]
+            ):
+                here[name] = entry
+    for moves in best.values():
+        ranked = [(name, layout) for _, _, name, layout in sorted(moves.values(), key=lambda e: e[:2])]
+        n = 2
+        while n < len(ranked):
+            together = placed_together(state, ranked[:n], rank_ms)
+            if together is not None:
+                yield together
+            n *= 2
+        together = placed_together(state, ranked, rank_ms) if len(ranked) > 1 else None
+        if together is not None:
+            yield together
+
+
+def placed_together(state: SearchState, changes: Changes, rank_ms: np.ndarray) -> Changes | None:
+    """Moves priced one at a time, made at once: a layout that keeps the table's cells where they
+    are stays; the others' grids are placed again one after another, the heaviest first, each onto
+    the ranks least loaded counting the ones placed before it (on the fewest nodes where the move
+    had kept it on as few), so that they do not all land on the ranks that were lightest alone.
+    None when memory runs out."""
+    cost, lws = state.cost, state.local_world_size
+    own = {name: cost.rank_load_ms(state.load(name).rows) for name, _ in changes}
+    ms = rank_ms.copy()
+    for name, _ in changes:
+        ms -= own[name]
+    out = []
+    for name, layout in sorted(changes, key=lambda c: (-own[c[0]].sum(), state.order[c[0]])):
+        old = state.layouts[name]
+        kept = layout.cluster == "dp" or (layout.row_bounds, layout.col_bounds, layout.ranks) == (
+            old.row_bounds,
+            old.col_bounds,
+            old.ranks,
+        )
+        if not kept:
+            cells = layout.num_row_slices * layout.num_col_slices
+            local = len({k // lws for k in layout.used_ranks()}) <= -(-cells // lws) and cells > 1
+            shape = (layout.num_row_slices, layout.num_col_slices)
+            grid = placed(state, name, layout.cluster, shape, ms + own[name], local)
+            if grid is None:
+                return None
+            layout = replace(grid, hierarchical=layout.hierarchical)
+        ms += cost.rank_load_ms(cost.table_load(name, layout).rows)
+        out.append((name, layout))
+    return out
+
+
+def regroup_alternatives(state: SearchState, name: str, rank_ms: np.ndarray) -> Iterator[TableLayout]:
+    """A table in each model-parallel cluster it may take at each of its re-cuts (and, in another
+    cluster, the shapes near its own), placed: what closing its group into another takes when its
+    grid does not run there (reclusters keeps the grid, reshapes the cluster)."""
+    layout = state.layouts[name]
+    if layout.cluster == "dp":
+        return
+    for cluster in allowed_clusters(state.constraints[name]):
+        if cluster == "dp":
+            continue
+        shapes = [*recut_shapes(state, name, layout)]
+        if cluster != layout.cluster:
+            shapes = [*shapes_near(state, name, layout), *shapes]
+        for shape in dict.fromkeys(shapes):
+            for local in (False, True) if cluster == "rb" and shape[0] > 1 else (False,):
+                grid = placed(state, name, cluster, shape, rank_ms, local)
+                if grid is not None:
+                    yield grid

@@ -75,7 +75,7 @@ class SearchConfig:
     polish_moves: int = 200
     placement_candidates: int = 6  # least loaded ranks tried for a cut or moved cell in phase 2
     cells_per_rank: int = 2  # heaviest cells of each costliest rank that phase 2 tries to move
-    improve_evaluations: int = 3000  # candidates phase 3 prices before it stops (its work budget)
+    improve_evaluations: int = 6000  # candidates phase 3 prices before it stops (its work budget)
     improve_tables: int = 4  # tables of each bottleneck rank whose moves phase 3 tries
     improve_targets: int = 4  # least loaded ranks a cell may move to in phase 3 (and one by lookups, one by comm)
     improve_seed: int = 0  # of phase 3's random kicks

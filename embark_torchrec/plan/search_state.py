@@ -162,17 +162,18 @@ class SearchState:
             for k in layout.used_ranks():
                 (self.holders[k].add if holds else self.holders[k].discard)(name)
 
-    def evaluate(self, changes: Changes) -> Move | None:
-        """The plan with these tables' layouts changed (row-split RB ones as hierarchy() reduces them);
-        None when a rank's memory, the one column width per table on a rank or the DP memory budget
-        would be broken."""
+    def evaluate(self, changes: Changes, decide_hierarchy: bool = True) -> Move | None:
+        """The plan with these tables' layouts changed (row-split RB ones as hierarchy() reduces them,
+        unless `decide_hierarchy` is False: then as their layouts say); None when a rank's memory, the
+        one column width per table on a rank or the DP memory budget would be broken."""
         if any(layout.cluster != "dp" and layout.mixed_width_rank() is not None for _, layout in changes):
             return None
         total = self.total.copy()
         out = []
         dp_used = self.dp_used
         for name, layout in changes:
-            layout = self.hierarchy(name, layout)
+            if decide_hierarchy:
+                layout = self.hierarchy(name, layout)
             dp_used += self.dp_weights(name) * ((layout.cluster == "dp") - (self.layouts[name].cluster == "dp"))
             new = self.cost.table_load(name, layout)
             total.add(self.load(name), -1.0)
