@@ -6,13 +6,20 @@ shown against the yardstick (benchmarks/yardstick.py: simulated annealing over w
 node confinement, cluster and group changes and cell moves, from the greedy's plan, TWRW, TorchRec's
 plan and a random one; it shares only the cost model with the planner) and against a lower bound on
 any plan's step (bound.step_lower_bound). Per plan, the busiest rank's embedding communication over
-the average rank's is reported too. The cases are the public models (dcnv2, t180, t200, t510) and
+the average rank's is reported too. EMBark's plan is plan_model's with TorchRec's plan (where its
+planner finished) as a candidate, as EmbarkPlanner gives it, so it is never behind TorchRec's or
+TWRW's. The cases are the public models (dcnv2, t180, t200, t510) and
 adversarial ones (benchmarks/models/, written by make_adversarial.py); a case is MODEL@W or
 MODEL@WxL (L GPUs per node; default --local-world-size), its global batch --batch-size rounded down
 to a multiple of W. TorchRec's planner takes minutes on the large cases, so it runs in a subprocess
 under a time limit, and every plan it finishes is cached in benchmarks/cache/ (committed).
 
     PYTHONPATH=. python benchmarks/plan_quality.py --out benchmarks/plan_quality.md
+
+The yardstick takes most of the run (about 40 minutes over the default cases): --no-yardstick plans
+and scores everything else and takes the yardstick's step per case from a recorded run
+(--recorded-yardstick, benchmarks/cache/yardstick_recorded.json), so the greedy can be measured
+against it after a change to the search.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ DEFAULT_CASES = tuple(f"{m}@{w}" for m in PUBLIC for w in (64, 128)) + ADVERSARI
 IMPORT_GRACE_S = 30.0
 SLOW_EMBARK_S = 60.0
 YARDSTICK_EVALUATIONS = 30000
+RECORDED_YARDSTICK = CACHE_DIR / "yardstick_recorded.json"
 
 
 @dataclass(frozen=True)
@@ -277,9 +285,11 @@ def run_case(case: CaseSpec, args: argparse.Namespace) -> Case:
         step = cost.evaluate(plan)
         return Scored(step.step_ms, bool(step.rank_memory.max() > topology.hbm_cap_bytes), comm_imbalance(step))
 
+    baseline, cached = torchrec_baseline(case.model, spec, topology, args.torchrec_limit_s, args.refresh)
+    candidates = {"torchrec": baseline.plan} if baseline.plan is not None else {}
     start, embark_plan, embark, embark_error = time.perf_counter(), None, None, ""
     try:
-        embark_plan = plan_model(spec, topology, progress=False).plan
+        embark_plan = plan_model(spec, topology, progress=False, candidates=candidates).plan
         embark = scored(embark_plan)
     except ValueError as e:  # PlanError, e.g. the model does not fit: a row to report, not a crash
         embark_error = short_reason(e)
@@ -287,13 +297,15 @@ def run_case(case: CaseSpec, args: argparse.Namespace) -> Case:
     if embark_s > SLOW_EMBARK_S:
         print(f"  note: embark took {embark_s:.0f} s to plan {case}", file=sys.stderr)
     twrw_plan = table_row_wise_plan(spec, topology)
-    baseline, cached = torchrec_baseline(case.model, spec, topology, args.torchrec_limit_s, args.refresh)
-    yard, yard_s, differences = None, 0.0, ()
-    if embark_plan is not None:
+    yard, yard_s, differences, yard_scored = None, 0.0, (), None
+    if args.no_yardstick:
+        yard_scored, yard_s = recorded_yardstick(args.recorded_yardstick, case)
+    elif embark_plan is not None:
         config = YardstickConfig(evaluations=args.yardstick_evaluations, seed=args.yardstick_seed)
         seeds = {"embark": embark_plan, "TWRW": twrw_plan, "TorchRec": baseline.plan}
         yard = Yardstick(cost, config).run(seeds)
         yard_s = yard.seconds
+        yard_scored = scored(yard.plan)
         differences = tuple(plan_differences(cost, embark_plan, yard.plan))
     result = Case(
         case,
@@ -301,7 +313,7 @@ def run_case(case: CaseSpec, args: argparse.Namespace) -> Case:
         embark,
         embark_error,
         embark_s,
-        scored(yard.plan) if yard else None,
+        yard_scored,
         yard_s,
         yard,
         differences,
@@ -317,6 +329,15 @@ def run_case(case: CaseSpec, args: argparse.Namespace) -> Case:
         file=sys.stderr,
     )
     return result
+
+
+def recorded_yardstick(path: Path, case: CaseSpec) -> tuple[Scored | None, float]:
+    """The yardstick's best plan's step, communication ratio and seconds on this case in a recorded
+    run (None when the file has no entry for it)."""
+    entry = json.loads(path.read_text())["cases"].get(str(case))
+    if entry is None:
+        return None, 0.0
+    return Scored(float(entry["ms"]), False, float(entry["comm_ratio"])), float(entry["seconds"])
 
 
 def fmt_ms(s: Scored | None) -> str:
@@ -388,11 +409,12 @@ def command(args: argparse.Namespace) -> str:
         args.hardware,
         "--torchrec-limit-s",
         f"{args.torchrec_limit_s:g}",
-        "--yardstick-evaluations",
-        str(args.yardstick_evaluations),
-        "--yardstick-seed",
-        str(args.yardstick_seed),
     ]
+    if args.no_yardstick:
+        argv += ["--no-yardstick", "--recorded-yardstick", os.path.relpath(args.recorded_yardstick)]
+    else:
+        argv += ["--yardstick-evaluations", str(args.yardstick_evaluations)]
+        argv += ["--yardstick-seed", str(args.yardstick_seed)]
     return "PYTHONPATH=. " + shlex.join(argv + (["--out", args.out] if args.out else []))
 
 
@@ -434,7 +456,7 @@ def where_yardstick_wins(cases: list[Case]) -> list[str]:
     lines = []
     for c in cases:
         ratio = c.yardstick_ratio()
-        if ratio is None or ratio <= 1.0005:
+        if ratio is None or ratio <= 1.0005 or c.yardstick_result is None:
             continue
         y = c.yardstick_result
         lines.append(f"- **{c.case}** ({ratio:.3f}x): " + "; ".join(c.differences[:1]))
@@ -454,10 +476,17 @@ def markdown(cases: list[Case], args: argparse.Namespace) -> str:
     lines = [
         f"Estimated step time (ms) of each plan, all scored by embark's CostModel: hardware {args.hardware}, "
         f"global batch {args.batch_size} (rounded down to a multiple of the GPUs); TorchRec's planner limited to "
-        f"{args.torchrec_limit_s:g} s per case. vs X = X's ms / embark's ms. Yardstick: benchmarks/yardstick.py, "
-        f"simulated annealing priced by the same cost model ({args.yardstick_evaluations} priced candidates, seed "
-        f"{args.yardstick_seed}), seeded with embark's plan, TWRW, TorchRec's (where it finished) and a random plan; "
-        "bound: no plan's step under the cost model is below it (bound.step_lower_bound). comm max/avg: the busiest "
+        f"{args.torchrec_limit_s:g} s per case; embark's plan is plan_model's with TorchRec's as a candidate "
+        "(as EmbarkPlanner plans). vs X = X's ms / embark's ms. Yardstick: benchmarks/yardstick.py, simulated "
+        "annealing priced by the same cost model, seeded with embark's plan, TWRW, TorchRec's (where it finished) "
+        "and a random plan; "
+        + (
+            f"its step and seconds are a recorded run's ({args.recorded_yardstick.name}, whose note says how it was "
+            "priced), not re-run here; "
+            if args.no_yardstick
+            else f"{args.yardstick_evaluations} priced candidates, seed {args.yardstick_seed}; "
+        )
+        + "bound: no plan's step under the cost model is below it (bound.step_lower_bound). comm max/avg: the busiest "
         "rank's embedding communication (intra + inter-node ms) over the average rank's. Public models: "
         f"{', '.join(PUBLIC)}; adversarial: benchmarks/models/ (make_adversarial.py).",
         "",
@@ -542,6 +571,15 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
     p.add_argument("--torchrec-limit-s", type=float, default=300.0, help="per-case limit on TorchRec's planner")
     p.add_argument("--yardstick-evaluations", type=int, default=YARDSTICK_EVALUATIONS, help="its budget per case")
     p.add_argument("--yardstick-seed", type=int, default=0)
+    p.add_argument(
+        "--no-yardstick", action="store_true", help="skip the yardstick; take its step from --recorded-yardstick"
+    )
+    p.add_argument(
+        "--recorded-yardstick",
+        type=Path,
+        default=RECORDED_YARDSTICK,
+        help="a recorded yardstick run (JSON: a note, and per case its ms, comm_ratio and seconds)",
+    )
     p.add_argument("--refresh", action="store_true", help="rerun TorchRec's planner even when cached")
     p.add_argument("--out", help="also write the markdown table to this file")
     p.add_argument("--json", action="store_true", help="print JSON instead of markdown")

@@ -312,25 +312,30 @@ def regroupings(
     """Tables moved into another sharding group together. `options`: per priced one-table move, what
     it changes the step by, the table, its layout and its sharding group (a group's first table pays
     its collectives). Per group, the tables with a move into it that gain most, each by its best such
-    move: the 2, 4, 8, ... of them and all. A group whose collectives no one table's saving pays for
+    move, or by its best move onto one node (tables that each keep their traffic inside a node, where
+    each one's best move alone spreads it over all): the 2, 4, 8, ... of them and all. A group whose
+    collectives no one table's saving pays for
     opens when several tables' savings together do; a group all of whose tables move closes. A
     row-split RB table also counts for the group of its other reduction (flat or hierarchical), which
     SearchState.hierarchy declines for the table alone when the group's collectives are not yet paid
     for. The moves are made together as placed_together places them, each table reduced as its
     layout says (SearchState.evaluate with decide_hierarchy False)."""
-    best: dict[str, dict[str, tuple[float, int, str, TableLayout]]] = {}
+    best: dict[tuple[str, bool], dict[str, tuple[float, int, str, TableLayout]]] = {}
+    lws = state.local_world_size
     for gain, name, layout, kind in options:
         variants = [(layout, kind)]
         if layout.cluster == "rb" and layout.num_row_slices > 1 and not state.cost.table(name).is_sequence:
             other = replace(layout, hierarchical=not layout.hierarchical)  # the group a hierarchy() alone declined
             variants.append((other, group_kind(state, name, other)))
+        one_node = layout.cluster != "dp" and len({k // lws for k in layout.used_ranks()}) == 1
         for variant, group in variants:
-            here = best.setdefault(group, {})
+            if group == group_kind(state, name, state.layouts[name]):
+                continue
             entry = (gain, state.order[name], name, variant)
-            if group != group_kind(state, name, state.layouts[name]) and (
-                name not in here or entry[:2] < here[name][:2]
-            ):
-                here[name] = entry
+            for key in ((group, False), (group, True)) if one_node else ((group, False),):
+                here = best.setdefault(key, {})
+                if name not in here or entry[:2] < here[name][:2]:
+                    here[name] = entry
     for moves in best.values():
         ranked = [(name, layout) for _, _, name, layout in sorted(moves.values(), key=lambda e: e[:2])]
         n = 2
