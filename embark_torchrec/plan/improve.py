@@ -1,9 +1,10 @@
-"""Phase 3 of the search: improve the greedy plan by exactly priced local moves.
+"""Phase 3 of the search: improve the greedy plan by exactly priced moves (moves.py).
 
 The greedy phases place cells by an estimate of what each costs its holder and fix each table's
-cluster early. Here every candidate is priced exactly (CostModel.table_load of the changed table's
-new layout swapped into the plan's total) and each round takes the best move from the tables that
-load the bottleneck ranks most (the slowest by lookups, by communication, by both):
+cluster early. Here every candidate is priced exactly (SearchState.evaluate: CostModel.table_load of
+the changed tables' new layouts swapped into the plan's total) and each round takes the best move
+from the tables that load the bottleneck ranks most (the slowest by lookups, by both lookups and
+communication, and the busiest by communication, whose tables are ranked by their communication):
 
 - move one of the table's cells there to one of the least loaded ranks it may use, or cut the cell
   in two with the new half there (as phase 2 does);
@@ -11,12 +12,19 @@ load the bottleneck ranks most (the slowest by lookups, by communication, by bot
 - re-split the table with one row or column slice more or fewer, or twice or half as many, its
   cells placed again longest first onto the least loaded ranks (row-split RB tables also on the
   fewest least loaded nodes, where a hierarchical reduction pays);
-- re-cluster it: RB <-> UB on the same grid, or to data-parallel.
+- confine its grid to the fewest least loaded nodes;
+- re-cluster it: RB <-> UB on the same grid, or to data-parallel;
+- for the table that loads the slowest rank most, re-cut it into many more (or differently shaped)
+  slices at once: up to a row split over a node or over every rank;
 
-When the bottleneck offers nothing, every table's re-clustering, and every re-split of the tables
-of several cells, is tried (DP tables go back to model-parallel this way, split tables are merged), and
-so is emptying a whole sharding group, or all of them, into one form (every table DP, table-wise, or
-UB <-> RB): a group costs its collectives until its last table leaves, which no one-table move prices.
+and the emptying of each sharding group of at most SMALL_DISSOLUTION tables (every table DP,
+table-wise, or UB <-> RB): a group costs its collectives until its last table leaves, which no
+one-table move prices. When those find nothing, every bottleneck table's re-cuts are tried; when
+those find nothing either, the sweep: every group's emptying and all at once, every table's
+re-clustering, every re-split of the tables of several cells (DP tables go back to model-parallel
+this way, split tables are merged), and tables moved into another sharding group together (the
+2, 4, 8, ... that gain most moving there, each by its best move priced alone), which opens a group
+whose collectives several tables' savings pay for and closes one all of whose tables leave.
 Every move keeps the table's constraints (allowed ranks, clusters, cuts, fewest slices, narrowest
 columns, precision), one column width per table on a rank, every rank's memory, and the
 data-parallel tables within dp_memory_fraction of a rank's memory, as clusters.py does; the best
@@ -62,6 +70,9 @@ class Improvement:
         self.evaluations = 0  # candidates priced
         self.kicks = 0
         self.moves = 0
+        self.state: SearchState | None = None  # the plan under search, while run() climbs
+        self.rng = np.random.default_rng(0)  # of the kicks; run() seeds it with SearchConfig.improve_seed
+        self._start = 0  # SearchState.priced when run() began
 
     def _spent(self) -> bool:
         """Whether the budget of priced candidates is used up."""

@@ -23,9 +23,10 @@ decide which tables the state holds as movable.
 
 Phase 3, improve (improve.py): a hill climb priced exactly, move by move, on the tables that load
 the bottleneck ranks most: cell moves and cuts, swaps of one-cell tables, re-splits (a slice more
-or fewer, twice or half as many, placed again), re-clustering (RB, UB, DP, where the table's
-constraints allow) and emptying whole sharding groups (their collectives), the best move of each
-round taken while it lowers the step; at a local optimum,
+or fewer, twice or half as many, placed again), re-cuts into many more slices at once, confinement
+to the fewest nodes, re-clustering (RB, UB, DP, where the table's constraints allow), emptying whole
+sharding groups and moving tables into another group together (their collectives), the best move
+of each round taken while it lowers the step; at a local optimum,
 seeded random kicks restart the climb from the best plan. It stops when its budget of priced
 candidates (SearchConfig.improve_evaluations) is spent, so it never makes the greedy plan worse and
 costs a fixed amount of work whatever the model. The greedy phases fix each table's cluster and
