@@ -63,6 +63,7 @@ __all__ = [
 ]
 
 MANIFEST_NAME = "manifest.json"
+LOAD_FAILED = "DCP could not load"  # how a skipped step that verified but did not load starts its reason
 MANIFEST_MAX_BYTES = 32 << 20  # ~300k files at ~110 bytes an entry; DCP writes one file per rank and writer thread
 _FORMAT = "embark-torchrec-checkpoint/1"
 _STEP = re.compile(r"step_([0-9]+)")
@@ -581,7 +582,7 @@ def resume_checkpoint(
         error, wrote = _load(choice.path, state, process_group)
         if error is None:
             return Resumed(choice.path, choice.step, skipped + choice.leftovers)
-        skipped.append(Skipped(choice.path, f"DCP could not load {choice.path} into this state: {error}"))
+        skipped.append(Skipped(choice.path, f"{LOAD_FAILED} {choice.path} into this state: {error}"))
         partly_written = partly_written or (choice.path if wrote else None)
     skipped += choice.leftovers
     if partly_written is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -783,3 +784,30 @@ def test_torchrec_planner_by_default_only_on_cuda_and_its_failure_leaves_the_sea
     assert cuda.plans["sparse"].source != TORCHREC_DEFAULT
     with pytest.raises(SpecError, match="torchrec_candidate"):
         EmbarkPlanner(world_size=8, torchrec_candidate="yes")
+
+
+@pytest.mark.parametrize("where", ["lookup_ms", "rank_memory"])
+def test_a_plan_whose_cost_is_not_finite_is_refused_by_name(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """plan_model and EmbarkPlanner share the CLI's backstop: a plan whose estimated step part (or one rank's
+    memory) comes out NaN or Inf is a CostError naming the part (or the rank), never a plan returned."""
+    import embark_torchrec.plan.plan_model as plan_model_module
+
+    cheapest = plan_model_module._cheapest
+
+    def non_finite(*args: Any) -> Any:
+        source, plan, step = cheapest(*args)
+        if where == "lookup_ms":
+            return source, plan, replace(step, lookup_ms=math.nan)
+        memory = step.rank_memory.astype(float)
+        memory[1] = math.inf
+        return source, plan, replace(step, rank_memory=memory)
+
+    monkeypatch.setattr(plan_model_module, "_cheapest", non_finite)
+    words = "estimated lookup_ms is nan" if where == "lookup_ms" else "estimated memory bytes of rank 1 is inf"
+    spec = ModelSpec("m", 64, (TableSpec("a", 1000, 16, 1.0), TableSpec("b", 500, 8, 2.0)))
+    with pytest.raises(plan_model_module.CostError, match=f"{words}, not a finite number; no plan returned"):
+        plan_model(spec, Topology(4, 2), progress=False)
+    planner = EmbarkPlanner(world_size=4, local_world_size=2, batch_size=16, compute_device="cpu")
+    with pytest.raises(plan_model_module.CostError, match=words):
+        planner.plan(_ebc(TABLES[:2]), [EmbarkEmbeddingBagCollectionSharder()])
+    assert planner.plans == {}

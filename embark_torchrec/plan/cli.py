@@ -14,21 +14,19 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Callable, NoReturn, Sequence
 
-import numpy as np
 
 from .baselines import table_row_wise_plan
 from .bound import step_lower_bound
 from .cost import CostModel
 from .fields import INT64_MAX, integer, number
 from .layout import Plan
-from .plan_model import plan_model
+from .plan_model import check_finite, plan_model
 from .report import ProgressLine, ScoredPlan, plot_rank_loads, progress_line, render, summary
 from .spec import ModelSpec, SpecError, builtin_model, load_model_spec
 from .hardware_file import HardwareError, resolve_hardware
@@ -38,10 +36,6 @@ from .topology import DEFAULT_HARDWARE, PRESETS, Hardware, Topology
 
 class UsageError(Exception):
     """A user error: main prints it as one line and exits with 2."""
-
-
-class CostError(ValueError):
-    """A plan whose estimated cost is not a finite number: it is neither written nor printed (main exits with 2)."""
 
 
 def _torchrec_default_plan(spec: ModelSpec, topology: Topology) -> Plan:
@@ -147,28 +141,6 @@ def _load_hardware(value: str, hbm_gb: float | None) -> Hardware:
     return hardware.with_overrides(hbm_gb=hbm_gb)
 
 
-def _check_finite(scored: ScoredPlan) -> None:
-    """Refuses a plan whose estimated step, or any part of it, any rank's load or memory, or the lower bound, is
-    not a finite number (the ranges of ranges.py keep every cost finite; this is the backstop), naming the part."""
-    cost = scored.cost
-    parts = cost.parts()
-    step = parts.pop("step_ms")  # the sum of the others: name the part at fault first
-    figures = {**parts, "step_ms": step, "lower bound": 0.0 if scored.bound_ms is None else scored.bound_ms}
-    for name, value in figures.items():
-        if not math.isfinite(value):
-            raise CostError(
-                f"the {scored.name} plan's estimated {name} is {value}, not a finite number; no plan written"
-            )
-    for name, per_rank in (("load ms", cost.rank_load_ms), ("memory bytes", cost.rank_memory)):
-        bad = np.flatnonzero(~np.isfinite(per_rank))
-        if bad.size:
-            rank = int(bad[0])
-            raise CostError(
-                f"the {scored.name} plan's estimated {name} of rank {rank} is {per_rank[rank]}, not a finite number; "
-                "no plan written"
-            )
-
-
 def _run(args: argparse.Namespace) -> int:
     compare = [c for c in args.compare.split(",") if c]
     unknown = sorted(set(compare) - set(BASELINES))
@@ -209,7 +181,7 @@ def _plan_and_report(
         baseline = BASELINES[name](spec, topology).with_kinds(spec)
         plans.append(ScoredPlan(name, baseline, cost.evaluate(baseline), time.perf_counter() - start))
     for scored in plans:
-        _check_finite(scored)
+        check_finite(scored.name, scored.cost, scored.bound_ms, "no plan written")
     if line is not None:
         line("report", 0, None)
     if args.out:

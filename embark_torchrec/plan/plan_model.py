@@ -11,6 +11,7 @@ the search's on a tie, and a baseline that wins is logged.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -46,6 +47,30 @@ class PlannedModel:
     clusters: Mapping[str, str] = field(default_factory=dict)
     stats: SearchStats | None = None
     source: str = EMBARK  # whose plan this is: the search's, or the baseline that priced faster
+
+
+class CostError(ValueError):
+    """A plan whose estimated cost is not a finite number: the ranges of ranges.py keep every cost finite, so this
+    is the backstop, and no such plan is returned or written."""
+
+
+def check_finite(name: str, cost: StepCost, bound_ms: float | None = None, outcome: str = "no plan returned") -> None:
+    """Refuses the `name` plan when its estimated step, any part of it, any rank's load or memory, or the lower
+    bound (`bound_ms`, when known) is not a finite number, naming the part (then `outcome`: what the caller does
+    not do)."""
+    parts = cost.parts()
+    step = parts.pop("step_ms")  # the sum of the others: name the part at fault first
+    figures = {**parts, "step_ms": step, "lower bound": 0.0 if bound_ms is None else bound_ms}
+    for part, value in figures.items():
+        if not math.isfinite(value):
+            raise CostError(f"the {name} plan's estimated {part} is {value}, not a finite number; {outcome}")
+    for part, per_rank in (("load ms", cost.rank_load_ms), ("memory bytes", cost.rank_memory)):
+        bad = np.flatnonzero(~np.isfinite(per_rank))
+        if bad.size:
+            rank = int(bad[0])
+            raise CostError(
+                f"the {name} plan's estimated {part} of rank {rank} is {per_rank[rank]}, not a finite number; {outcome}"
+            )
 
 
 def refusal(t: TableSpec, layout: TableLayout, constraints: TableConstraints, world_size: int) -> str | None:
@@ -140,7 +165,9 @@ def plan_model(
 
     progress: a Progress to call as planning goes; True draws a ProgressLine on stderr, False
     nothing, None (the default) a ProgressLine when stderr is a terminal (it shows only once
-    planning has taken a few seconds)."""
+    planning has taken a few seconds).
+
+    Raises CostError when the returned plan's estimated cost is not finite (as the CLI refuses to write one)."""
     start = time.perf_counter()
     constraints = dict(constraints or {})
     unknown = sorted(set(constraints) - {t.name for t in spec.tables})
@@ -163,6 +190,7 @@ def plan_model(
         source, plan, step = _cheapest((plan, step), {**baselines, **(candidates or {})}, cost, constraints)
         if source != EMBARK:
             clusters = {name: layout.cluster for name, layout in plan.tables.items()}
+        check_finite(source, step)
         plan.validate(spec, step.rank_memory, topology.hbm_cap_bytes)
     finally:
         if line is not None:

@@ -454,6 +454,19 @@ def comm_totals(stats: Any, device: torch.device) -> dict[str, Any]:
 # ---------------------------------------------------------------- the trainer
 
 
+def nothing_resumed(directory: Path, skipped: Sequence[checkpoint.Skipped]) -> str:
+    """Why resume loaded nothing, from the folders it skipped (each printed above with its reason): the steps there
+    failed their manifest check, or verified but did not load into this model, or there is no finished step."""
+    loads = sum(s.reason.startswith(checkpoint.LOAD_FAILED) for s in skipped)
+    steps = sum(checkpoint.step_of(s.path) is not None or s.path.name.endswith(".replaced") for s in skipped)
+    if steps == 0:
+        return f"no finished checkpoint in {directory} (only unfinished saves, or names that are not step_<int>)"
+    if loads == 0:
+        return f"no checkpoint in {directory} verifies"
+    unverified = f"; {steps - loads} did not verify" if steps > loads else ""
+    return f"no checkpoint in {directory} loads into this model ({loads} verified but did not load{unverified})"
+
+
 class Trainer:
     """One run of the example, in torchtitan's shape: __init__ builds everything from the flags (the
     job, the data, the plan, the sharded model and optimizers, a resumed checkpoint), train() trains,
@@ -534,7 +547,7 @@ class Trainer:
                 print(f"skipped checkpoint {path}: {reason}", flush=True)
         if found.path is None:
             if self.world.rank == 0 and found.skipped:
-                print(f"no checkpoint in {self.args.checkpoint_dir} verifies: starting at step 0", flush=True)
+                print(f"{nothing_resumed(self.args.checkpoint_dir, found.skipped)}: starting at step 0", flush=True)
             return 0
         self.optimizer.load_state_dict(state["optimizer"])
         step = int(state["step"])
