@@ -116,12 +116,15 @@ def test_bad_batches_are_refused_by_name(results: list[dict[str, Any]], case: st
 
 
 def test_missing_features_and_weights_are_refused(results: list[dict[str, Any]]) -> None:
-    """A feature missing from the KJT, or weights that do not match the values, are refused by name."""
+    """A feature missing from the KJT is refused by name; so are weights (here also not matching the values) sent to
+    this unweighted module, which some sharding types would apply and others drop."""
     for r in results:
         assert r["missing_feature"].startswith("InvalidInputError") and "['d']" in r["missing_feature"], r[
             "missing_feature"
         ]
-        assert r["weights_disagree"].startswith("InvalidInputError") and "5 weights" in r["weights_disagree"]
+        assert r["weights_disagree"].startswith("InvalidInputError"), r["weights_disagree"]
+        assert "unweighted EmbeddingBagCollection got per-sample weights" in r["weights_disagree"]
+        assert "is_weighted=False" in r["weights_disagree"]
         assert r["good_after"] == "no error"
 
 

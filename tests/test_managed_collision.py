@@ -1,13 +1,19 @@
 """ManagedCollisionEmbeddingBagCollection and ManagedCollisionEmbeddingCollection: EmbarkPlanner plans their inner
 collections row-wise (the only layout TorchRec's managed-collision sharding runs), DistributedModelParallel runs them
-with TorchRec's MC sharders around our EBC and EC sharders, and they train exactly like the same modules and plan run
-by TorchRec's own sharders (losses over two fused SGD steps and the weights after them), at 2 ranks; a plain EBC next
-to them is planned on its own, and an MC module's inner collection is not planned twice."""
+with our managed-collision sharders (TorchRec's, around our EBC and EC sharders, checking every batch), and they
+train exactly like the same modules and plan run by TorchRec's own sharders (losses over two fused SGD steps and the
+weights after them), at 2 ranks; a plain EBC next to them is planned on its own, and an MC module's inner collection
+is not planned twice. A bad batch on one rank is every rank's named error within seconds, and the next good batch
+runs on every rank (the modules run on a process group with a short timeout, so a rank left waiting in the managed
+collisions' all-to-all fails the test instead of hanging it)."""
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from datetime import timedelta
+from typing import Any, Callable
 
+import pytest
 import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -32,10 +38,33 @@ from torchrec.modules.mc_modules import (
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embark_torchrec import EmbarkEmbeddingBagCollectionSharder, EmbarkPlanner
+from embark_torchrec.sharding.managed_collision import (
+    EmbarkManagedCollisionEmbeddingBagCollectionSharder,
+    EmbarkManagedCollisionEmbeddingCollectionSharder,
+)
 from embark_torchrec.sharding.sharded_ec import EmbarkEmbeddingCollectionSharder
+from embark_torchrec.sharding.validation import InvalidInputError
 from embark_torchrec.testing import run_ranks
 
 FUSED = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1}
+PG_TIMEOUT_S = 20.0  # a rank left waiting in a collective fails after this
+WITHIN_S = 5.0  # every rank must have its error this soon
+
+
+def _with(kjt: KeyedJaggedTensor, **change: Any) -> KeyedJaggedTensor:
+    parts = {"values": kjt.values(), "lengths": kjt.lengths(), "weights": kjt.weights_or_none(), **change}
+    return KeyedJaggedTensor(keys=kjt.keys(), stride=kjt.stride(), **parts)
+
+
+# what one rank's bad batch is (from a good one), and words every rank's error has; raw IDs may be any int64 >= 0
+# (the managed collisions remap them), so an ID is bad only when negative
+BAD: dict[str, tuple[Callable[[KeyedJaggedTensor], KeyedJaggedTensor], list[str]]] = {
+    "ids_uint8": (lambda k: _with(k, values=k.values().to(torch.uint8)), ["IDs are torch.uint8"]),
+    "id_negative": (lambda k: _with(k, values=-k.values() - 1), ["outside [0, 9223372036854775807)"]),
+    "negative_length": (lambda k: _with(k, lengths=torch.tensor([-1, 4, 2, 1])), ["1 negative bag lengths"]),
+    "lengths_exceed_values": (lambda k: _with(k, values=k.values()[:-1]), ["add up to 6 IDs", "holds 5 values"]),
+    "weights": (lambda k: _with(k, weights=torch.ones(6)), ["got per-sample weights", "TorchRec's would drop them"]),
+}
 
 
 def _collisions(tables: list[BaseEmbeddingConfig], device: torch.device) -> ManagedCollisionCollection:
@@ -108,13 +137,39 @@ def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _one_bad_rank(model: DistributedModelParallel) -> dict[str, Any]:
+    """Rank 1 feeds each bad batch to each managed-collision module, rank 0 a good one; both catch the error, then
+    feed a good batch. Per case and module: each rank's error and how long it took, and whether the next batch ran."""
+    out: dict[str, Any] = {}
+    for name, feature in (("mc", "user"), ("mc_seq", "history")):
+        module = getattr(model.module, name)
+        good = KeyedJaggedTensor(
+            keys=[feature], values=torch.arange(6) * 7919, lengths=torch.tensor([2, 0, 3, 1]), stride=4
+        )
+        for case, (corrupt, _) in BAD.items():
+            start = time.monotonic()
+            try:
+                module(corrupt(good) if dist.get_rank() == 1 else good)
+                error = "no error"
+            except InvalidInputError as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            seconds = time.monotonic() - start
+            result = module(good)
+            result = result[0] if isinstance(result, tuple) else result
+            ran = bool(torch.isfinite(result.values() if name == "mc" else result[feature].values()).all())
+            out[f"{name}/{case}"] = {"error": error, "seconds": seconds, "next_ran": ran}
+    return out
+
+
 def _run() -> dict[str, Any]:
-    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    env = ShardingEnv.from_process_group(dist.new_group(backend="gloo", timeout=timedelta(seconds=PG_TIMEOUT_S)))
     ours = [
-        ManagedCollisionEmbeddingBagCollectionSharder(
+        EmbarkManagedCollisionEmbeddingBagCollectionSharder(
             ebc_sharder=EmbarkEmbeddingBagCollectionSharder(fused_params=FUSED)
         ),
-        ManagedCollisionEmbeddingCollectionSharder(ec_sharder=EmbarkEmbeddingCollectionSharder(fused_params=FUSED)),
+        EmbarkManagedCollisionEmbeddingCollectionSharder(
+            ec_sharder=EmbarkEmbeddingCollectionSharder(fused_params=FUSED)
+        ),
         EmbarkEmbeddingBagCollectionSharder(fused_params=FUSED),
     ]
     theirs = [
@@ -136,11 +191,17 @@ def _run() -> dict[str, Any]:
         "plan": {path: {t: ps.sharding_type for t, ps in p.items()} for path, p in plan.plan.items()},
         "stock": (_train(stock), _weights(stock)),
         "ours": (_train(model), _weights(model)),
+        "one_bad_rank": _one_bad_rank(model),
     }
 
 
-def test_managed_collision_modules_run_row_wise_like_torchrec() -> None:
-    for result in run_ranks(_run, 2, timeout_s=300):
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return run_ranks(_run, 2, timeout_s=300)
+
+
+def test_managed_collision_modules_run_row_wise_like_torchrec(results: list[dict[str, Any]]) -> None:
+    for result in results:
         assert result["plan"]["mc"] == {"mc": "row_wise"}, result["plan"]
         assert result["plan"]["mc_seq"] == {"mc_seq": "row_wise"}, result["plan"]
         assert set(result["plan"]) == {"mc", "mc_seq", "ebc"}, result["plan"]  # inner collections not planned again
@@ -149,3 +210,23 @@ def test_managed_collision_modules_run_row_wise_like_torchrec() -> None:
         assert weights.keys() == stock_weights.keys() and any("mc_seq" in k for k in weights)
         for key, value in weights.items():
             assert torch.equal(value, stock_weights[key]), key
+
+
+def test_one_bad_rank_in_a_managed_collision_module_is_every_ranks_named_error(
+    results: list[dict[str, Any]],
+) -> None:
+    """A bad batch on rank 1 only (bad ID or length dtype, a negative raw ID, lengths that disagree with the values,
+    per-sample weights, which managed collisions drop), fed to a managed-collision EBC and EC: every rank raises the
+    same InvalidInputError naming rank 1, its feature where there is one, and what is wrong, within seconds (no rank
+    waits in the managed collisions' all-to-all its bad peer never joins), and the next good batch runs on both."""
+    for key in results[0]["one_bad_rank"]:
+        name, case = key.split("/")
+        got = [r["one_bad_rank"][key] for r in results]
+        texts = {g["error"] for g in got}
+        assert len(texts) == 1, (key, texts)
+        (text,) = texts
+        assert text.startswith("InvalidInputError: rank 1: ") or text.startswith("InvalidIdError: rank 1: "), text
+        for word in BAD[case][1]:
+            assert word in text, (key, word, text)
+        assert all(g["seconds"] < WITHIN_S for g in got), (key, [g["seconds"] for g in got])
+        assert all(g["next_ran"] for g in got), key

@@ -2,12 +2,13 @@
 what is wrong) within seconds, and no rank waits in an all-to-all its bad peer never joins.
 
 For each check the input validator makes (IDs out of range, negative IDs, uint8 / int16 / float IDs, lengths that
-disagree with the values or the weights, negative lengths, a missing feature, NaN and Inf per-sample weights), one
-rank feeds the bad batch and the others good ones, on a module of each sharding type: TorchRec's table-wise,
-column-wise, row-wise, table-row-wise and data-parallel run under our sharder, and our grid (flat and hierarchical)
-and unique-based types; weighted EmbeddingBagCollections with one batch size and with a variable batch per feature
-(VBE; on data-parallel tables, whose VBE output TorchRec 1.8 cannot expand, a VBE batch is refused by name), and
-EmbeddingCollections (TorchRec's sequence table-wise and row-wise, our sequence grid and unique-based).
+disagree with the values or the weights, negative lengths, a missing feature, NaN and Inf per-sample weights,
+per-sample weights missing on a weighted module or given to an unweighted one), one rank feeds the bad batch and the
+others good ones, on a module of each sharding type: TorchRec's table-wise, column-wise, row-wise, table-row-wise and
+data-parallel run under our sharder, and our grid (flat and hierarchical) and unique-based types; weighted
+EmbeddingBagCollections with one batch size and with a variable batch per feature (VBE; on data-parallel tables, whose
+VBE output TorchRec 1.8 cannot expand, a VBE batch is refused by name), unweighted ones (only the weights given to
+them), and EmbeddingCollections (TorchRec's sequence table-wise and row-wise, our sequence grid and unique-based).
 At 2 ranks and at 4 (2 nodes x 2). The bad rank either stops (it waits, out of every collective, until the others
 have reported their error: a peer that needed it would deadlock, and the test fail on its short timeouts) or catches
 the error and goes on: then every rank runs the next good batch, which must give what it gave before. The modules run
@@ -103,41 +104,46 @@ def _set(t: torch.Tensor, i: int, value: float) -> torch.Tensor:
     return t
 
 
-# case -> (the bad batch from a good one, VBE or not; weighted only; error class; words every message has)
+def _first(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    return None if t is None else t[:n]
+
+
+# case -> (the bad batch from a good one, VBE or not; for weighted modules only (True), unweighted ones only (False)
+# or any (None); error class; words every message has)
 Corrupt = Callable[[KeyedJaggedTensor, bool], KeyedJaggedTensor]
-CASES: dict[str, tuple[Corrupt, bool, str, list[str]]] = {
+CASES: dict[str, tuple[Corrupt, bool | None, str, list[str]]] = {
     "id_too_big": (
         lambda k, v: _with(k, v, values=_set(k.values(), 0, ROWS)),
-        False,
+        None,
         "InvalidIdError",
         ["feature 'a' of table 'ta'", f"[{ROWS}] outside [0, {ROWS})"],
     ),
     "id_negative": (
         lambda k, v: _with(k, v, values=_set(k.values(), 1, -1)),
-        False,
+        None,
         "InvalidIdError",
         ["feature 'a'", "[-1]"],
     ),
-    "ids_uint8": (lambda k, v: _with(k, v, values=k.values().to(torch.uint8)), False, "InvalidInputError", ["uint8"]),
-    "ids_int16": (lambda k, v: _with(k, v, values=k.values().to(torch.int16)), False, "InvalidInputError", ["int16"]),
-    "ids_float": (lambda k, v: _with(k, v, values=k.values().float()), False, "InvalidInputError", ["float32"]),
+    "ids_uint8": (lambda k, v: _with(k, v, values=k.values().to(torch.uint8)), None, "InvalidInputError", ["uint8"]),
+    "ids_int16": (lambda k, v: _with(k, v, values=k.values().to(torch.int16)), None, "InvalidInputError", ["int16"]),
+    "ids_float": (lambda k, v: _with(k, v, values=k.values().float()), None, "InvalidInputError", ["float32"]),
     "lengths_exceed_values": (
-        lambda k, v: _with(
-            k, v, values=k.values()[:-1], weights=None if k.weights_or_none() is None else k.weights()[:-1]
-        ),
-        False,
+        lambda k, v: _with(k, v, values=k.values()[:-1], weights=_first(k.weights_or_none(), k.values().numel() - 1)),
+        None,
         "InvalidInputError",
         ["the bag lengths add up to"],
     ),
     "negative_length": (
         lambda k, v: _with(k, v, lengths=torch.tensor([-1, 4, 2] if v else [1, 3, 3, -1])),
-        False,
+        None,
         "InvalidInputError",
         ["negative bag lengths"],
     ),
     "missing_feature": (
-        lambda k, v: _with(k, v, keys=["a"], values=k.values()[:3], weights=None, lengths=k.lengths()[:2]),
-        False,
+        lambda k, v: _with(
+            k, v, keys=["a"], values=k.values()[:3], weights=_first(k.weights_or_none(), 3), lengths=k.lengths()[:2]
+        ),
+        None,
         "InvalidInputError",
         ["features ['b'] are missing"],
     ),
@@ -158,6 +164,18 @@ CASES: dict[str, tuple[Corrupt, bool, str, list[str]]] = {
         True,
         "InvalidInputError",
         ["feature 'b' of table 'tb' has non-finite per-sample weights (1 +Inf"],
+    ),
+    "weights_dropped": (
+        lambda k, v: _with(k, v, weights=None),
+        True,
+        "InvalidInputError",
+        ["features ['a', 'b'] of a weighted EmbeddingBagCollection got no per-sample weights", "is_weighted=True"],
+    ),
+    "weights_given": (
+        lambda k, v: _with(k, v, weights=torch.ones(k.values().numel())),
+        False,
+        "InvalidInputError",
+        ["features ['a', 'b']", "got per-sample weights"],
     ),
 }
 
@@ -190,15 +208,26 @@ def _feed_bad(
     return {"error": error, "seconds": elapsed}
 
 
+def _applies(for_weighted: bool | None, weighted: bool, only_weighting: bool) -> bool:
+    """Whether a case runs on a module (weighted or not; an unweighted EBC runs only the weighting case)."""
+    return for_weighted == weighted if only_weighting else for_weighted in (None, weighted)
+
+
 def _run_module(
-    model: Any, runs_as: list[str], name: str, weighted: bool, variable: bool, store: dist.Store
+    model: Any,
+    runs_as: list[str],
+    name: str,
+    weighted: bool,
+    variable: bool,
+    store: dist.Store,
+    only_weighting: bool = False,
 ) -> dict[str, Any]:
     rank, ws = dist.get_rank(), dist.get_world_size()
     good = _good(rank, 0, weighted, variable)
     want = _outputs(model, good)
     out: dict[str, Any] = {"runs_as": runs_as}
-    for i, (case, (corrupt, needs_weights, _, _)) in enumerate(CASES.items()):
-        if needs_weights and not weighted:
+    for i, (case, (corrupt, for_weighted, _, _)) in enumerate(CASES.items()):
+        if not _applies(for_weighted, weighted, only_weighting):
             continue
         bad_kjt = corrupt(_good(rank, 1, weighted, variable), variable)
         for stops in (True, False):
@@ -238,6 +267,10 @@ def _all_modules() -> dict[str, Any]:
             model = sharded_model(tables, {t.name: layout for t in tables}, LWS, weighted=True, pg=pg)
             name = f"ebc/{kind}/{'vbe' if variable else 'uniform'}"
             results[name] = _run_module(model, module_sharding_types(model.module.ebc), name, True, variable, store)
+        torch.manual_seed(0)
+        model = sharded_model(tables, {t.name: layout for t in tables}, LWS, pg=pg)
+        name = f"ebc_unweighted/{kind}/uniform"
+        results[name] = _run_module(model, module_sharding_types(model.module.ebc), name, False, False, store, True)
     for kind in SEQUENCE_TYPES:
         layout = _layouts(ws)[kind]
         tables = [
@@ -275,13 +308,15 @@ def test_one_bad_rank_gives_every_rank_the_same_named_error(
     """Every rank raises the same error, of the check's class, naming the bad rank and what is wrong, within
     seconds, whether the bad rank stops or goes on; after it, the next good batch gives what it gave before."""
     ws, per_rank = results
-    _, _, error_class, words = CASES[case]
+    _, for_weighted, error_class, words = CASES[case]
     checked = 0
     for name in per_rank[0]:
+        weighted, only_weighting = name.startswith("ebc/"), name.startswith("ebc_unweighted/")
+        if not _applies(for_weighted, weighted, only_weighting):
+            continue
         for variant in ("stops", "continues"):
             key = f"{case}/{variant}"
-            if key not in per_rank[0][name]:
-                continue
+            assert key in per_rank[0][name], (ws, name, key)
             got = [r[name][key] for r in per_rank]
             bad = got[0]["bad"]
             texts = {g["error"] for g in got}
@@ -295,7 +330,7 @@ def test_one_bad_rank_gives_every_rank_the_same_named_error(
             if variant == "continues":
                 assert all(g["after"] == 0.0 for g in got), (ws, name, key, [g["after"] for g in got])
             checked += 1
-    assert checked >= 2 * len(_layouts(ws)), (ws, case, checked)
+    assert checked >= 2 * len(SEQUENCE_TYPES), (ws, case, checked)
 
 
 KJT_TYPES = ("table_wise", "column_wise", "row_wise", "table_row_wise")
@@ -330,11 +365,16 @@ def test_a_variable_batch_on_one_rank_only_is_refused_alike_or_runs(results: tup
 def test_validator_faults_travel_as_integers_and_read_the_same() -> None:
     """Each fault survives the round trip through the exchange's integers and reads as the same words; NaN weights
     or negative-free IDs of a key the module does not read are not this module's fault (no process group needed)."""
-    validator = InputValidator({"ta": ["a"], "tb": ["b"]}, {"ta": ROWS, "tb": ROWS})
-    good = _good(0, 0, True, False)
-    assert validator.check(good)[1] is None
-    for case, (corrupt, _, error_class, words) in CASES.items():
-        _, fault = validator.check(corrupt(good, False))
+    validators = {
+        weighted: InputValidator({"ta": ["a"], "tb": ["b"]}, {"ta": ROWS, "tb": ROWS}, weighted=weighted)
+        for weighted in (True, False)
+    }
+    for weighted, validator in validators.items():
+        assert validator.check(_good(0, 0, weighted, False))[1] is None
+    for case, (corrupt, for_weighted, error_class, words) in CASES.items():
+        weighted = for_weighted is not False
+        validator = validators[weighted]
+        _, fault = validator.check(corrupt(_good(0, 0, weighted, False), False))
         assert fault is not None, case
         back = InputFault.from_ints(fault.to_ints())
         assert back == fault and len(fault.to_ints()) == InputFault.FIELDS, case
@@ -348,4 +388,4 @@ def test_validator_faults_travel_as_integers_and_read_the_same() -> None:
         weights=torch.tensor([1.0, 1.0, math.nan]),
         stride=2,
     )
-    assert validator.check(other)[1] is None
+    assert validators[True].check(other)[1] is None

@@ -126,13 +126,12 @@ def _sharder_for(module: Any) -> str:
         ManagedCollisionEmbeddingCollection,
     )
 
-    sequence = hasattr(_collection(module), "embedding_configs")
-    ours = "EmbarkEmbeddingCollectionSharder()" if sequence else "EmbarkEmbeddingBagCollectionSharder()"
     if isinstance(module, ManagedCollisionEmbeddingBagCollection):
-        return f"ManagedCollisionEmbeddingBagCollectionSharder(ebc_sharder={ours})"
+        return "EmbarkManagedCollisionEmbeddingBagCollectionSharder()"
     if isinstance(module, ManagedCollisionEmbeddingCollection):
-        return f"ManagedCollisionEmbeddingCollectionSharder(ec_sharder={ours})"
-    return ours
+        return "EmbarkManagedCollisionEmbeddingCollectionSharder()"
+    sequence = hasattr(_collection(module), "embedding_configs")
+    return "EmbarkEmbeddingCollectionSharder()" if sequence else "EmbarkEmbeddingBagCollectionSharder()"
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionContext, Sha
 from torchrec.distributed.fbgemm_qcomm_codec import CommOp
 from torchrec.distributed.types import Awaitable, QuantizedCommCodecs, ShardingEnv
 from torchrec.modules.embedding_configs import PoolingType
-from torchrec.modules.embedding_modules import get_embedding_names_by_table
+from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from ..plan.layout import PRECISIONS, SHARDING_TYPE_PREFIX, WirePrecision, parse_sharding_type
@@ -138,8 +138,15 @@ class EmbarkShardedEmbeddingBagCollection(CheckedInput, CountedModule, ShardedEm
       differ in rows and widths, so weights are loaded shard by shard, matched by offsets.
     """
 
-    def __init__(self, *args: Any, invalid_ids: str = "raise", unique_lookup: str = "auto", **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        module: EmbeddingBagCollectionInterface,
+        *args: Any,
+        invalid_ids: str = "raise",
+        unique_lookup: str = "auto",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(module, *args, **kwargs)
         self._unique_lookup = unique_lookup
         self.comm_stats: Optional[CommStats] = None
         self._kjt_counters: Dict[int, KJTCounter] = {}  # sharding index -> its input KJT all-to-all's counter
@@ -153,6 +160,7 @@ class EmbarkShardedEmbeddingBagCollection(CheckedInput, CountedModule, ShardedEm
                 if kind == "data_parallel"
                 for f in sharding.feature_names()
             ],
+            weighted=module.is_weighted(),
         )
         self._embark_shardings = [
             i for i, s in enumerate(module_shardings(self)) if isinstance(s, GridPooledEmbeddingSharding)

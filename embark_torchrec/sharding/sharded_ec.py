@@ -70,6 +70,8 @@ class EmbarkShardedEmbeddingCollection(CheckedInput, CountedModule, ShardedEmbed
             {c.name: list(c.feature_names) for c in sequence_configs(self)},
             {c.name: c.num_embeddings for c in sequence_configs(self)},
             invalid_ids,
+            weighted=False,  # TorchRec's EmbeddingCollection takes no per-sample weights: its shardings drop them
+            collection="EmbeddingCollection",
         )
         shardings = sequence_shardings(self)
         self._ours = [

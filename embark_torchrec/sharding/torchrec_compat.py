@@ -7,7 +7,7 @@ still exists on the installed TorchRec.
 from __future__ import annotations
 
 import re
-from typing import Any, List
+from typing import Any, Callable, Dict, List
 
 import fbgemm_gpu
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -62,6 +62,40 @@ def managed_collision_embeddings(module: Any) -> Any:
     from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
 
     return module._embedding_module if isinstance(module, BaseManagedCollisionEmbeddingCollection) else None
+
+
+def managed_collision_input_sizes(module: Any) -> Dict[str, int]:
+    """Each table's range of raw IDs in a managed-collision module (`_managed_collision_collection`'s
+    `_managed_collision_modules`, by table: their input_size(), e.g. MCHManagedCollisionModule's input_hash_size)."""
+    modules = module._managed_collision_collection._managed_collision_modules
+    return {table: int(m.input_size()) for table, m in modules.items()}
+
+
+def managed_collision_collection(sharded: Any) -> Any:
+    """A sharded managed-collision module's ShardedManagedCollisionCollection (`_managed_collision_collection`),
+    which runs its input dist."""
+    return sharded._managed_collision_collection
+
+
+def sharded_managed_collision_embeddings(sharded: Any) -> Any:
+    """The sharded EmbeddingBagCollection or EmbeddingCollection inside a sharded managed-collision module
+    (`_embedding_module`)."""
+    return sharded._embedding_module
+
+
+def on_input_dists_created(collisions: Any, then: Callable[[List[Any]], None]) -> None:
+    """Calls `then` with a ShardedManagedCollisionCollection's input dists (`_input_dists`) once they exist: now, or
+    when its `_create_input_dists` builds them on the first batch (wrapped on this instance)."""
+    if not collisions._has_uninitialized_input_dists:
+        then(collisions._input_dists)
+        return
+    create = collisions._create_input_dists
+
+    def created(*args: Any, **kwargs: Any) -> None:
+        create(*args, **kwargs)
+        then(collisions._input_dists)
+
+    collisions._create_input_dists = created
 
 
 def storage_reservation_share(reservation: Any) -> Any:

@@ -3,11 +3,13 @@ that could not complete.
 
 TorchRec's own shardings trust their input: an ID past a table's rows reads another table's rows or memory, a KJT
 whose lengths disagree with its values shifts every bag after the fault, uint8 or int16 IDs fail inside fbgemm or
-gloo, NaN weights poison the table through the fused optimizer. Every batch is checked here once, for every sharding
-type. The check does not raise: it returns an `InputFault`, a fixed-size record that the module's split exchange
-(input_exchange.py) carries to every rank, so that all ranks raise the same error (`InputValidator.error`), naming
-the bad rank, the feature (and table) and what is wrong. IDs outside [0, rows) may instead be clamped into range or
-dropped (their bags get shorter), when the sharder is built with invalid_ids="clamp" / "drop".
+gloo, NaN weights poison the table through the fused optimizer, per-sample weights sent to an unweighted collection
+are applied by some sharding types and dropped by others (and a weighted one without them sums its IDs unweighted).
+Every batch is checked here once, for every sharding type. The check does not raise: it returns an `InputFault`, a
+fixed-size record that the module's split exchange (input_exchange.py) carries to every rank, so that all ranks raise
+the same error (`InputValidator.error`), naming the bad rank, the feature (and table) and what is wrong. IDs outside
+[0, rows) may instead be clamped into range or dropped (their bags get shorter), when the sharder is built with
+invalid_ids="clamp" / "drop".
 """
 
 from __future__ import annotations
@@ -43,13 +45,15 @@ class InvalidIdError(InvalidInputError):
 # what an InputFault reports (its kind)
 OK, ID_DTYPE, LENGTHS_DTYPE, WEIGHTS_DTYPE, MISSING, COUNTS = range(6)
 NEGATIVE_LENGTH, NON_FINITE_WEIGHT, BAD_ID, VARIABLE_BATCH = range(6, 10)
+UNEXPECTED_WEIGHTS, NO_WEIGHTS = range(10, 12)
 
 
 @dataclass(frozen=True)
 class InputFault:
     """What is wrong with one rank's batch, as integers that travel in the split exchange: `kind`, the feature
     (an index into the module's features, -1 for none), up to three numbers and up to five shown values (IDs, or
-    missing features' indices). Which fields a kind fills is in `InputValidator.describe`."""
+    the indices of the features it names: missing ones, or those whose weights are wrong). Which fields a kind fills
+    is in `InputValidator.describe`."""
 
     kind: int
     feature: int = -1
@@ -90,8 +94,14 @@ class InputValidator:
         table_rows: Dict[str, int],
         invalid_ids: str = "raise",
         uniform_batch_features: Sequence[str] = (),
+        *,
+        weighted: bool,
+        collection: str = "EmbeddingBagCollection",
     ) -> None:
-        """`uniform_batch_features`: features whose sharding cannot take a variable batch per feature (VBE)."""
+        """`uniform_batch_features`: features whose sharding cannot take a variable batch per feature (VBE).
+        `weighted`: whether the module takes per-sample weights (EmbeddingBagCollection.is_weighted(); an
+        EmbeddingCollection takes none), which a batch must then have, and otherwise must not; `collection`: the
+        module's class, as errors name it."""
         if invalid_ids not in INVALID_ID_POLICIES:
             raise ValueError(f"invalid_ids must be one of {INVALID_ID_POLICIES}, got {invalid_ids!r}")
         # a feature read by several tables must be a valid row of each: it is checked against the smallest
@@ -106,6 +116,7 @@ class InputValidator:
         self._table_rows = table_rows
         self._policy = invalid_ids
         self._uniform_only = set(uniform_batch_features)
+        self._weighted, self._collection = weighted, collection
         # per key order: each key's table rows (-1: not ours), or the features missing from it
         self._rows: Dict[tuple, torch.Tensor | List[str]] = {}
 
@@ -131,6 +142,8 @@ class InputValidator:
             return kjt, InputFault(ID_DTYPE, numbers=(_dtype_code(values.dtype), 0, 0))
         if lengths.dtype not in ID_DTYPES:
             return kjt, InputFault(LENGTHS_DTYPE, numbers=(_dtype_code(lengths.dtype), 0, 0))
+        if (weights is not None) != self._weighted:
+            return kjt, self._weighting(keys, UNEXPECTED_WEIGHTS if weights is not None else NO_WEIGHTS)
         if weights is not None and not weights.is_floating_point():
             return kjt, InputFault(WEIGHTS_DTYPE, numbers=(_dtype_code(weights.dtype), 0, 0))
         if self._uniform_only and kjt.variable_stride_per_key():
@@ -139,8 +152,7 @@ class InputValidator:
                 return kjt, InputFault(VARIABLE_BATCH, self._index[uniform[0]])
         rows = self._rows_of(keys, values.device)
         if not isinstance(rows, torch.Tensor):
-            missing = [self._index[f] for f in rows]
-            return kjt, InputFault(MISSING, numbers=(len(missing), 0, 0), shown=tuple(missing[:_SHOWN]))
+            return kjt, _naming(MISSING, [self._index[f] for f in rows])
         per_key = kjt.length_per_key()
         total = sum(per_key)
         if total != values.numel() or (weights is not None and weights.numel() != values.numel()):
@@ -169,6 +181,11 @@ class InputValidator:
         bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=values.device), lengths.long())
         kept = torch.zeros_like(lengths).index_add_(0, bag, keep.to(lengths.dtype))
         return _rebuilt(kjt, values[keep], kept, weights[keep] if weights is not None else None), None
+
+    def _weighting(self, keys: List[str], kind: int) -> InputFault:
+        """Weights where the module takes none, or none where it needs them: the module's features in the batch."""
+        index = self._index
+        return _naming(kind, [index[k] for k in dict.fromkeys(keys) if k in index])
 
     # the faults found on the device: worked out only on a bad batch, so their host syncs cost nothing otherwise
 
@@ -214,9 +231,23 @@ class InputValidator:
         elif fault.kind == WEIGHTS_DTYPE:
             what = f"the KeyedJaggedTensor's weights are {_dtype_name(a)}; per-sample weights must be floating point"
         elif fault.kind == MISSING:
-            names = [self._features[i] for i in fault.shown]
-            more = f" and {a - len(names)} more" if a > len(names) else ""
-            what = f"features {names}{more} are missing from the KeyedJaggedTensor"
+            what = f"{self._named(fault)} are missing from the KeyedJaggedTensor"
+        elif fault.kind == UNEXPECTED_WEIGHTS and self._collection == "EmbeddingBagCollection":
+            what = (
+                f"{self._named(fault)} of an unweighted EmbeddingBagCollection got per-sample weights; the module "
+                "was built with is_weighted=False: send the KeyedJaggedTensor without weights, or build the module "
+                "with is_weighted=True"
+            )
+        elif fault.kind == UNEXPECTED_WEIGHTS:
+            what = (
+                f"{self._named(fault)} got per-sample weights, but {self._collection} takes none (TorchRec's would "
+                "drop them): send the KeyedJaggedTensor without weights"
+            )
+        elif fault.kind == NO_WEIGHTS:
+            what = (
+                f"{self._named(fault)} of a weighted {self._collection} got no per-sample weights; the module was "
+                "built with is_weighted=True: give the KeyedJaggedTensor weights (1.0 where an ID is unweighted)"
+            )
         elif fault.kind == COUNTS:
             weights = "" if c < 0 else f" and {c} weights"
             what = f"the bag lengths add up to {a} IDs, but the KeyedJaggedTensor holds {b} values{weights}"
@@ -237,6 +268,14 @@ class InputValidator:
             what = f"its input check failed with an unknown code {fault.kind}"
         return f"rank {rank}: {what}"
 
+    def _named(self, fault: InputFault) -> str:
+        """The features a fault lists (how many, the first few): "feature 'a'" or "features ['a', 'b'] and 3 more"."""
+        names = [self._features[i] for i in fault.shown]
+        if fault.numbers[0] == 1 and names and fault.kind != MISSING:
+            return f"feature {names[0]!r}"
+        more = f" and {fault.numbers[0] - len(names)} more" if fault.numbers[0] > len(names) else ""
+        return f"features {names}{more}"
+
     def error(self, faults: Dict[int, InputFault]) -> InvalidInputError:
         """The error every rank raises for the ranks' faults (by rank): each bad rank's fault, in rank order; an
         InvalidIdError when the first is an ID out of range."""
@@ -244,6 +283,11 @@ class InputValidator:
         cls = InvalidIdError if first.kind == BAD_ID else InvalidInputError
         text = "; ".join(self.describe(r, faults[r]) for r in sorted(faults))
         return cls(f"{text} (every rank refuses this batch, before its input all-to-all)")
+
+
+def _naming(kind: int, features: List[int]) -> InputFault:
+    """A fault that names features (indices into the module's): how many, and the first few."""
+    return InputFault(kind, numbers=(len(features), 0, 0), shown=tuple(features[:_SHOWN]))
 
 
 def _key_of_ids(keys: List[str], per_key: List[int], device: torch.device) -> torch.Tensor:

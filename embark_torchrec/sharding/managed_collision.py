@@ -1,0 +1,199 @@
+"""Managed-collision modules whose batches are checked like our EBC's and EC's: a bad batch on any rank is every
+rank's named error, raised before any rank starts the managed collisions' input all-to-all.
+
+TorchRec's sharded ManagedCollisionEmbeddingBagCollection and ManagedCollisionEmbeddingCollection run their own
+input dist (permute, hash preprocessing, row-wise bucketing and a KJT all-to-all, in ManagedCollisionCollection)
+before the collection inside them, so our EBC's or EC's check never sees the batch: under TorchRec's managed-collision
+sharders a bad batch on one rank crashes there (uint8 IDs inside fbgemm's permute, a negative length inside the
+bucketing) while its peers wait in the all-to-all for the process group's timeout. These sharders build the same
+modules, plus the check at their door: the batch is checked (validation.py: ID and length dtypes, lengths against
+values, negative lengths, missing features, raw IDs outside [0, input_hash_size) of their managed-collision module,
+per-sample weights, which the managed collisions drop) and the managed collisions' KJT all-to-alls send their split
+sizes with the check's record in one exchange (input_exchange.py), as our modules' do: no collective is added. A
+batch with 2-D weights (TorchRec's embedding write path) is passed on unchecked.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Type
+
+import torch
+from torchrec.distributed.embedding_sharding import KJTList
+from torchrec.distributed.mc_embedding import (
+    ManagedCollisionEmbeddingCollectionSharder,
+    ShardedManagedCollisionEmbeddingCollection,
+)
+from torchrec.distributed.mc_embeddingbag import (
+    ManagedCollisionEmbeddingBagCollectionSharder,
+    ShardedManagedCollisionEmbeddingBagCollection,
+)
+from torchrec.distributed.mc_modules import ManagedCollisionCollectionSharder
+from torchrec.distributed.types import Awaitable, ParameterSharding, QuantizedCommCodecs, ShardingEnv
+from torchrec.modules.mc_embedding_modules import (
+    ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionEmbeddingCollection,
+)
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from .comm_stats import CommStats
+from .input_exchange import CheckedInput, defer_kjt_all_to_alls
+from .sharded_ec import EmbarkEmbeddingCollectionSharder
+from .sharder import EmbarkEmbeddingBagCollectionSharder
+from .torchrec_compat import (
+    managed_collision_collection,
+    managed_collision_embeddings,
+    managed_collision_input_sizes,
+    module_device,
+    module_env,
+    module_sharding_types,
+    on_input_dists_created,
+    sequence_sharding_types,
+    sharded_managed_collision_embeddings,
+)
+from .validation import InputValidator
+
+
+class CheckedManagedCollision(CheckedInput):
+    """The check at a sharded managed-collision module's door (see the module docstring)."""
+
+    def _check_batches(self, module: Any, sharder: Any) -> None:
+        """Builds the check for `module` (the unsharded managed-collision module) and defers the managed collisions'
+        KJT all-to-alls to the module's split exchange once their input dists exist (the first batch builds them)."""
+        inner = managed_collision_embeddings(module)
+        bagged = hasattr(inner, "embedding_bag_configs")
+        configs = inner.embedding_bag_configs() if bagged else inner.embedding_configs()
+        collisions = managed_collision_collection(self)
+        self.comm_stats: Optional[CommStats] = None
+        self._validate = InputValidator(
+            {c.name: list(c.feature_names) for c in configs},
+            managed_collision_input_sizes(module),
+            getattr(sharder, "invalid_ids", "raise"),
+            # the managed collisions' preprocessing drops 1-D weights (they reach the collection only unpreprocessed)
+            weighted=bagged and inner.is_weighted() and not collisions.need_preprocess,
+            collection=type(module).__name__,
+        )
+        types = module_sharding_types if bagged else sequence_sharding_types
+        self._sharding_types = types(sharded_managed_collision_embeddings(self))
+        on_input_dists_created(collisions, defer_kjt_all_to_alls)
+
+    def input_dist(self, ctx: Any, features: KeyedJaggedTensor) -> Awaitable[Awaitable[KJTList]]:
+        """The batch checked, then TorchRec's managed-collision input dist, whose request waits the module's split
+        exchange first (which raises a bad batch's error on every rank); a bad batch only takes part in the
+        exchange."""
+        weights = features.weights_or_none()
+        if weights is not None and weights.dim() == 2:  # TorchRec's write path: embeddings to write, not weights
+            return super().input_dist(ctx, features)  # type: ignore[misc]
+        features, fault = self.check_input(features)
+        pg = module_env(self).process_group
+        request = None if fault is not None else super().input_dist(ctx, features)  # type: ignore[misc]
+        return self.exchange_splits(ctx, request, fault, pg, self._sharding_types, module_device(self))
+
+
+class EmbarkShardedManagedCollisionEmbeddingBagCollection(
+    CheckedManagedCollision, ShardedManagedCollisionEmbeddingBagCollection
+):
+    """TorchRec's sharded ManagedCollisionEmbeddingBagCollection, its batches checked at the door."""
+
+    def __init__(
+        self,
+        module: ManagedCollisionEmbeddingBagCollection,
+        table_name_to_parameter_sharding: Dict[str, ParameterSharding],
+        ebc_sharder: EmbarkEmbeddingBagCollectionSharder,
+        mc_sharder: ManagedCollisionCollectionSharder,
+        env: ShardingEnv,
+        device: torch.device,
+    ) -> None:
+        super().__init__(module, table_name_to_parameter_sharding, ebc_sharder, mc_sharder, env, device)
+        self._check_batches(module, ebc_sharder)
+
+
+class EmbarkShardedManagedCollisionEmbeddingCollection(
+    CheckedManagedCollision, ShardedManagedCollisionEmbeddingCollection
+):
+    """TorchRec's sharded ManagedCollisionEmbeddingCollection, its batches checked at the door."""
+
+    def __init__(
+        self,
+        module: ManagedCollisionEmbeddingCollection,
+        table_name_to_parameter_sharding: Dict[str, ParameterSharding],
+        ec_sharder: EmbarkEmbeddingCollectionSharder,
+        mc_sharder: ManagedCollisionCollectionSharder,
+        env: ShardingEnv,
+        device: torch.device,
+    ) -> None:
+        super().__init__(module, table_name_to_parameter_sharding, ec_sharder, mc_sharder, env, device)
+        self._check_batches(module, ec_sharder)
+
+
+class EmbarkManagedCollisionEmbeddingBagCollectionSharder(ManagedCollisionEmbeddingBagCollectionSharder):
+    """TorchRec's ManagedCollisionEmbeddingBagCollectionSharder around ours (EmbarkEmbeddingBagCollectionSharder by
+    default), its sharded modules checking every batch (see the module docstring)."""
+
+    def __init__(
+        self,
+        ebc_sharder: Optional[EmbarkEmbeddingBagCollectionSharder] = None,
+        mc_sharder: Optional[ManagedCollisionCollectionSharder] = None,
+        fused_params: Optional[Dict[str, Any]] = None,
+        qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
+    ) -> None:
+        self.ebc_sharder = ebc_sharder or EmbarkEmbeddingBagCollectionSharder(
+            fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry
+        )
+        self.mc_sharder = mc_sharder or ManagedCollisionCollectionSharder()
+        super().__init__(self.ebc_sharder, self.mc_sharder, qcomm_codecs_registry=qcomm_codecs_registry)
+
+    def shard(
+        self,
+        module: ManagedCollisionEmbeddingBagCollection,
+        params: Dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+        module_fqn: Optional[str] = None,
+    ) -> EmbarkShardedManagedCollisionEmbeddingBagCollection:
+        return EmbarkShardedManagedCollisionEmbeddingBagCollection(
+            module, params, self.ebc_sharder, self.mc_sharder, env, device or torch.device("cuda")
+        )
+
+    @property
+    def sharded_module_type(self) -> Type[EmbarkShardedManagedCollisionEmbeddingBagCollection]:
+        return EmbarkShardedManagedCollisionEmbeddingBagCollection
+
+
+class EmbarkManagedCollisionEmbeddingCollectionSharder(ManagedCollisionEmbeddingCollectionSharder):
+    """TorchRec's ManagedCollisionEmbeddingCollectionSharder around ours (EmbarkEmbeddingCollectionSharder by
+    default), its sharded modules checking every batch (see the module docstring)."""
+
+    def __init__(
+        self,
+        ec_sharder: Optional[EmbarkEmbeddingCollectionSharder] = None,
+        mc_sharder: Optional[ManagedCollisionCollectionSharder] = None,
+        fused_params: Optional[Dict[str, Any]] = None,
+        qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
+    ) -> None:
+        self.ec_sharder = ec_sharder or EmbarkEmbeddingCollectionSharder(
+            fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry
+        )
+        self.mc_sharder = mc_sharder or ManagedCollisionCollectionSharder()
+        super().__init__(self.ec_sharder, self.mc_sharder, qcomm_codecs_registry=qcomm_codecs_registry)
+
+    def shard(
+        self,
+        module: ManagedCollisionEmbeddingCollection,
+        params: Dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+        module_fqn: Optional[str] = None,
+    ) -> EmbarkShardedManagedCollisionEmbeddingCollection:
+        return EmbarkShardedManagedCollisionEmbeddingCollection(
+            module, params, self.ec_sharder, self.mc_sharder, env, device or torch.device("cuda")
+        )
+
+    @property
+    def sharded_module_type(self) -> Type[EmbarkShardedManagedCollisionEmbeddingCollection]:
+        return EmbarkShardedManagedCollisionEmbeddingCollection
+
+
+__all__: List[str] = [
+    "EmbarkManagedCollisionEmbeddingBagCollectionSharder",
+    "EmbarkManagedCollisionEmbeddingCollectionSharder",
+]
