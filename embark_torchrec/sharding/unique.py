@@ -20,8 +20,9 @@ holders are the ranks holding cells of that row slice.
   the gradients are summed per distinct ID, and one gradient row per distinct ID travels back to
   its holder.
 
-Host work per step is a fixed number of tensor ops and three host syncs (the unique, its counts,
-the counts received), whatever the number of tables. What the output dist needs from its batch's
+Host work per step is a fixed number of tensor ops and three host syncs more than TorchRec's
+table-wise (the unique, its counts, the counts received; 6 against 3 per training step at 2 ranks in
+benchmarks/host_overhead.py), whatever the number of tables. What the output dist needs from its batch's
 input dist travels in that batch's context (UniqueShardingContext), so pipelined batches never mix.
 """
 
