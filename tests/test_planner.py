@@ -594,8 +594,8 @@ def test_a_model_no_given_sharder_shards_names_what_it_has() -> None:
     model = nn.Module()
     model.mc = ManagedCollisionEmbeddingCollection(EmbeddingCollection(tables=tables, device=torch.device("meta")), mcc)
     named = (
-        "ManagedCollisionEmbeddingCollection at 'mc' \\(sharded by "
-        "ManagedCollisionEmbeddingCollectionSharder\\(ec_sharder=EmbarkEmbeddingCollectionSharder\\(\\)\\)"
+        "ManagedCollisionEmbeddingCollection at 'mc' "
+        "\\(sharded by EmbarkManagedCollisionEmbeddingCollectionSharder\\(\\)\\)"
     )
     with pytest.raises(ValueError, match=named):
         EmbarkPlanner(world_size=2).plan(model, [EmbarkEmbeddingBagCollectionSharder()])
