@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Mapping, Protocol
 import numpy as np
 
 from .constraints import TableConstraints
-from .cost import CostModel, RankLoad, StepCost
+from .cost import CostModel, RankLoad
 from .layout import TableLayout, WirePrecision
 from .objective import Objective, better, objective
 
@@ -34,12 +34,11 @@ Changes = list[tuple[str, TableLayout]]
 
 @dataclass(frozen=True)
 class Move:
-    """New layouts (and loads) for one or more tables, the plan's total with them, its step and objective."""
+    """New layouts (and loads) for one or more tables, the plan's total with them, and its objective."""
 
     objective: Objective
     changes: tuple[tuple[str, TableLayout, RankLoad], ...]
     total: RankLoad
-    step: StepCost
 
 
 @dataclass(frozen=True)
@@ -183,8 +182,7 @@ class SearchState:
         if dp_used > max(self.dp_budget, self.dp_used) or total.memory.max() > self.cap:
             return None
         self.priced += 1
-        step = self.cost.step_cost(total)
-        return Move(objective(step), tuple(out), total, step)
+        return Move(objective(self.cost.step_cost(total)), tuple(out), total)
 
     def apply(self, move: Move) -> None:
         for name, layout, load in move.changes:
