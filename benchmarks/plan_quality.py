@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from embark_torchrec.plan.baselines import table_row_wise_plan
+from embark_torchrec.plan.balance import comm_imbalance
 from embark_torchrec.plan.bound import step_lower_bound
 from embark_torchrec.sharding.torchrec_plans import torchrec_default_plan
 from embark_torchrec.plan.cost import CostModel
@@ -48,7 +49,7 @@ from embark_torchrec.plan.layout import Plan
 from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.plan.spec import ModelSpec, builtin_model, load_model_spec
 from embark_torchrec.plan.topology import DEFAULT_HARDWARE, PRESETS, Hardware, Topology
-from yardstick import Yardstick, YardstickConfig, YardstickResult, comm_imbalance, plan_differences
+from yardstick import Yardstick, YardstickConfig, YardstickResult, plan_differences
 
 BENCHMARKS = Path(__file__).resolve().parent
 CACHE_DIR = BENCHMARKS / "cache"
@@ -91,7 +92,7 @@ class Baseline:
 @dataclass(frozen=True)
 class Scored:
     """A plan's estimated step time, whether some rank is over the per-rank memory cap, and the
-    busiest rank's embedding communication over the average rank's (yardstick.comm_imbalance)."""
+    busiest rank's embedding communication over the average rank's (balance.comm_imbalance)."""
 
     ms: float
     over_memory: bool

@@ -36,6 +36,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from embark_torchrec.plan.balance import comm_imbalance
 from embark_torchrec.plan.bound import allowed_clusters
 from embark_torchrec.plan.constraints import TableConstraints
 from embark_torchrec.plan.cost import CostModel, RankLoad, StepCost
@@ -108,14 +109,6 @@ def _snapshot(state: _State) -> _State:
     return replace(
         state, layouts=dict(state.layouts), loads=dict(state.loads), holders=[dict(h) for h in state.holders]
     )
-
-
-def comm_imbalance(step: StepCost) -> float:
-    """The busiest rank's embedding communication (intra + inter-node ms) over the average rank's; 1.0
-    with none."""
-    comm = step.rank_intra_ms + step.rank_inter_ms
-    mean = float(comm.mean())
-    return float(comm.max()) / mean if mean > 0 else 1.0
 
 
 def energy(step: StepCost) -> float:

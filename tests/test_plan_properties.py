@@ -9,10 +9,15 @@ import pytest
 
 from embark_torchrec.plan.layout import Plan, PlanError
 from embark_torchrec.plan.plan_model import plan_model
+from embark_torchrec.plan.search import SearchConfig
 from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec
 from embark_torchrec.plan.topology import PRESETS, Topology
 
 CASES = 40
+# The invariants hold move by move, whatever the climb's budget: a quarter of the default budget still takes
+# every kind of move on these small models (their climbs reach a local optimum and sweep within it) at a quarter
+# of the time, for 40 cases planned twice.
+CONFIG = SearchConfig(improve_evaluations=SearchConfig().improve_evaluations // 4)
 
 
 def _random_case(seed: int) -> tuple[ModelSpec, Topology]:
@@ -60,7 +65,7 @@ def test_random_plans_keep_the_invariants(seed: int) -> None:
     exactly one shard, nothing outside the table), ranks in range, memory within the cap, columns cut on multiples of
     4, and the same inputs give the same plan."""
     spec, topology = _random_case(seed)
-    planned = plan_model(spec, topology)
+    planned = plan_model(spec, topology, config=CONFIG)
     plan = planned.plan
     tables = plan.to_dict()["tables"]
     assert set(tables) == {t.name for t in spec.tables}
@@ -77,7 +82,7 @@ def test_random_plans_keep_the_invariants(seed: int) -> None:
             )
         assert (_coverage(shards, t.rows, t.dim) == 1).all(), t.name
     assert float(planned.cost.rank_memory.max()) <= topology.hbm_cap_bytes
-    assert plan_model(spec, topology).plan.to_dict() == plan.to_dict()
+    assert plan_model(spec, topology, config=CONFIG).plan.to_dict() == plan.to_dict()
 
 
 @pytest.mark.parametrize(

@@ -45,6 +45,7 @@ from .moves import (
     confinement,
     dissolutions,
     group_of,
+    heaviest_tables,
     light_ranks,
     reclusters,
     recuts,
@@ -80,22 +81,6 @@ class Improvement:
 
     # ---- candidates ----------------------------------------------------------------------------
 
-    def _heaviest_tables(self, rank: int, comm: bool = False) -> list[str]:
-        """The tables with a cell on `rank` that load it most (by lookups and communication, or by
-        communication alone), heaviest first (ties in table order)."""
-        s = self.state
-        names = sorted(s.holders[rank], key=s.order.__getitem__)
-        if not names:
-            return []
-        columns = np.stack([s.load(n).rows[:, rank] for n in names], axis=1)
-        if comm:
-            _, intra, inter = s.cost.rank_times(columns)
-            ms = intra + inter
-        else:
-            ms = s.cost.rank_load_ms(columns)
-        ranked = sorted(zip((-ms).tolist(), (s.order[n] for n in names), names))
-        return [n for _, _, n in ranked[: s.config.improve_tables]]
-
     def _bottleneck_move(self, step: StepCost, deep: bool = False) -> Move | None:
         """The best move of the tables that load the bottleneck ranks most (the busiest rank by
         communication: the tables that load its links most), the emptying of each sharding group of
@@ -114,7 +99,7 @@ class Improvement:
             for change in dissolutions(s, step.rank_load_ms, SMALL_DISSOLUTION):
                 best = better_move(best, s.evaluate(change))
         for k, by_comm in worst.items():
-            for i, name in enumerate(self._heaviest_tables(k, by_comm)):
+            for i, name in enumerate(heaviest_tables(s, k, by_comm)):
                 if deep:
                     changes = [[(name, c)] for c in recuts(s, name, step.rank_load_ms)]
                 else:
@@ -174,7 +159,7 @@ class Improvement:
         s = self.state
         step = s.cost.step_cost(s.total)
         k = int(np.argmax(step.rank_load_ms))
-        names = self._heaviest_tables(k)
+        names = heaviest_tables(s, k)
         for _ in range(_KICK_TRIES if names else 0):
             name = names[int(self.rng.integers(len(names)))]
             allowed = s.allowed[name]

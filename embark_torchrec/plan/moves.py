@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import replace
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -23,6 +23,7 @@ from .layout import TableLayout
 from .search_state import Changes, SearchState
 
 Shape = tuple[int, int]  # (row slices, column slices)
+Measure = Callable[[np.ndarray], np.ndarray]  # per-rank ms of RankLoad rows (CostModel.rank_load_ms)
 
 
 def even_grid(state: SearchState, name: str, cluster: str, shape: Shape) -> TableLayout:
@@ -82,6 +83,22 @@ def cells_on(layout: TableLayout, rank: int) -> list[tuple[int, int]]:
     return [(r, c) for r, row in enumerate(layout.ranks) for c, k in enumerate(row) if k == rank]
 
 
+def heaviest_tables(state: SearchState, rank: int, comm: bool = False) -> list[str]:
+    """The SearchConfig.improve_tables tables with a cell on `rank` that load it most (by lookups and
+    communication, or by communication alone), heaviest first (ties in table order)."""
+    names = sorted(state.holders[rank], key=state.order.__getitem__)
+    if not names:
+        return []
+    columns = np.stack([state.load(n).rows[:, rank] for n in names], axis=1)
+    if comm:
+        _, intra, inter = state.cost.rank_times(columns)
+        ms = intra + inter
+    else:
+        ms = state.cost.rank_load_ms(columns)
+    ranked = sorted(zip((-ms).tolist(), (state.order[n] for n in names), names))
+    return [n for _, _, n in ranked[: state.config.improve_tables]]
+
+
 def shapes_near(state: SearchState, name: str, layout: TableLayout) -> Iterator[Shape]:
     """One row or column slice more or fewer, or twice or half as many, as the table's constraints allow."""
     n_r, n_c = layout.num_row_slices, layout.num_col_slices
@@ -103,19 +120,27 @@ def allows_shape(state: SearchState, name: str, shape: Shape) -> bool:
 
 
 def placed(
-    state: SearchState, name: str, cluster: str, shape: Shape, rank_ms: np.ndarray, local: bool = False
+    state: SearchState,
+    name: str,
+    cluster: str,
+    shape: Shape,
+    rank_ms: np.ndarray,
+    local: bool = False,
+    measure: Measure | None = None,
 ) -> TableLayout | None:
     """An even grid of the table, its cells placed longest first, one per rank, onto the allowed
     ranks least loaded without the table and with memory for them; None when memory runs out.
     `local`: only on the fewest least loaded nodes that have ranks enough, so that a
-    hierarchical reduction keeps partial sums inside them."""
+    hierarchical reduction keeps partial sums inside them. `rank_ms`: each rank's load by
+    `measure` (CostModel.rank_load_ms unless given), from which the table's own is taken out."""
     cost = state.cost
+    measure = measure or cost.rank_load_ms
     grid = even_grid(state, name, cluster, shape)
     n_r, n_c = shape
     rows, cols = grid.row_bounds, grid.col_bounds
     ms = cost.cell_ms(name, grid)
     own = state.load(name)
-    base = rank_ms - cost.rank_load_ms(own.rows)
+    base = rank_ms - measure(own.rows)
     memory = state.total.memory - own.memory
     ranks = state.allowed[name]
     if local:
@@ -148,12 +173,15 @@ def placed(
     return grid.with_ranks(tuple(map(tuple, cells)))
 
 
-def reshapes(state: SearchState, name: str, rank_ms: np.ndarray) -> Iterator[TableLayout]:
-    """The table re-split (shapes_near) and placed, anywhere and, when row-split RB, node by node."""
+def reshapes(
+    state: SearchState, name: str, rank_ms: np.ndarray, measure: Measure | None = None
+) -> Iterator[TableLayout]:
+    """The table re-split (shapes_near) and placed (by `measure`: see placed), anywhere and, when
+    row-split RB, node by node."""
     layout = state.layouts[name]
     for shape in shapes_near(state, name, layout):
         for local in (False, True) if layout.cluster == "rb" and shape[0] > 1 else (False,):
-            grid = placed(state, name, layout.cluster, shape, rank_ms, local)
+            grid = placed(state, name, layout.cluster, shape, rank_ms, local, measure)
             if grid is not None:
                 yield grid
 
@@ -279,16 +307,16 @@ def recut_shapes(state: SearchState, name: str, layout: TableLayout) -> Iterator
     return (s for s in dict.fromkeys(shapes) if s != current and allows_shape(state, name, s))
 
 
-def recuts(state: SearchState, name: str, rank_ms: np.ndarray) -> Iterator[TableLayout]:
-    """The table re-cut into many more slices (recut_shapes), each placed on the fewest least loaded
-    nodes that hold it (a row split then reduces inside them first) and, for cuts over several nodes,
-    anywhere."""
+def recuts(state: SearchState, name: str, rank_ms: np.ndarray, measure: Measure | None = None) -> Iterator[TableLayout]:
+    """The table re-cut into many more slices (recut_shapes), each placed (by `measure`: see placed)
+    on the fewest least loaded nodes that hold it (a row split then reduces inside them first) and,
+    for cuts over several nodes, anywhere."""
     layout = state.layouts[name]
     if layout.cluster == "dp":
         return
     for shape in recut_shapes(state, name, layout):
         for local in (True, False) if shape[0] * shape[1] > state.local_world_size else (True,):
-            grid = placed(state, name, layout.cluster, shape, rank_ms, local)
+            grid = placed(state, name, layout.cluster, shape, rank_ms, local, measure)
             if grid is not None:
                 yield grid
 

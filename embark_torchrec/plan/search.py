@@ -31,7 +31,9 @@ seeded random kicks restart the climb from the best plan. It stops when its budg
 candidates (SearchConfig.improve_evaluations) is spent, so it never makes the greedy plan worse and
 costs a fixed amount of work whatever the model. The greedy phases fix each table's cluster and
 shape early from estimates; phase 3 undoes what they got wrong (on DCNv2 at 64 GPUs, row splits whose
-partial sums cost more than they balance: about 15% of the step). bound.py gives a lower bound on
+partial sums cost more than they balance: about 15% of the step). Phase 4, balance (balance.py): where the
+busiest rank's communication is over SearchConfig.comm_balance times the average rank's, moves of that
+rank's tables that lower it, within SearchConfig.balance_tolerance of phase 3's step. bound.py gives a lower bound on
 the step of any plan, which the report compares the plan with.
 
 Ties on step time are broken by the sum of squared per-rank loads (objective.py). Every loop runs in
@@ -56,6 +58,7 @@ from typing import Iterator, Mapping
 import numpy as np
 
 from .constraints import TableConstraints
+from .balance import CommBalance
 from .cost import CostModel, RankLoad
 from .improve import Improvement
 from .layout import Plan, PlanError, TableLayout, WirePrecision
@@ -80,6 +83,9 @@ class SearchConfig:
     improve_tables: int = 4  # tables of each bottleneck rank whose moves phase 3 tries
     improve_targets: int = 4  # least loaded ranks a cell may move to in phase 3 (and one by lookups, one by comm)
     improve_seed: int = 0  # of phase 3's random kicks
+    comm_balance: float = 1.10  # busiest / average rank communication above which phase 4 balances it
+    balance_tolerance: float = 0.002  # share of the step phase 4 may spend on balance
+    balance_evaluations: int = 1000  # candidates phase 4 prices at most
     dp_memory_fraction: float = 0.05
     precision: Mapping[str, WirePrecision] = field(default_factory=dict)  # per cluster; default fp32
 
@@ -104,6 +110,8 @@ class SearchStats:
     improve_evaluations: int = 0  # candidates phase 3 priced: its budget, SearchConfig.improve_evaluations
     improve_kicks: int = 0  # random restarts of phase 3 from its best plan
     improve_loads_computed: int = 0  # per-table loads computed in full in phase 3
+    balance_moves: int = 0  # moves phase 4 took
+    balance_evaluations: int = 0  # candidates phase 4 priced
 
 
 @dataclass
@@ -140,27 +148,15 @@ class SplitRounds:
     def prepare(self, state: SearchState) -> None:
         """Reads what the phase needs of the state and builds the twins' groups (done by run)."""
         self.state = state
-        self.cost = state.cost
-        self.config = state.config
-        self.world_size = state.world_size
-        self.cap = state.cap
-        self._lws = state.local_world_size
-        self.movable = state.movable
-        self._con = state.constraints
-        self._allowed_ranks = state.allowed
-        self._allowed_set = state.allowed_set
-        self._order = state.order
-        self._fixed_memory = state.fixed_memory
-        self._fixed_total = state.fixed_total
-        everyone_key = tuple(range(self.world_size))
+        everyone_key = tuple(range(state.world_size))
         self._twin_groups: dict[tuple, list[str]] = {}
         self._twin_key: dict[str, tuple] = {}
-        for n in self.movable:
-            c = self._con[n]
+        for n in state.movable:
+            c = state.constraints[n]
             key = (
-                self.cost.signature[n],
+                state.cost.signature[n],
                 state.clusters[n],
-                everyone_key if c.ranks is None else tuple(self._allowed_ranks[n].tolist()),
+                everyone_key if c.ranks is None else tuple(state.allowed[n].tolist()),
                 self._precision(n),
                 (c.row_cuts, c.column_cuts, c.grid_cuts, c.min_column_width),
             )
@@ -171,7 +167,7 @@ class SplitRounds:
         self._last_sorted: tuple[dict[str, Shape], list[Cell]] = ({}, [])
         self.unplaced: list[str] = []
         # per movable table: its one-cell load's CostModel.one_cell_columns, filled when first scored
-        self._columns = np.zeros((len(self.movable),) + self.cost.one_cell_columns(self._fixed_total).shape)
+        self._columns = np.zeros((len(state.movable),) + state.cost.one_cell_columns(state.fixed_total).shape)
 
     # ---- helpers ----------------------------------------------------------------------------
 
@@ -193,14 +189,14 @@ class SplitRounds:
         entry = self._cell_cache.get(key)
         if entry is None:
             grid = self._grid(name, shape)
-            ms = self.cost.cell_ms(name, grid)
-            order = self._order[name]
+            ms = self.state.cost.cell_ms(name, grid)
+            order = self.state.order[name]
             single = grid.num_row_slices * grid.num_col_slices == 1
             cells = []
             for r in range(grid.num_row_slices):
                 for c in range(grid.num_col_slices):
                     width = grid.col_bounds[c + 1] - grid.col_bounds[c]
-                    need = (grid.row_bounds[r + 1] - grid.row_bounds[r]) * self.cost.row_memory(name, width)
+                    need = (grid.row_bounds[r + 1] - grid.row_bounds[r]) * self.state.cost.row_memory(name, width)
                     cells.append((-float(ms[r, c]), order, r, c, name, need, width, single))
             entry = self._cell_cache[key] = _Cells(grid, cells)
         return entry
@@ -217,8 +213,8 @@ class SplitRounds:
         CostModel.one_cell_columns in self._columns, which give its load on any rank (the whole loads
         are not kept: 50,000 tables' take 800 MB at 256 ranks)."""
         if entry.groups is None:
-            base = self.cost.table_load(name, entry.grid)
-            self._columns[self._order[name]] = self.cost.one_cell_columns(base)
+            base = self.state.cost.table_load(name, entry.grid)
+            self._columns[self.state.order[name]] = self.state.cost.one_cell_columns(base)
             entry.groups = base.groups
         return entry.groups
 
@@ -227,23 +223,23 @@ class SplitRounds:
         table's load added in table order, as CostModel.rank_load adds them (CostModel.add_in_order,
         a one-cell table's from its load on rank 0)."""
         self.stats.evaluations += 1
-        self.stats.tables_summed += len(self.movable)
-        total = self._fixed_total.copy()
+        self.stats.tables_summed += len(self.state.movable)
+        total = self.state.fixed_total.copy()
         full: dict[int, np.ndarray] = {}
         kinds: list[Mapping[str, int]] = []
-        for j, name in enumerate(self.movable):
+        for j, name in enumerate(self.state.movable):
             entry = self._cells(name, placement.shapes[name])
             if entry.cells[0][-1]:
                 kinds.append(self._one_cell(name, entry))
             else:
-                load = self.cost.table_load(name, self.placed_layout(placement, name))
+                load = self.state.cost.table_load(name, self.placed_layout(placement, name))
                 full[j] = load.rows
                 kinds.append(load.groups)
-        self.cost.add_in_order(total.rows, self._columns, placement.cell_ranks, full)
+        self.state.cost.add_in_order(total.rows, self._columns, placement.cell_ranks, full)
         groups = total.groups
         for kind, n in ((kind, n) for g in kinds for kind, n in g.items()):
             groups[kind] = groups.get(kind, 0) + n
-        return objective(self.cost.step_cost(total)), total
+        return objective(self.state.cost.step_cost(total)), total
 
     # ---- phase 1: split and re-place ----------------------------------------------------------
 
@@ -252,9 +248,9 @@ class SplitRounds:
         tables: their cells are dropped and the new ones merged in (Timsort merges the two sorted
         runs in linear time) rather than sorting every cell again."""
         last_shapes, last_cells = self._last_sorted
-        changed = [n for n in self.movable if shapes[n] != last_shapes.get(n)]
-        if 2 * len(changed) > len(self.movable):
-            cells = sorted(c for n in self.movable for c in self._cells(n, shapes[n]).cells)
+        changed = [n for n in self.state.movable if shapes[n] != last_shapes.get(n)]
+        if 2 * len(changed) > len(self.state.movable):
+            cells = sorted(c for n in self.state.movable for c in self._cells(n, shapes[n]).cells)
         else:
             gone = set(changed)
             cells = [c for c in last_cells if c[4] not in gone]
@@ -273,22 +269,23 @@ class SplitRounds:
         order; the ranks of a table's own nodes are looked at directly (a rank chosen so leaves its
         old heap entry behind, stale by its version)."""
         cells = self._sorted_cells(shapes)
-        memory = self._fixed_memory.tolist()
-        cap, lws = self.cap, self._lws
+        s = self.state
+        memory = s.fixed_memory.tolist()
+        cap, lws, world, allowed_set = s.cap, s.local_world_size, s.world_size, s.allowed_set
         one_cell: dict[str, int] = {}  # rank of each one-cell table
         grids: dict[str, list[list[int]]] = {}  # ranks of the cells of the others
         holds: dict[str, set[int]] = {}
         nodes: dict[str, set[int]] = {}  # local_first: the nodes that hold cells of a table
         near: dict[str, set[int]] = {}  # and their ranks that hold none
         width_on: dict[str, dict[int, int]] = {}  # one cell width per table on a rank
-        holders: dict[int, list[str]] = {k: [] for k in range(self.world_size)}
-        loads = [0.0] * self.world_size  # estimated load of each rank
-        versions = [0] * self.world_size
-        heap = [(0.0, k, 0) for k in range(self.world_size)]  # (load, rank, version): least loaded first
+        holders: dict[int, list[str]] = {k: [] for k in range(world)}
+        loads = [0.0] * world  # estimated load of each rank
+        versions = [0] * world
+        heap = [(0.0, k, 0) for k in range(world)]  # (load, rank, version): least loaded first
         probes = 0
         self.unplaced = []
         for neg_ms, _, r, c, name, need, width, single in cells:
-            allowed = self._allowed_set[name]
+            allowed = allowed_set[name]
             popped = []
             choice = None
             if single:  # the least loaded allowed rank with room
@@ -368,15 +365,15 @@ class SplitRounds:
         self.stats.rank_probes += probes
         if self.unplaced:
             return None
-        placed = {n: ((one_cell[n],),) if n in one_cell else tuple(map(tuple, grids[n])) for n in self.movable}
-        cell_ranks = np.array([one_cell.get(n, -1) for n in self.movable], dtype=np.int64)
+        placed = {n: ((one_cell[n],),) if n in one_cell else tuple(map(tuple, grids[n])) for n in s.movable}
+        cell_ranks = np.array([one_cell.get(n, -1) for n in s.movable], dtype=np.int64)
         return _Placement(dict(shapes), placed, holders, cell_ranks)
 
     def _splits(self, name: str, shape: Shape) -> Iterator[Shape]:
-        t = self.cost.table(name)
-        c = self._con[name]
+        t = self.state.cost.table(name)
+        c = self.state.constraints[name]
         n_r, n_c = shape
-        limit = min(self.world_size, len(self._allowed_ranks[name]))
+        limit = min(self.state.world_size, len(self.state.allowed[name]))
         if c.row_cuts and (n_c == 1 or c.grid_cuts) and 2 * n_r <= t.rows and 2 * n_r * n_c <= limit:
             yield (2 * n_r, n_c)
         if (
@@ -390,7 +387,7 @@ class SplitRounds:
     def _costliest_table(self, placement: _Placement, total: RankLoad) -> str | None:
         """The splittable movable table that loads the costliest rank most (its tables' loads on that
         rank priced together: CostModel.rank_load_ms is elementwise)."""
-        rank = int(np.argmax(self.cost.step_cost(total).rank_load_ms))
+        rank = int(np.argmax(self.state.cost.step_cost(total).rank_load_ms))
         on_rank = dict.fromkeys(placement.holders[rank])
         self.stats.tables_scanned += len(on_rank)
         names = [n for n in on_rank if next(self._splits(n, placement.shapes[n]), None)]
@@ -402,12 +399,13 @@ class SplitRounds:
             if entry.cells[0][-1]:  # its load on rank 0 renumbered: every rank off its node loads alike
                 self._one_cell(n, entry)
                 k = placement.grids[n][0][0]
-                column = (rank - k) % self._lws if rank // self._lws == k // self._lws else self._lws
-                columns.append(self._columns[self._order[n]][:, column])
+                lws = self.state.local_world_size
+                column = (rank - k) % lws if rank // lws == k // lws else lws
+                columns.append(self._columns[self.state.order[n]][:, column])
             else:
-                columns.append(self.cost.table_load(n, self.placed_layout(placement, n)).rows[:, rank])
-        loads = self.cost.rank_load_ms(np.stack(columns, axis=1))
-        return max((float(ms), -self._order[n], n) for ms, n in zip(loads, names))[2]
+                columns.append(self.state.cost.table_load(n, self.placed_layout(placement, n)).rows[:, rank])
+        loads = self.state.cost.rank_load_ms(np.stack(columns, axis=1))
+        return max((float(ms), -self.state.order[n], n) for ms, n in zip(loads, names))[2]
 
     def _twins(self, name: str) -> list[str]:
         """Movable tables identical to `name` for the cost model (same sizes, traffic, cluster,
@@ -421,15 +419,15 @@ class SplitRounds:
         table cannot hold them. They ask for slices, not ranks: cells of a table may share a rank (as
         TorchRec's grid_shard puts several column slices on each rank of a node), as long as they are
         equally wide (a rank holds one column width of a table)."""
-        c = self._con[name]
+        c = self.state.constraints[name]
         n_r, n_c = c.min_cuts
-        t = self.cost.table(name)
+        t = self.state.cost.table(name)
         if n_r > t.rows or n_c > t.dim // c.min_column_width:
             raise PlanError(
                 f"table {name!r}: its constraints ask for at least {n_r} x {n_c} slices (columns at least "
                 f"{c.min_column_width} wide), which {t.rows} rows x dim {t.dim} cannot hold"
             )
-        ranks = min(self.world_size, len(self._allowed_ranks[name]))
+        ranks = min(self.state.world_size, len(self.state.allowed[name]))
         bounds = self._grid(name, (n_r, n_c)).col_bounds
         widths = sorted({b - a for a, b in zip(bounds, bounds[1:])})
         if n_r * n_c > ranks and len(widths) > 1:
@@ -443,7 +441,8 @@ class SplitRounds:
     def initial_placement(self) -> tuple[dict[str, Shape], _Placement]:
         """Table-wise; while some cells find no rank with memory, row-split the tables they belong
         to (or, when those cannot be cut further, the table with the largest slices)."""
-        shapes = self._shapes = {n: self._least_shape(n) for n in self.movable}
+        s = self.state
+        shapes = self._shapes = {n: self._least_shape(n) for n in s.movable}
 
         def can_grow(n: str) -> bool:
             return (2 * shapes[n][0], shapes[n][1]) in set(self._splits(n, shapes[n]))
@@ -456,17 +455,15 @@ class SplitRounds:
             unplaced = list(dict.fromkeys(self.unplaced))
             growing = [n for n in unplaced if can_grow(n)]
             if not growing:
-                largest = [(self.cost.table(n).rows / shapes[n][0], n) for n in self.movable if can_grow(n)]
+                largest = [(s.cost.table(n).rows / shapes[n][0], n) for n in s.movable if can_grow(n)]
                 growing = [max(largest)[1]] if largest else []
             if not growing:
-                need = sum(
-                    self.cost.table(n).rows * self.cost.row_memory(n, self.cost.table(n).dim) for n in self.movable
-                )
+                need = sum(s.cost.table(n).rows * s.cost.row_memory(n, s.cost.table(n).dim) for n in s.movable)
                 raise PlanError(
                     f"tables {unplaced} do not fit: the model-parallel tables need {need / 1e9:.1f} GB of weights and "
-                    f"optimizer state, beside {self._fixed_memory.max() / 1e9:.1f} GB per rank "
+                    f"optimizer state, beside {s.fixed_memory.max() / 1e9:.1f} GB per rank "
                     "of data-parallel and fixed "
-                    f"tables, on {self.world_size} ranks of {self.cap / 1e9:.1f} GB"
+                    f"tables, on {s.world_size} ranks of {s.cap / 1e9:.1f} GB"
                 )
             for n in growing:
                 shapes[n] = (2 * shapes[n][0], shapes[n][1])
@@ -475,10 +472,10 @@ class SplitRounds:
         self.prepare(state)
         self._shapes, placement = self.initial_placement()
         score, total = self.score(placement)
-        self.stats.initial_step_ms = self.cost.step_cost(total).step_ms
+        self.stats.initial_step_ms = state.cost.step_cost(total).step_ms
         best = current = (score, placement, total)
         stalled = 0
-        while stalled < self.config.patience and self.stats.rounds < self.config.max_rounds:
+        while stalled < state.config.patience and self.stats.rounds < state.config.max_rounds:
             self._report("split rounds", self.stats.rounds, None, f"best {best[0][0]:.3f} ms")
             name = self._costliest_table(current[1], current[2])
             if name is None:
@@ -504,7 +501,7 @@ class SplitRounds:
                 stalled += 1
         _, placement, total = best
         layouts = dict(state.fixed)
-        for name in self.movable:
+        for name in state.movable:
             layouts[name] = self.placed_layout(placement, name)
         state.set_plan(layouts, total)
 
@@ -594,6 +591,10 @@ class GreedySearch:
         self.stats.improve_evaluations = improvement.evaluations
         self.stats.improve_kicks = improvement.kicks
         self.stats.improve_loads_computed = self.cost.computed - self.stats.loads_computed
+        balance = CommBalance(self.progress)
+        balance.run(state)
+        self.stats.balance_moves = balance.moves
+        self.stats.balance_evaluations = balance.evaluations
         topo = self.cost.topology
         order = [t.name for t in self.cost.spec.tables]
         allreduce = self.config.precision.get("dp", WirePrecision()).backward  # DDP's, dense gradients included

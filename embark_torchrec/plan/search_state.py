@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Mapping, Protocol
 import numpy as np
 
 from .constraints import TableConstraints
-from .cost import CostModel, RankLoad
+from .cost import CostModel, RankLoad, StepCost
 from .layout import TableLayout, WirePrecision
 from .objective import Objective, better, objective
 
@@ -34,11 +34,12 @@ Changes = list[tuple[str, TableLayout]]
 
 @dataclass(frozen=True)
 class Move:
-    """New layouts (and loads) for one or more tables, the plan's total with them, and its objective."""
+    """New layouts (and loads) for one or more tables, the plan's total with them, its step and objective."""
 
     objective: Objective
     changes: tuple[tuple[str, TableLayout, RankLoad], ...]
     total: RankLoad
+    step: StepCost
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,8 @@ class SearchState:
         if dp_used > max(self.dp_budget, self.dp_used) or total.memory.max() > self.cap:
             return None
         self.priced += 1
-        return Move(objective(self.cost.step_cost(total)), tuple(out), total)
+        step = self.cost.step_cost(total)
+        return Move(objective(step), tuple(out), total, step)
 
     def apply(self, move: Move) -> None:
         for name, layout, load in move.changes:
