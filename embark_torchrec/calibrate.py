@@ -13,6 +13,9 @@ min and max go into the file):
 - intra/inter_node_bw_gbps: all-to-all inside each node (every node at once), and over all ranks with messages
   to the ranks of other nodes only (a node's ranks share its links, as in training's all-to-alls): bytes each
   rank sends to its peers / (time of a large all-to-all - time of a tiny one to the same peers);
+- ranks_per_nic, with two or more ranks per node: the same all-to-all with only each node's first rank sending
+  (inter_node_bw_alone_gbps, not a field): where it goes about L times as fast as when all L ranks send, one link
+  carries the node (the emulated cluster), where about as fast each rank has its own NIC (a DGX);
 - allreduce_bus_gbps (not a Hardware field: the cost model prices all-reduces on the two bandwidths above
   with the ring's 2 (n-1)/n bytes): nccl-tests' bus bandwidth of an all_reduce over every rank;
 - lookup_ns_per_id, update_ns_per_row and hbm_bw_gbps: fbgemm's SplitTableBatchedEmbeddingBagsCodegen forward
@@ -254,10 +257,12 @@ def _all_to_all(
     return lambda: dist.all_to_all_single(recv, send, sizes, sizes, group=group)
 
 
-def _bandwidth(job: Job, s: Settings, group: Any, peers: Sequence[bool] | None, what: str) -> dict[str, Any]:
-    """GB/s each rank sends to its peers (every rank of `group` but itself, or the flagged ones) in a large
-    all-to-all, every rank at once: per sample, its bytes / (the large all-to-all's time - the tiny one's just
-    before it)."""
+def _bandwidth(
+    job: Job, s: Settings, group: Any, peers: Sequence[bool] | None, what: str, peer_count: int | None = None
+) -> dict[str, Any]:
+    """GB/s each sending rank sends to its peers (every rank of `group` but itself, or the flagged ones; a sender
+    has `peer_count` of them where some ranks send nothing) in a large all-to-all, every rank at once: per sample,
+    its bytes / (the large all-to-all's time - the tiny one's just before it)."""
     tiny, large = _times(
         [
             _all_to_all(s.tiny_floats, job.device, group, peers),
@@ -267,7 +272,10 @@ def _bandwidth(job: Job, s: Settings, group: Any, peers: Sequence[bool] | None, 
         job.device,
         group,
     )
-    count = dist.get_world_size(group) - 1 if peers is None else sum(peers)
+    if peer_count is not None:
+        count = peer_count
+    else:
+        count = dist.get_world_size(group) - 1 if peers is None else sum(peers)
     peer_bytes = count * s.large_floats * 4
     gbps = [peer_bytes / (b - a) / 1e9 for a, b in zip(tiny, large) if b > a]
     if len(gbps) * 2 < len(large):
@@ -313,6 +321,19 @@ def measure_collectives(job: Job, s: Settings) -> dict[str, dict[str, Any]]:
             f"all-to-all of all {job.world_size} ranks, each sending to every rank of the other nodes only "
             f"(as training's all-to-alls cross nodes: a node's {job.local_world_size} ranks share its links)",
         )
+        if job.local_world_size > 1:
+            lead = [k % job.local_world_size == 0 and k // job.local_world_size != node for k in range(job.world_size)]
+            alone = lead if job.rank % job.local_world_size == 0 else [False] * job.world_size
+            out["inter_node_bw_alone_gbps"] = _bandwidth(
+                job,
+                s,
+                None,
+                alone,
+                f"all-to-all of all {job.world_size} ranks in which only each node's first rank sends, to the other "
+                "nodes' first ranks (not a Hardware field: over inter_node_bw_gbps, the ranks that share a link, "
+                "ranks_per_nic)",
+                peer_count=job.num_nodes - 1,
+            )
     if job.world_size > 1:
         grad = torch.randn(s.allreduce_floats, device=job.device)
         (times,) = _times([lambda: dist.all_reduce(grad)], s.repeats, job.device)
@@ -716,12 +737,23 @@ def _hardware(
     if "unique_ns_per_id" in measured:
         figures["unique_ns_per_id"] = max(measured["unique_ns_per_id"]["median"], measured["dedup_ns_per_id"]["median"])
     figures["host_cores"] = job.shared_host_cores
+    if "inter_node_bw_alone_gbps" in measured:
+        ratio = measured["inter_node_bw_alone_gbps"]["median"] / measured["inter_node_bw_gbps"]["median"]
+        figures["ranks_per_nic"] = ranks_sharing_a_link(ratio, job.local_world_size)
     if dense is not None:
         figures["dense_params_mb"] = dense.params * 4 / 1e6  # fp32 gradients
     if memory_gb is not None:
         figures["hbm_gb"] = memory_gb
         figures["hbm_reserve_gb"] = min(base.hbm_reserve_gb, memory_gb / 2)
     return replace(base, **figures)
+
+
+def ranks_sharing_a_link(alone_over_all: float, local_world_size: int) -> int:
+    """Ranks per network link: how much faster one rank of each node sends across nodes alone than when all its
+    node's ranks do (1 where each has its own NIC, the node's ranks where one link carries them all), the divisor
+    of the node size nearest to it (on a log scale)."""
+    divisors = [d for d in range(1, local_world_size + 1) if local_world_size % d == 0]
+    return min(divisors, key=lambda d: abs(np.log(d) - np.log(max(alone_over_all, 1e-9))))
 
 
 # Hardware fields set to their measurement's median when it was taken
@@ -751,6 +783,8 @@ def _document(
     sources = {field.name: "preset" for field in fields(Hardware)}
     sources |= {field: "measured" for field in (*_MEASURED_FIELDS, "unique_ns_per_id") if field in measured}
     sources["host_cores"] = "machine"
+    if "inter_node_bw_alone_gbps" in measured:
+        sources["ranks_per_nic"] = "measured"
     if dense is not None:
         sources["dense_params_mb"] = "model"
     if memory_gb is not None:

@@ -241,3 +241,41 @@ def test_each_distinct_row_a_cell_touches_costs_update_ns_per_row() -> None:
     without = CostModel(spec, Topology(4, 2, PRESETS["cpu-gloo"])).table_load("small", split)
     extra = cost.table_load("small", split).host_ms - without.host_ms
     assert extra == pytest.approx([0, 100 * 400e-6, 200 * 400e-6, 0], rel=1e-3)
+
+
+def _two_tables_on_node_0(ranks: tuple[int, int]) -> Plan:
+    """Two table-wise tables on node 0 of 2 nodes x 2, on the given ranks: every other rank sends them IDs
+    across nodes, and they send their pooled vectors back."""
+    layouts = {n: TableLayout("rb", (0, 1000), (0, 16), ((r,),)) for n, r in zip(("a", "b"), ranks)}
+    return Plan(4, 2, layouts)
+
+
+def test_ranks_sharing_a_link_wait_for_its_total_not_their_own() -> None:
+    """With ranks_per_nic = 2 each rank's inter-node time is its link's (the link's ranks' bytes summed over twice a
+    rank's share), so a plan that loads one rank of a node costs what the node's bytes take on its link, and a plan
+    that loads both alike costs what it did with a link per rank; with a link per rank nothing changes."""
+    tables = tuple(TableSpec(name=n, rows=1000, dim=16, pooling=3.0) for n in ("a", "b"))
+    spec = ModelSpec(name="m", batch_size=96, tables=tables)
+    per_rank = CostModel(spec, Topology(4, 2, PRESETS["dgx-h100"]))
+    shared = CostModel(spec, Topology(4, 2, PRESETS["dgx-h100"].with_overrides(ranks_per_nic=2)))
+    bw = PRESETS["dgx-h100"].inter_node_bw_gbps
+    for ranks in ((0, 0), (0, 1)):
+        plan = _two_tables_on_node_0(ranks)
+        load = per_rank.rank_load(plan)
+        alone = per_rank.evaluate(plan).rank_inter_ms
+        np.testing.assert_array_equal(alone, per_rank.rank_times(load.rows)[2])
+        link = shared.evaluate(plan).rank_inter_ms
+        node_total = [max(load.send_inter[k : k + 2].sum(), load.recv_inter[k : k + 2].sum()) for k in (0, 0, 2, 2)]
+        np.testing.assert_allclose(link, np.array(node_total) / 2 / (bw * 1e6), rtol=1e-12)
+    np.testing.assert_allclose(
+        shared.evaluate(_two_tables_on_node_0((0, 1))).rank_inter_ms.max(),
+        per_rank.evaluate(_two_tables_on_node_0((0, 1))).rank_inter_ms.max(),
+        rtol=1e-12,
+    )
+    unbalanced = _two_tables_on_node_0((0, 0))
+    assert shared.evaluate(unbalanced).comm_ms < per_rank.evaluate(unbalanced).comm_ms
+
+
+def test_ranks_per_nic_must_divide_the_node() -> None:
+    with pytest.raises(ValueError, match="ranks_per_nic 4 must divide local_world_size 2"):
+        Topology(4, 2, PRESETS["dgx-h100"].with_overrides(ranks_per_nic=4))
