@@ -13,9 +13,10 @@ min and max go into the file):
 - intra/inter_node_bw_gbps: all-to-all inside each node (every node at once), and over all ranks with messages
   to the ranks of other nodes only (a node's ranks share its links, as in training's all-to-alls): bytes each
   rank sends to its peers / (time of a large all-to-all - time of a tiny one to the same peers);
-- ranks_per_nic, with two or more ranks per node: the same all-to-all with only each node's first rank sending
-  (inter_node_bw_alone_gbps, not a field): where it goes about L times as fast as when all L ranks send, one link
-  carries the node (the emulated cluster), where about as fast each rank has its own NIC (a DGX);
+- ranks_per_nic, with two or more ranks per node: the same all-to-all in which rank 0 alone sends, one way, to the
+  next node's first rank (inter_node_bw_alone_gbps, not a field): where it goes about L times as fast as each rank
+  when all send, one link carries the node (the emulated cluster), where about as fast each rank has its own NIC
+  (a DGX). One way, because a gloo pair exchanging both ways at once gets half a shaped link each way;
 - allreduce_bus_gbps (not a Hardware field: the cost model prices all-reduces on the two bandwidths above
   with the ring's 2 (n-1)/n bytes): nccl-tests' bus bandwidth of an all_reduce over every rank;
 - lookup_ns_per_id, update_ns_per_row and hbm_bw_gbps: fbgemm's SplitTableBatchedEmbeddingBagsCodegen forward
@@ -246,27 +247,40 @@ def _times(
 
 
 def _all_to_all(
-    per_peer: int, device: torch.device, group: Any = None, peers: Sequence[bool] | None = None
+    per_peer: int,
+    device: torch.device,
+    group: Any = None,
+    peers: Sequence[bool] | None = None,
+    senders: Sequence[bool] | None = None,
 ) -> Callable[[], object]:
     """An all_to_all_single of `group` sending `per_peer` floats to each rank, or, with `peers` (one flag per
-    rank of the group), to the flagged ranks only (nothing to the others)."""
+    rank of the group), to the flagged ranks only (nothing to the others), and receiving as much from each of
+    `senders` (by default the same flags: what a rank sends to a peer it receives from it)."""
     n = dist.get_world_size(group)
     sizes = [per_peer if peers is None or peers[k] else 0 for k in range(n)]
+    incoming = sizes if senders is None else [per_peer if senders[k] else 0 for k in range(n)]
     send = torch.randn(sum(sizes), device=device)
-    recv = torch.empty_like(send)  # what a rank sends to a flagged peer it receives from it: the flags are symmetric
-    return lambda: dist.all_to_all_single(recv, send, sizes, sizes, group=group)
+    recv = torch.empty(sum(incoming), device=device)
+    return lambda: dist.all_to_all_single(recv, send, incoming, sizes, group=group)
 
 
 def _bandwidth(
-    job: Job, s: Settings, group: Any, peers: Sequence[bool] | None, what: str, peer_count: int | None = None
+    job: Job,
+    s: Settings,
+    group: Any,
+    peers: Sequence[bool] | None,
+    what: str,
+    senders: Sequence[bool] | None = None,
+    peer_count: int | None = None,
 ) -> dict[str, Any]:
-    """GB/s each sending rank sends to its peers (every rank of `group` but itself, or the flagged ones; a sender
-    has `peer_count` of them where some ranks send nothing) in a large all-to-all, every rank at once: per sample,
-    its bytes / (the large all-to-all's time - the tiny one's just before it)."""
+    """GB/s each sending rank sends to its peers (every rank of `group` but itself, or the flagged ones, receiving
+    from `senders` where that differs; a sender has `peer_count` of them where some ranks send nothing) in a large
+    all-to-all, every rank at once: per sample, its bytes / (the large all-to-all's time - the tiny one's just
+    before it)."""
     tiny, large = _times(
         [
-            _all_to_all(s.tiny_floats, job.device, group, peers),
-            _all_to_all(s.large_floats, job.device, group, peers),
+            _all_to_all(s.tiny_floats, job.device, group, peers, senders),
+            _all_to_all(s.large_floats, job.device, group, peers, senders),
         ],
         s.repeats,
         job.device,
@@ -322,17 +336,18 @@ def measure_collectives(job: Job, s: Settings) -> dict[str, dict[str, Any]]:
             f"(as training's all-to-alls cross nodes: a node's {job.local_world_size} ranks share its links)",
         )
         if job.local_world_size > 1:
-            lead = [k % job.local_world_size == 0 and k // job.local_world_size != node for k in range(job.world_size)]
-            alone = lead if job.rank % job.local_world_size == 0 else [False] * job.world_size
+            # one way only: a gloo pair that carries both ways at once gets half the link each way
+            lws = job.local_world_size
             out["inter_node_bw_alone_gbps"] = _bandwidth(
                 job,
                 s,
                 None,
-                alone,
-                f"all-to-all of all {job.world_size} ranks in which only each node's first rank sends, to the other "
-                "nodes' first ranks (not a Hardware field: over inter_node_bw_gbps, the ranks that share a link, "
-                "ranks_per_nic)",
-                peer_count=job.num_nodes - 1,
+                [job.rank == 0 and k == lws for k in range(job.world_size)],
+                f"all-to-all of all {job.world_size} ranks in which rank 0 alone sends, to rank {lws} on the next "
+                "node, which sends nothing back (not a Hardware field: over inter_node_bw_gbps, the ranks that share "
+                "a link, ranks_per_nic)",
+                senders=[job.rank == lws and k == 0 for k in range(job.world_size)],
+                peer_count=1,
             )
     if job.world_size > 1:
         grad = torch.randn(s.allreduce_floats, device=job.device)
