@@ -13,6 +13,8 @@ interleaved rounds (every other round in reverse). Runs reuse e2e.py's machinery
         [--nodes 2] [--gpus-per-node 2] [--link-mbit 200,50] [--planners embark,embark-fp16,torchrec,trw]
         [--rounds 3] [--steps 100] [--batch-size 2048] [--out benchmarks/cluster_e2e.md] [--hardware-dir DIR]
 
+The calibrated hardware files and the plans that ran go to --hardware-dir (benchmarks/ by default).
+
 Needs root (network namespaces), ip and tc. The markdown is rewritten after every (model, link rate), so an
 interrupted benchmark keeps what it finished.
 """
@@ -141,7 +143,10 @@ def measure(args: argparse.Namespace, model: str | None, spec: ModelSpec, link_m
         hardware = calibrate(run_args(args, model, link_mbit, None), Path(tmp))
         print(f"{where}: hardware file {hardware} ({inter_node_mbit(hardware):,.0f} Mbit/s inter-node)", flush=True)
         once = run_args(args, model, link_mbit, hardware)
-        plan_files = {p: Path(tmp) / f"{p}.json" for p in args.planners}
+        # kept next to the hardware file, so that each plan can be priced again (and read) after the run
+        plan_files = {
+            p: args.hardware_dir / f"cluster_e2e_{label}_{rate_label(link_mbit)}_{p}.plan.json" for p in args.planners
+        }
         no_ub_in = Path(tmp) / f"{NO_UB}-in.json"
         runs: dict[str, list[dict[str, Any]]] = {p: [] for p in args.planners}
         for i in range(args.rounds):
