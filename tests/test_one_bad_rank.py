@@ -3,7 +3,9 @@ what is wrong) within seconds, and no rank waits in an all-to-all its bad peer n
 
 For each check the input validator makes (IDs out of range, negative IDs, uint8 / int16 / float IDs, lengths that
 disagree with the values or the weights, negative lengths, a missing feature, NaN and Inf per-sample weights,
-per-sample weights missing on a weighted module or given to an unweighted one), one rank feeds the bad batch and the
+per-sample weights missing on a weighted module or given to an unweighted one, a batch that is no KJT, 2-D IDs, more
+lengths than keys x batch, a feature given twice, VBE inverse indices out of range or missing, int32 IDs among int64
+ones), one rank feeds the bad batch and the
 others good ones, on a module of each sharding type: TorchRec's table-wise, column-wise, row-wise, table-row-wise and
 data-parallel run under our sharder, and our grid (flat and hierarchical) and unique-based types; weighted
 EmbeddingBagCollections with one batch size and with a variable batch per feature (VBE; on data-parallel tables, whose
@@ -33,7 +35,7 @@ from embark_torchrec.plan.groups import sharding_type
 from embark_torchrec.plan.layout import ceil_row_bounds
 from embark_torchrec.plan.layout import TableLayout
 from embark_torchrec.sharding.torchrec_compat import module_sharding_types, sequence_sharding_types
-from embark_torchrec.sharding.validation import InputFault, InputValidator, InvalidInputError
+from embark_torchrec.sharding.validation import InputFault, InputValidator, InvalidInputError, not_a_kjt
 from embark_torchrec.testing import run_ranks
 from embark_torchrec.testing.sequence import sharded_sequence_model
 from embark_torchrec.testing.training import sharded_model
@@ -108,6 +110,34 @@ def _first(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
     return None if t is None else t[:n]
 
 
+def _duplicated(k: KeyedJaggedTensor, variable: bool) -> KeyedJaggedTensor:
+    """Feature "a" given again after "b", with its bags and IDs (TorchRec would read one "a" and drop the other)."""
+    ids = int(k.lengths()[:2].sum())  # feature "a" has 2 bags in both layouts
+    keys = ["a", "b", "a"]
+    parts: dict[str, Any] = {
+        "keys": keys,
+        "values": torch.cat([k.values(), k.values()[:ids]]),
+        "lengths": torch.cat([k.lengths(), k.lengths()[:2]]),
+        "weights": None if k.weights_or_none() is None else torch.cat([k.weights(), k.weights()[:ids]]),
+    }
+    if variable:
+        inverse = torch.tensor([[0, 1], [0, 0], [0, 1]])
+        return KeyedJaggedTensor(**parts, stride_per_key_per_rank=[[2], [1], [2]], inverse_indices=(keys, inverse))
+    return KeyedJaggedTensor(**parts, stride=2)
+
+
+def _inverse(k: KeyedJaggedTensor, inverse: torch.Tensor | None) -> KeyedJaggedTensor:
+    """A VBE batch with other inverse indices (None: without them)."""
+    return KeyedJaggedTensor(
+        keys=k.keys(),
+        values=k.values(),
+        lengths=k.lengths(),
+        weights=k.weights_or_none(),
+        stride_per_key_per_rank=k.stride_per_key_per_rank(),
+        inverse_indices=None if inverse is None else (k.keys(), inverse),
+    )
+
+
 # case -> (the bad batch from a good one, VBE or not; for weighted modules only (True), unweighted ones only (False)
 # or any (None); error class; words every message has)
 Corrupt = Callable[[KeyedJaggedTensor, bool], KeyedJaggedTensor]
@@ -177,7 +207,34 @@ CASES: dict[str, tuple[Corrupt, bool | None, str, list[str]]] = {
         "InvalidInputError",
         ["features ['a', 'b']", "got per-sample weights"],
     ),
+    "not_a_kjt": (lambda k, v: None, None, "InvalidInputError", ["was given None; it takes a KeyedJaggedTensor"]),
+    "ids_2d": (
+        lambda k, v: _with(k, v, values=k.values().view(-1, 1)),
+        None,
+        "InvalidInputError",
+        ["tensors must be 1-D, got IDs 2-D, lengths 1-D"],
+    ),
+    "lengths_count": (
+        lambda k, v: _with(k, v, lengths=torch.cat([k.lengths(), torch.tensor([0])])),
+        None,
+        "InvalidInputError",
+        ["bag lengths, but its 2 keys and batch size (stride) make"],
+    ),
+    "duplicate_key": (_duplicated, None, "InvalidInputError", ["keys give feature 'a' twice"]),
+    "inverse_out_of_range": (
+        lambda k, v: _inverse(k, torch.tensor([[0, 2], [0, 0]])),
+        None,
+        "InvalidInputError",
+        ["feature 'a' of table 'ta' has inverse indices [2] outside its [0, 2) bags"],
+    ),
+    "inverse_missing": (
+        lambda k, v: _inverse(k, None),
+        None,
+        "InvalidInputError",
+        ["a variable batch per feature (VBE) but no inverse indices"],
+    ),
 }
+VBE_ONLY = {"inverse_out_of_range", "inverse_missing"}  # cases of a variable batch per feature alone
 
 
 def _outputs(model: Any, kjt: KeyedJaggedTensor) -> dict[str, torch.Tensor]:
@@ -227,7 +284,7 @@ def _run_module(
     want = _outputs(model, good)
     out: dict[str, Any] = {"runs_as": runs_as}
     for i, (case, (corrupt, for_weighted, _, _)) in enumerate(CASES.items()):
-        if not _applies(for_weighted, weighted, only_weighting):
+        if not _applies(for_weighted, weighted, only_weighting) or (case in VBE_ONLY and not variable):
             continue
         bad_kjt = corrupt(_good(rank, 1, weighted, variable), variable)
         for stops in (True, False):
@@ -239,6 +296,16 @@ def _run_module(
                 got = _outputs(model, good)
                 result["after"] = max(float((got[k] - want[k]).abs().max()) for k in want)
             out[f"{case}/{'stops' if stops else 'continues'}"] = result
+    if not only_weighting:  # one rank's batch is fine by itself, but its IDs are int32 among int64 ones
+        bad, mixed = ws - 1, _good(rank, 1, weighted, variable)
+        mixed = _with(mixed, variable, values=mixed.values().int())
+        result = _feed_bad(model, store, f"{name}/int32", bad, False, good, mixed)
+        got = _outputs(model, good)
+        out["int32_on_one_rank"] = {
+            **result,
+            "bad": bad,
+            "after": max(float((got[k] - want[k]).abs().max()) for k in want),
+        }
     if weighted and not variable:  # one rank's batch is fine by itself, but a VBE one among uniform ones
         bad = ws - 1
         result = _feed_bad(model, store, f"{name}/vbe", bad, False, good, _good(rank, 1, weighted, True))
@@ -314,6 +381,8 @@ def test_one_bad_rank_gives_every_rank_the_same_named_error(
         weighted, only_weighting = name.startswith("ebc/"), name.startswith("ebc_unweighted/")
         if not _applies(for_weighted, weighted, only_weighting):
             continue
+        if case in VBE_ONLY and not name.endswith("/vbe"):
+            continue
         for variant in ("stops", "continues"):
             key = f"{case}/{variant}"
             assert key in per_rank[0][name], (ws, name, key)
@@ -331,6 +400,32 @@ def test_one_bad_rank_gives_every_rank_the_same_named_error(
                 assert all(g["after"] == 0.0 for g in got), (ws, name, key, [g["after"] for g in got])
             checked += 1
     assert checked >= 2 * len(SEQUENCE_TYPES), (ws, case, checked)
+
+
+def test_int32_ids_on_one_rank_among_int64_ones_are_refused_alike(results: tuple[int, list[dict[str, Any]]]) -> None:
+    """int32 IDs are fine, but one rank's int32 among its peers' int64 makes TorchRec's KJT all-to-alls exchange
+    tensors of two sizes (gloo aborts the process, or waits forever): on TorchRec's types every rank raises the same
+    error naming each rank's dtypes, and the next good batch runs as before. Data-parallel tables exchange no IDs and
+    our types' dists send IDs of one dtype whatever the batch's, so there it runs."""
+    ws, per_rank = results
+    checked = 0
+    for name in per_rank[0]:
+        if "int32_on_one_rank" not in per_rank[0][name]:
+            continue
+        got = [r[name]["int32_on_one_rank"] for r in per_rank]
+        texts = {g["error"] for g in got}
+        assert len(texts) == 1, (ws, name, texts)
+        (text,) = texts
+        if name.split("/")[1] not in KJT_TYPES:
+            assert text == "no error", (ws, name, text)
+        else:
+            assert text.startswith("InvalidInputError: the ranks' KeyedJaggedTensors differ in layout"), (name, text)
+            assert f"rank {got[0]['bad']}: with" in text and "IDs torch.int32" in text, (name, text)
+            assert "rank 0: with" in text and "IDs torch.int64" in text, (name, text)
+            checked += 1
+        assert all(g["seconds"] < WITHIN_S for g in got), (ws, name, [g["seconds"] for g in got])
+        assert all(g["after"] == 0.0 for g in got), (ws, name, [g["after"] for g in got])
+    assert checked >= 2 * 3 + 2, (ws, checked)  # table-wise, column-wise and row-wise EBCs (VBE too) and ECs
 
 
 KJT_TYPES = ("table_wise", "column_wise", "row_wise", "table_row_wise")
@@ -374,7 +469,9 @@ def test_validator_faults_travel_as_integers_and_read_the_same() -> None:
     for case, (corrupt, for_weighted, error_class, words) in CASES.items():
         weighted = for_weighted is not False
         validator = validators[weighted]
-        _, fault = validator.check(corrupt(_good(0, 0, weighted, False), False))
+        variable = case in VBE_ONLY
+        batch = corrupt(_good(0, 0, weighted, variable), variable)
+        _, fault = validator.check(batch) if batch is not None else (None, not_a_kjt(batch))
         assert fault is not None, case
         back = InputFault.from_ints(fault.to_ints())
         assert back == fault and len(fault.to_ints()) == InputFault.FIELDS, case

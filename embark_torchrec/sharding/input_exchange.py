@@ -36,7 +36,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from ..plan.wire import SPLIT_ROWS, split_exchange_ints
 from .comm_stats import CommStats, SplitsExchangeCounter
 from .torchrec_compat import collective_group, input_dist_all_to_all, kjt_splits, kjt_stagger, split_meta_input
-from .validation import OK, InputFault, InputValidator, InvalidInputError
+from .validation import OK, InputFault, InputValidator, InvalidInputError, dtype_code, dtype_name, not_a_kjt
 
 _BLOCK = 1 + SPLIT_ROWS  # per sharding: its layout code, then its split rows (plan/wire.py)
 _NO_KJT = 0  # the layout code of a sharding without a KJT all-to-all (data-parallel), or of a bad rank's blank
@@ -78,16 +78,34 @@ def defer_kjt_all_to_alls(input_dists: Sequence[torch.nn.Module]) -> None:
             a2a.forward = DeferredKJTAllToAll(a2a)
 
 
+_DTYPE_BITS = 5  # a dtype's code (validation.dtype_code) in the layout code
+
+
 def _layout(meta: KJTSplitsAllToAllMeta) -> int:
-    """1 + weights + 2 x variable batch: what decides the split rows and the tensors a KJT all-to-all sends."""
-    return 1 + ("weights" in meta.labels) + 2 * split_meta_input(meta).variable_stride_per_key()
+    """What decides the split rows and the tensors a KJT all-to-all sends, which every rank must send alike: 1 +
+    weights + 2 x variable batch + the IDs', lengths' and weights' dtypes (ranks sending int32 IDs to peers sending
+    int64 ones crash gloo or wait forever)."""
+    kjt = split_meta_input(meta)
+    weights = kjt.weights_or_none()
+    dtypes = (kjt.values().dtype, kjt.lengths().dtype) + ((weights.dtype,) if weights is not None else ())
+    code = ("weights" in meta.labels) + 2 * kjt.variable_stride_per_key()
+    for i, dtype in enumerate(dtypes):
+        code += (dtype_code(dtype) + 1) << (2 + _DTYPE_BITS * i)
+    return 1 + code
 
 
 def _describe_layout(code: int) -> str:
     if code == _NO_KJT:
         return "no KJT"
-    weights = "with weights" if (code - 1) & 1 else "without weights"
-    return f"{weights}, {'a variable batch per feature' if (code - 1) & 2 else 'one batch size'}"
+    code -= 1
+    weights = "with weights" if code & 1 else "without weights"
+    dtypes = [((code >> (2 + _DTYPE_BITS * i)) & ((1 << _DTYPE_BITS) - 1)) - 1 for i in range(3)]
+    named = ", ".join(
+        f"{what} {dtype_name(c)}"
+        for what, c in zip(("IDs", "lengths", "weights"), dtypes)
+        if c >= 0 or what != "weights"
+    )
+    return f"{weights}, {'a variable batch per feature' if code & 2 else 'one batch size'}, {named}"
 
 
 def _rows(meta: KJTSplitsAllToAllMeta, world: int) -> List[List[int]]:
@@ -166,8 +184,9 @@ class SplitsExchange:
                 layouts = ", ".join(f"rank {r}: {_describe_layout(int(c))}" for r, c in enumerate(codes))
                 return InvalidInputError(
                     f"the ranks' KeyedJaggedTensors differ in layout for sharding {self._sharding_types[i]!r} "
-                    f"({layouts}); every rank must send weights alike and a variable batch per feature alike "
-                    "(every rank refuses this batch, before its input all-to-all)"
+                    f"({layouts}); every rank must send weights alike, a variable batch per feature alike, and "
+                    "IDs, lengths and weights of the same dtypes (every rank refuses this batch, before its input "
+                    "all-to-all)"
                 )
         return None
 
@@ -215,7 +234,7 @@ class CheckedInput:
     def check_input(self, features: Any) -> tuple[Any, Optional[InputFault]]:
         if isinstance(features, KeyedJaggedTensor):
             return self._validate.check(features)
-        return features, None
+        return features, not_a_kjt(features)
 
     def exchange_splits(
         self,

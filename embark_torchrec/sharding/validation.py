@@ -4,7 +4,9 @@ that could not complete.
 TorchRec's own shardings trust their input: an ID past a table's rows reads another table's rows or memory, a KJT
 whose lengths disagree with its values shifts every bag after the fault, uint8 or int16 IDs fail inside fbgemm or
 gloo, NaN weights poison the table through the fused optimizer, per-sample weights sent to an unweighted collection
-are applied by some sharding types and dropped by others (and a weighted one without them sums its IDs unweighted).
+are applied by some sharding types and dropped by others (and a weighted one without them sums its IDs unweighted);
+a batch that is no KJT, 2-D tensors, lengths that do not make keys x batch bags, a feature given twice and VBE inverse
+indices outside their feature's bags fail on the bad rank alone, while its peers wait in an all-to-all.
 Every batch is checked here once, for every sharding type. The check does not raise: it returns an `InputFault`, a
 fixed-size record that the module's split exchange (input_exchange.py) carries to every rank, so that all ranks raise
 the same error (`InputValidator.error`), naming the bad rank, the feature (and table) and what is wrong. IDs outside
@@ -45,7 +47,11 @@ class InvalidIdError(InvalidInputError):
 # what an InputFault reports (its kind)
 OK, ID_DTYPE, LENGTHS_DTYPE, WEIGHTS_DTYPE, MISSING, COUNTS = range(6)
 NEGATIVE_LENGTH, NON_FINITE_WEIGHT, BAD_ID, VARIABLE_BATCH = range(6, 10)
-UNEXPECTED_WEIGHTS, NO_WEIGHTS = range(10, 12)
+UNEXPECTED_WEIGHTS, NO_WEIGHTS, NOT_A_KJT, SHAPE, LENGTHS_COUNT, DUPLICATE_KEYS, INVERSE_INDICES = range(10, 17)
+# what the module got instead of a KeyedJaggedTensor (NOT_A_KJT's first number)
+_INSTEAD = ("an object that is not a KeyedJaggedTensor", "None", "a dict", "a torch.Tensor")
+# what is wrong with a VBE batch's inverse indices (INVERSE_INDICES's first number)
+_NO_INVERSE, _INVERSE_TENSOR, _INVERSE_KEY, _INVERSE_RANGE = range(4)
 
 
 @dataclass(frozen=True)
@@ -71,12 +77,20 @@ class InputFault:
         return cls(kind, feature, (a, b, c), tuple(ints[6 : 6 + n]))
 
 
-def _dtype_code(dtype: torch.dtype) -> int:
+def dtype_code(dtype: torch.dtype) -> int:
+    """A dtype by its position in the dtypes a fault record can name (-1: another)."""
     return _DTYPES.index(dtype) if dtype in _DTYPES else -1
 
 
-def _dtype_name(code: int) -> str:
+def dtype_name(code: int) -> str:
     return str(_DTYPES[code]) if 0 <= code < len(_DTYPES) else "an unsupported dtype"
+
+
+def not_a_kjt(features: object) -> InputFault:
+    """The fault of a batch that is no KeyedJaggedTensor (None, a dict of tensors, ...): TorchRec's input dist would
+    raise an AttributeError on that rank alone, while its peers wait in the all-to-all."""
+    instead = 1 if features is None else 2 if isinstance(features, dict) else 3 if torch.is_tensor(features) else 0
+    return InputFault(NOT_A_KJT, numbers=(instead, 0, 0))
 
 
 class InputValidator:
@@ -120,16 +134,21 @@ class InputValidator:
         # per key order: each key's table rows (-1: not ours), or the features missing from it
         self._rows: Dict[tuple, torch.Tensor | List[str]] = {}
 
-    def _rows_of(self, keys: List[str], device: torch.device) -> torch.Tensor | List[str]:
+    def _rows_of(self, keys: List[str], device: torch.device) -> torch.Tensor | InputFault:
+        """Each key's table rows (-1: not ours), or the key order's fault: features missing, or given twice (TorchRec
+        would read the first and drop the other's IDs)."""
         order = tuple(keys)
         rows = self._rows.get(order)
         if rows is None or (isinstance(rows, torch.Tensor) and rows.device != device):
             known = self._feature_tables
             present = set(keys)
-            missing = [f for f in known if f not in present]
+            missing = [self._index[f] for f in known if f not in present]
+            twice = [self._index[k] for k in dict.fromkeys(keys) if k in known and keys.count(k) > 1]
             rows = self._rows[order] = (
-                missing
+                _naming(MISSING, missing)
                 if missing
+                else _naming(DUPLICATE_KEYS, twice)
+                if twice
                 else torch.tensor([self._table_rows[known[k]] if k in known else -1 for k in keys], device=device)
             )
         return rows
@@ -137,22 +156,35 @@ class InputValidator:
     def check(self, kjt: KeyedJaggedTensor) -> Tuple[KeyedJaggedTensor, Optional[InputFault]]:
         """The batch to send (repaired under clamp / drop) and what is wrong with it (None: nothing)."""
         keys: List[str] = kjt.keys()
+        if kjt.lengths_or_none() is None and kjt.offsets_or_none() is None:
+            return kjt, InputFault(LENGTHS_COUNT, numbers=(-1, 0, len(keys)))
         lengths, values, weights = kjt.lengths(), kjt.values(), kjt.weights_or_none()
         if values.dtype not in ID_DTYPES:
-            return kjt, InputFault(ID_DTYPE, numbers=(_dtype_code(values.dtype), 0, 0))
+            return kjt, InputFault(ID_DTYPE, numbers=(dtype_code(values.dtype), 0, 0))
         if lengths.dtype not in ID_DTYPES:
-            return kjt, InputFault(LENGTHS_DTYPE, numbers=(_dtype_code(lengths.dtype), 0, 0))
+            return kjt, InputFault(LENGTHS_DTYPE, numbers=(dtype_code(lengths.dtype), 0, 0))
         if (weights is not None) != self._weighted:
             return kjt, self._weighting(keys, UNEXPECTED_WEIGHTS if weights is not None else NO_WEIGHTS)
         if weights is not None and not weights.is_floating_point():
-            return kjt, InputFault(WEIGHTS_DTYPE, numbers=(_dtype_code(weights.dtype), 0, 0))
-        if self._uniform_only and kjt.variable_stride_per_key():
+            return kjt, InputFault(WEIGHTS_DTYPE, numbers=(dtype_code(weights.dtype), 0, 0))
+        if values.dim() != 1 or lengths.dim() != 1 or (weights is not None and weights.dim() != 1):
+            return kjt, InputFault(
+                SHAPE, numbers=(values.dim(), lengths.dim(), -1 if weights is None else weights.dim())
+            )
+        variable = kjt.variable_stride_per_key()
+        if self._uniform_only and variable:
             uniform = [k for k in keys if k in self._uniform_only]
             if uniform:
                 return kjt, InputFault(VARIABLE_BATCH, self._index[uniform[0]])
         rows = self._rows_of(keys, values.device)
         if not isinstance(rows, torch.Tensor):
-            return kjt, _naming(MISSING, [self._index[f] for f in rows])
+            return kjt, rows
+        bags = sum(kjt.stride_per_key()) if variable else len(keys) * kjt.stride()
+        if lengths.numel() != bags:  # TorchRec's length_per_key would fail on this rank alone
+            return kjt, InputFault(LENGTHS_COUNT, numbers=(lengths.numel(), bags, len(keys)))
+        inverse = self._inverse_limits(kjt) if variable else None
+        if isinstance(inverse, InputFault):
+            return kjt, inverse
         per_key = kjt.length_per_key()
         total = sum(per_key)
         if total != values.numel() or (weights is not None and weights.numel() != values.numel()):
@@ -161,12 +193,17 @@ class InputValidator:
         limit = rows.repeat_interleave(torch.tensor(per_key, device=values.device), output_size=total)
         bad = (limit >= 0) & ((values < 0) | (values >= limit))
         flags = [(lengths < 0).any(), bad.any()]
+        if inverse is not None:
+            flags.append(_outside(*inverse).any())
         if weights is not None:
             flags.append(weights.isfinite().all())
-        negative, any_bad, *finite = torch.stack(flags).tolist()
+        read = torch.stack(flags).tolist()
+        negative, any_bad = read[0], read[1]
         if negative:
             return kjt, self._negative_lengths(kjt)
-        if finite and not finite[0]:
+        if inverse is not None and read[2]:
+            return kjt, self._inverse_outside(kjt, *inverse)
+        if weights is not None and not read[-1]:
             fault = self._non_finite_weights(keys, per_key, weights, limit)
             if fault is not None:  # else only keys this module does not read have them
                 return kjt, fault
@@ -181,6 +218,46 @@ class InputValidator:
         bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=values.device), lengths.long())
         kept = torch.zeros_like(lengths).index_add_(0, bag, keep.to(lengths.dtype))
         return _rebuilt(kjt, values[keep], kept, weights[keep] if weights is not None else None), None
+
+    def _inverse_limits(self, kjt: KeyedJaggedTensor) -> Optional[Tuple[torch.Tensor, torch.Tensor] | InputFault]:
+        """A VBE batch's inverse indices and, per row, its feature's bag count (-1: a key this module does not read),
+        for the range check on the device; or what is wrong with them on the host. TorchRec's EBC expands each
+        feature's bags by its row: without one, or with an index past the feature's bags, it fails on this rank
+        alone after the all-to-alls (an EC takes no inverse indices)."""
+        inverse = kjt.inverse_indices_or_none()
+        if inverse is None:
+            if self._collection == "EmbeddingBagCollection":
+                return InputFault(INVERSE_INDICES, numbers=(_NO_INVERSE, 0, 0))
+            return None
+        names, index = inverse
+        if (
+            not torch.is_tensor(index)
+            or index.dtype not in ID_DTYPES
+            or index.dim() != 2
+            or index.size(0) != len(names)
+        ):
+            shape = list(index.shape) if torch.is_tensor(index) else []
+            return InputFault(
+                INVERSE_INDICES, numbers=(_INVERSE_TENSOR, len(names), len(shape)), shown=tuple(shape[:2])
+            )
+        row_of = {name: i for i, name in enumerate(names)}
+        unread = [self._index[k] for k in kjt.keys() if k in self._index and k not in row_of]
+        if unread:
+            return InputFault(INVERSE_INDICES, unread[0], (_INVERSE_KEY, len(unread), 0))
+        strides = dict(zip(kjt.keys(), kjt.stride_per_key()))
+        limits = [strides[name] if name in self._index and name in strides else -1 for name in names]
+        return index, torch.tensor(limits, device=index.device)
+
+    def _inverse_outside(self, kjt: KeyedJaggedTensor, index: torch.Tensor, limits: torch.Tensor) -> InputFault:
+        names = kjt.inverse_indices()[0]
+        outside = _outside(index, limits)
+        row = int(outside.any(dim=1).nonzero()[0])
+        return InputFault(
+            INVERSE_INDICES,
+            self._index[names[row]],
+            (_INVERSE_RANGE, int(outside.sum()), int(limits[row])),
+            tuple(index[row][outside[row]][:_SHOWN].tolist()),
+        )
 
     def _weighting(self, keys: List[str], kind: int) -> InputFault:
         """Weights where the module takes none, or none where it needs them: the module's features in the batch."""
@@ -223,13 +300,13 @@ class InputValidator:
         where = f"feature {feature!r} of table {self._feature_tables[feature]!r}" if feature else "a feature"
         if fault.kind == ID_DTYPE:
             what = (
-                f"the KeyedJaggedTensor's IDs are {_dtype_name(a)}; IDs must be integers "
+                f"the KeyedJaggedTensor's IDs are {dtype_name(a)}; IDs must be integers "
                 "(torch.int64 or torch.int32), as rows of their tables"
             )
         elif fault.kind == LENGTHS_DTYPE:
-            what = f"the KeyedJaggedTensor's lengths are {_dtype_name(a)}; they must be torch.int32 or torch.int64"
+            what = f"the KeyedJaggedTensor's lengths are {dtype_name(a)}; they must be torch.int32 or torch.int64"
         elif fault.kind == WEIGHTS_DTYPE:
-            what = f"the KeyedJaggedTensor's weights are {_dtype_name(a)}; per-sample weights must be floating point"
+            what = f"the KeyedJaggedTensor's weights are {dtype_name(a)}; per-sample weights must be floating point"
         elif fault.kind == MISSING:
             what = f"{self._named(fault)} are missing from the KeyedJaggedTensor"
         elif fault.kind == UNEXPECTED_WEIGHTS and self._collection == "EmbeddingBagCollection":
@@ -264,9 +341,43 @@ class InputValidator:
             )
         elif fault.kind == BAD_ID:
             what = f"{where} has IDs {list(fault.shown)} outside [0, {b}) ({a} bad IDs in this batch)"
+        elif fault.kind == NOT_A_KJT:
+            instead = _INSTEAD[a] if 0 <= a < len(_INSTEAD) else _INSTEAD[0]
+            what = f"the {self._collection} was given {instead}; it takes a KeyedJaggedTensor"
+        elif fault.kind == SHAPE:
+            dims = f"IDs {a}-D, lengths {b}-D" + ("" if c < 0 else f", weights {c}-D")
+            what = f"the KeyedJaggedTensor's tensors must be 1-D, got {dims}"
+        elif fault.kind == LENGTHS_COUNT and a < 0:
+            what = "the KeyedJaggedTensor has neither lengths nor offsets"
+        elif fault.kind == LENGTHS_COUNT:
+            what = f"the KeyedJaggedTensor has {a} bag lengths, but its {c} keys and batch size (stride) make {b} bags"
+        elif fault.kind == DUPLICATE_KEYS:
+            what = (
+                f"the KeyedJaggedTensor's keys give {self._named(fault)} twice (TorchRec would read only one of them)"
+            )
+        elif fault.kind == INVERSE_INDICES:
+            what = self._describe_inverse(fault, where)
         else:
             what = f"its input check failed with an unknown code {fault.kind}"
         return f"rank {rank}: {what}"
+
+    def _describe_inverse(self, fault: InputFault, where: str) -> str:
+        code, n, bound = fault.numbers
+        if code == _NO_INVERSE:
+            return (
+                "the KeyedJaggedTensor has a variable batch per feature (VBE) but no inverse indices, which the "
+                f"{self._collection} needs to expand each feature's bags to the batch"
+            )
+        if code == _INVERSE_TENSOR:
+            shape = list(fault.shown)
+            return (
+                "the KeyedJaggedTensor's inverse indices are no integer tensor with one row for each of their "
+                f"{n} keys (got {bound}-D{f' of shape {shape}' if shape else ''})"
+            )
+        if code == _INVERSE_KEY:
+            more = f" (and {n - 1} more features)" if n > 1 else ""
+            return f"{where} has no row in the KeyedJaggedTensor's inverse indices{more}"
+        return f"{where} has inverse indices {list(fault.shown)} outside its [0, {bound}) bags ({n} in this batch)"
 
     def _named(self, fault: InputFault) -> str:
         """The features a fault lists (how many, the first few): "feature 'a'" or "features ['a', 'b'] and 3 more"."""
@@ -288,6 +399,12 @@ class InputValidator:
 def _naming(kind: int, features: List[int]) -> InputFault:
     """A fault that names features (indices into the module's): how many, and the first few."""
     return InputFault(kind, numbers=(len(features), 0, 0), shown=tuple(features[:_SHOWN]))
+
+
+def _outside(index: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
+    """Which inverse indices lie outside their row's [0, limit) (rows of limit -1 are not checked)."""
+    limit = limits.unsqueeze(1)
+    return (limit >= 0) & ((index < 0) | (index >= limit))
 
 
 def _key_of_ids(keys: List[str], per_key: List[int], device: torch.device) -> torch.Tensor:
