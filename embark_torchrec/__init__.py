@@ -21,6 +21,8 @@ _LAZY = {
     "EmbarkPlanner": "embark_torchrec.plan.planner",
     "EmbarkEmbeddingBagCollectionSharder": "embark_torchrec.sharding.sharder",
     "EmbarkEmbeddingCollectionSharder": "embark_torchrec.sharding.sharded_ec",
+    "EmbarkManagedCollisionEmbeddingBagCollectionSharder": "embark_torchrec.sharding.managed_collision",
+    "EmbarkManagedCollisionEmbeddingCollectionSharder": "embark_torchrec.sharding.managed_collision",
     "load_plan": "embark_torchrec.sharding.load_plan",
     "plan_model": "embark_torchrec.plan.plan_model",
     "simulate_nodes": "embark_torchrec.sharding.nodes",

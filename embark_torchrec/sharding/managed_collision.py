@@ -15,7 +15,7 @@ batch with 2-D weights (TorchRec's embedding write path) is passed on unchecked.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Type
+from typing import Any, Dict, Generic, List, Optional, Type, TypeVar
 
 import torch
 from torchrec.distributed.embedding_sharding import KJTList
@@ -54,7 +54,20 @@ from .validation import InputValidator
 
 
 class CheckedManagedCollision(CheckedInput):
-    """The check at a sharded managed-collision module's door (see the module docstring)."""
+    """The check at a sharded managed-collision module's door (see the module docstring), for TorchRec's sharded
+    managed-collision module after it in the class's bases, built from the same arguments."""
+
+    def __init__(
+        self,
+        module: Any,
+        table_name_to_parameter_sharding: Dict[str, ParameterSharding],
+        e_sharder: Any,
+        mc_sharder: ManagedCollisionCollectionSharder,
+        env: ShardingEnv,
+        device: torch.device,
+    ) -> None:
+        super().__init__(module, table_name_to_parameter_sharding, e_sharder, mc_sharder, env, device)  # type: ignore[call-arg]
+        self._check_batches(module, e_sharder)
 
     def _check_batches(self, module: Any, sharder: Any) -> None:
         """Builds the check for `module` (the unsharded managed-collision module) and defers the managed collisions'
@@ -80,7 +93,7 @@ class CheckedManagedCollision(CheckedInput):
         """The batch checked, then TorchRec's managed-collision input dist, whose request waits the module's split
         exchange first (which raises a bad batch's error on every rank); a bad batch only takes part in the
         exchange."""
-        weights = features.weights_or_none()
+        weights = features.weights_or_none() if isinstance(features, KeyedJaggedTensor) else None
         if weights is not None and weights.dim() == 2:  # TorchRec's write path: embeddings to write, not weights
             return super().input_dist(ctx, features)  # type: ignore[misc]
         features, fault = self.check_input(features)
@@ -94,40 +107,48 @@ class EmbarkShardedManagedCollisionEmbeddingBagCollection(
 ):
     """TorchRec's sharded ManagedCollisionEmbeddingBagCollection, its batches checked at the door."""
 
-    def __init__(
-        self,
-        module: ManagedCollisionEmbeddingBagCollection,
-        table_name_to_parameter_sharding: Dict[str, ParameterSharding],
-        ebc_sharder: EmbarkEmbeddingBagCollectionSharder,
-        mc_sharder: ManagedCollisionCollectionSharder,
-        env: ShardingEnv,
-        device: torch.device,
-    ) -> None:
-        super().__init__(module, table_name_to_parameter_sharding, ebc_sharder, mc_sharder, env, device)
-        self._check_batches(module, ebc_sharder)
-
 
 class EmbarkShardedManagedCollisionEmbeddingCollection(
     CheckedManagedCollision, ShardedManagedCollisionEmbeddingCollection
 ):
     """TorchRec's sharded ManagedCollisionEmbeddingCollection, its batches checked at the door."""
 
-    def __init__(
+
+M = TypeVar("M", ManagedCollisionEmbeddingBagCollection, ManagedCollisionEmbeddingCollection)
+S = TypeVar("S", EmbarkShardedManagedCollisionEmbeddingBagCollection, EmbarkShardedManagedCollisionEmbeddingCollection)
+
+
+class _CheckingSharder(Generic[M, S]):
+    """What both managed-collision sharders add to TorchRec's, before it in their bases: shard() builds the checking
+    module (`_sharded`) from the sharders TorchRec's base keeps (`_e_sharder`, `_mc_sharder`)."""
+
+    _sharded: Type[S]
+    _e_sharder: Any
+    _mc_sharder: ManagedCollisionCollectionSharder
+
+    def shard(
         self,
-        module: ManagedCollisionEmbeddingCollection,
-        table_name_to_parameter_sharding: Dict[str, ParameterSharding],
-        ec_sharder: EmbarkEmbeddingCollectionSharder,
-        mc_sharder: ManagedCollisionCollectionSharder,
+        module: M,
+        params: Dict[str, ParameterSharding],
         env: ShardingEnv,
-        device: torch.device,
-    ) -> None:
-        super().__init__(module, table_name_to_parameter_sharding, ec_sharder, mc_sharder, env, device)
-        self._check_batches(module, ec_sharder)
+        device: Optional[torch.device] = None,
+        module_fqn: Optional[str] = None,
+    ) -> S:
+        return self._sharded(module, params, self._e_sharder, self._mc_sharder, env, device or torch.device("cuda"))
+
+    @property
+    def sharded_module_type(self) -> Type[S]:
+        return self._sharded
 
 
-class EmbarkManagedCollisionEmbeddingBagCollectionSharder(ManagedCollisionEmbeddingBagCollectionSharder):
+class EmbarkManagedCollisionEmbeddingBagCollectionSharder(
+    _CheckingSharder[ManagedCollisionEmbeddingBagCollection, EmbarkShardedManagedCollisionEmbeddingBagCollection],
+    ManagedCollisionEmbeddingBagCollectionSharder,
+):
     """TorchRec's ManagedCollisionEmbeddingBagCollectionSharder around ours (EmbarkEmbeddingBagCollectionSharder by
     default), its sharded modules checking every batch (see the module docstring)."""
+
+    _sharded = EmbarkShardedManagedCollisionEmbeddingBagCollection
 
     def __init__(
         self,
@@ -142,26 +163,15 @@ class EmbarkManagedCollisionEmbeddingBagCollectionSharder(ManagedCollisionEmbedd
         self.mc_sharder = mc_sharder or ManagedCollisionCollectionSharder()
         super().__init__(self.ebc_sharder, self.mc_sharder, qcomm_codecs_registry=qcomm_codecs_registry)
 
-    def shard(
-        self,
-        module: ManagedCollisionEmbeddingBagCollection,
-        params: Dict[str, ParameterSharding],
-        env: ShardingEnv,
-        device: Optional[torch.device] = None,
-        module_fqn: Optional[str] = None,
-    ) -> EmbarkShardedManagedCollisionEmbeddingBagCollection:
-        return EmbarkShardedManagedCollisionEmbeddingBagCollection(
-            module, params, self.ebc_sharder, self.mc_sharder, env, device or torch.device("cuda")
-        )
 
-    @property
-    def sharded_module_type(self) -> Type[EmbarkShardedManagedCollisionEmbeddingBagCollection]:
-        return EmbarkShardedManagedCollisionEmbeddingBagCollection
-
-
-class EmbarkManagedCollisionEmbeddingCollectionSharder(ManagedCollisionEmbeddingCollectionSharder):
+class EmbarkManagedCollisionEmbeddingCollectionSharder(
+    _CheckingSharder[ManagedCollisionEmbeddingCollection, EmbarkShardedManagedCollisionEmbeddingCollection],
+    ManagedCollisionEmbeddingCollectionSharder,
+):
     """TorchRec's ManagedCollisionEmbeddingCollectionSharder around ours (EmbarkEmbeddingCollectionSharder by
     default), its sharded modules checking every batch (see the module docstring)."""
+
+    _sharded = EmbarkShardedManagedCollisionEmbeddingCollection
 
     def __init__(
         self,
@@ -175,22 +185,6 @@ class EmbarkManagedCollisionEmbeddingCollectionSharder(ManagedCollisionEmbedding
         )
         self.mc_sharder = mc_sharder or ManagedCollisionCollectionSharder()
         super().__init__(self.ec_sharder, self.mc_sharder, qcomm_codecs_registry=qcomm_codecs_registry)
-
-    def shard(
-        self,
-        module: ManagedCollisionEmbeddingCollection,
-        params: Dict[str, ParameterSharding],
-        env: ShardingEnv,
-        device: Optional[torch.device] = None,
-        module_fqn: Optional[str] = None,
-    ) -> EmbarkShardedManagedCollisionEmbeddingCollection:
-        return EmbarkShardedManagedCollisionEmbeddingCollection(
-            module, params, self.ec_sharder, self.mc_sharder, env, device or torch.device("cuda")
-        )
-
-    @property
-    def sharded_module_type(self) -> Type[EmbarkShardedManagedCollisionEmbeddingCollection]:
-        return EmbarkShardedManagedCollisionEmbeddingCollection
 
 
 __all__: List[str] = [
