@@ -370,6 +370,8 @@ def _verified(directory: str | os.PathLike[str]) -> Iterator[_Choice]:
     candidate is read only when the newer ones verified and were passed over (did not load)."""
     root = Path(directory)
     if not root.exists():
+        if root.is_symlink():  # a fresh start here would hide the checkpoints the link was meant to reach
+            raise CheckpointError(f"checkpoint directory {root} is a symbolic link to nothing: {os.readlink(root)}")
         yield _Choice(None, None, [], [])
         return
     if not root.is_dir():

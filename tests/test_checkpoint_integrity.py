@@ -285,6 +285,20 @@ def test_nothing_to_resume_and_a_bad_directory(tmp_path: Path, one_rank: None) -
         save_checkpoint(tmp_path, state, -1)
 
 
+@pytest.mark.parametrize("target", ["gone", "loop"])
+def test_a_checkpoint_directory_linked_to_nothing_is_an_error_not_a_fresh_start(
+    tmp_path: Path, one_rank: None, target: str
+) -> None:
+    """A symbolic link to a missing folder (an unmounted share) or to itself does not exist to Path.exists(); a
+    fresh start there would train from step 0 beside the checkpoints the link was meant to reach."""
+    link = tmp_path / "ckpt"
+    link.symlink_to(tmp_path / "unmounted" if target == "gone" else link)
+    with pytest.raises(CheckpointError, match="ckpt is a symbolic link to nothing"):
+        resume_checkpoint(link, _blank())
+    with pytest.raises(CheckpointError, match="symbolic link to nothing"):
+        latest_verified_checkpoint(link)
+
+
 # ---------------------------------------------------------------- what resume must always fall back from
 
 
