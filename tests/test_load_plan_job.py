@@ -48,6 +48,24 @@ def test_a_plan_for_other_nodes_is_refused(job_nodes: int) -> None:
         assert set(load_plan(plan, _module(SMALL), compute_device="cpu").plan[""]) == {"small"}
 
 
+@pytest.mark.parametrize(
+    ("argument", "value", "needle"),
+    [
+        ("module", "model.pt", r"field 'module': expected the torch.nn.Module to shard, got 'model.pt'"),
+        ("world_size", 0, r"field 'world_size': expected an integer >= 1, got 0"),
+        ("world_size", True, r"field 'world_size': expected an integer >= 1, got True"),
+        ("compute_device", "tpu", r"field 'compute_device': expected one of \['cpu', 'cuda'\], got 'tpu'"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(argument: str, value: object, needle: str) -> None:
+    """load_plan's own arguments are checked as a file's fields are: a path in place of the module, a world size of
+    0 or True, a device TorchRec's remote-device parser would refuse deep inside torch.distributed."""
+    arguments = {"module": _module(SMALL), "world_size": WORLD, "local_world_size": 2, "compute_device": "cpu"}
+    arguments[argument] = value
+    with pytest.raises(PlanError, match=r"load_plan: " + needle):
+        load_plan(Plan(WORLD, 2, SMALL_PLAN), **arguments)
+
+
 def test_a_table_beyond_a_ranks_memory_is_refused_naming_rank_table_and_sizes() -> None:
     """A 4,096 GB table on rank 1 is refused against this host's memory (the default on CPU) and against a given
     cap, naming the rank, the table and both sizes."""

@@ -14,8 +14,9 @@ from torchrec.distributed.types import ShardingPlan
 from torchrec.modules.embedding_configs import DATA_TYPE_NUM_BITS
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
-from ..plan.fields import integer, number, reading
+from ..plan.fields import FieldError, choice, integer, number, reading, shown
 from ..plan.layout import Plan, PlanError
+from ..plan.planner import COMPUTE_DEVICES
 from ..plan.spec import ModelSpec, module_tables
 from .parameter_sharding import module_sharding_plan
 
@@ -65,6 +66,13 @@ def _sharding_plan(
     memory_cap_bytes: float | None,
 ) -> ShardingPlan:
     """load_plan once the plan is read; errors name the module path of the table at fault."""
+    with reading(PlanError, where="load_plan"):  # the arguments, checked as a file's fields are
+        if not isinstance(module, torch.nn.Module):
+            raise FieldError(f"expected the torch.nn.Module to shard, got {shown(module)}", "module")
+        if world_size is not None:
+            integer(world_size, "world_size", minimum=1)
+        if compute_device is not None:
+            choice(compute_device, "compute_device", COMPUTE_DEVICES)
     expected_ws = world_size if world_size is not None else (dist.get_world_size() if dist.is_initialized() else None)
     if expected_ws is not None and loaded.world_size != expected_ws:
         raise PlanError(f"the plan is for world size {loaded.world_size}, but this job has {expected_ws} ranks")
