@@ -13,10 +13,6 @@ min and max go into the file):
 - intra/inter_node_bw_gbps: all-to-all inside each node (every node at once), and over all ranks with messages
   to the ranks of other nodes only (a node's ranks share its links, as in training's all-to-alls): bytes each
   rank sends to its peers / (time of a large all-to-all - time of a tiny one to the same peers);
-- ranks_per_nic, with two or more ranks per node: the same all-to-all in which rank 0 alone sends, one way, to the
-  next node's first rank (inter_node_bw_alone_gbps, not a field): where it goes about L times as fast as each rank
-  when all send, one link carries the node (the emulated cluster), where about as fast each rank has its own NIC
-  (a DGX). One way, because a gloo pair exchanging both ways at once gets half a shaped link each way;
 - allreduce_bus_gbps (not a Hardware field: the cost model prices all-reduces on the two bandwidths above
   with the ring's 2 (n-1)/n bytes): nccl-tests' bus bandwidth of an all_reduce over every rank;
 - lookup_ns_per_id, update_ns_per_row and hbm_bw_gbps: fbgemm's SplitTableBatchedEmbeddingBagsCodegen forward
@@ -247,49 +243,31 @@ def _times(
 
 
 def _all_to_all(
-    per_peer: int,
-    device: torch.device,
-    group: Any = None,
-    peers: Sequence[bool] | None = None,
-    senders: Sequence[bool] | None = None,
+    per_peer: int, device: torch.device, group: Any = None, peers: Sequence[bool] | None = None
 ) -> Callable[[], object]:
     """An all_to_all_single of `group` sending `per_peer` floats to each rank, or, with `peers` (one flag per
-    rank of the group), to the flagged ranks only (nothing to the others), and receiving as much from each of
-    `senders` (by default the same flags: what a rank sends to a peer it receives from it)."""
+    rank of the group), to the flagged ranks only (nothing to the others)."""
     n = dist.get_world_size(group)
     sizes = [per_peer if peers is None or peers[k] else 0 for k in range(n)]
-    incoming = sizes if senders is None else [per_peer if senders[k] else 0 for k in range(n)]
     send = torch.randn(sum(sizes), device=device)
-    recv = torch.empty(sum(incoming), device=device)
-    return lambda: dist.all_to_all_single(recv, send, incoming, sizes, group=group)
+    recv = torch.empty_like(send)  # what a rank sends to a flagged peer it receives from it: the flags are symmetric
+    return lambda: dist.all_to_all_single(recv, send, sizes, sizes, group=group)
 
 
-def _bandwidth(
-    job: Job,
-    s: Settings,
-    group: Any,
-    peers: Sequence[bool] | None,
-    what: str,
-    senders: Sequence[bool] | None = None,
-    peer_count: int | None = None,
-) -> dict[str, Any]:
-    """GB/s each sending rank sends to its peers (every rank of `group` but itself, or the flagged ones, receiving
-    from `senders` where that differs; a sender has `peer_count` of them where some ranks send nothing) in a large
+def _bandwidth(job: Job, s: Settings, group: Any, peers: Sequence[bool] | None, what: str) -> dict[str, Any]:
+    """GB/s each rank sends to its peers (every rank of `group` but itself, or the flagged ones) in a large
     all-to-all, every rank at once: per sample, its bytes / (the large all-to-all's time - the tiny one's just
     before it)."""
     tiny, large = _times(
         [
-            _all_to_all(s.tiny_floats, job.device, group, peers, senders),
-            _all_to_all(s.large_floats, job.device, group, peers, senders),
+            _all_to_all(s.tiny_floats, job.device, group, peers),
+            _all_to_all(s.large_floats, job.device, group, peers),
         ],
         s.repeats,
         job.device,
         group,
     )
-    if peer_count is not None:
-        count = peer_count
-    else:
-        count = dist.get_world_size(group) - 1 if peers is None else sum(peers)
+    count = dist.get_world_size(group) - 1 if peers is None else sum(peers)
     peer_bytes = count * s.large_floats * 4
     gbps = [peer_bytes / (b - a) / 1e9 for a, b in zip(tiny, large) if b > a]
     if len(gbps) * 2 < len(large):
@@ -335,20 +313,6 @@ def measure_collectives(job: Job, s: Settings) -> dict[str, dict[str, Any]]:
             f"all-to-all of all {job.world_size} ranks, each sending to every rank of the other nodes only "
             f"(as training's all-to-alls cross nodes: a node's {job.local_world_size} ranks share its links)",
         )
-        if job.local_world_size > 1:
-            # one way only: a gloo pair that carries both ways at once gets half the link each way
-            lws = job.local_world_size
-            out["inter_node_bw_alone_gbps"] = _bandwidth(
-                job,
-                s,
-                None,
-                [job.rank == 0 and k == lws for k in range(job.world_size)],
-                f"all-to-all of all {job.world_size} ranks in which rank 0 alone sends, to rank {lws} on the next "
-                "node, which sends nothing back (not a Hardware field: over inter_node_bw_gbps, the ranks that share "
-                "a link, ranks_per_nic)",
-                senders=[job.rank == lws and k == 0 for k in range(job.world_size)],
-                peer_count=1,
-            )
     if job.world_size > 1:
         grad = torch.randn(s.allreduce_floats, device=job.device)
         (times,) = _times([lambda: dist.all_reduce(grad)], s.repeats, job.device)
@@ -752,23 +716,12 @@ def _hardware(
     if "unique_ns_per_id" in measured:
         figures["unique_ns_per_id"] = max(measured["unique_ns_per_id"]["median"], measured["dedup_ns_per_id"]["median"])
     figures["host_cores"] = job.shared_host_cores
-    if "inter_node_bw_alone_gbps" in measured:
-        ratio = measured["inter_node_bw_alone_gbps"]["median"] / measured["inter_node_bw_gbps"]["median"]
-        figures["ranks_per_nic"] = ranks_sharing_a_link(ratio, job.local_world_size)
     if dense is not None:
         figures["dense_params_mb"] = dense.params * 4 / 1e6  # fp32 gradients
     if memory_gb is not None:
         figures["hbm_gb"] = memory_gb
         figures["hbm_reserve_gb"] = min(base.hbm_reserve_gb, memory_gb / 2)
     return replace(base, **figures)
-
-
-def ranks_sharing_a_link(alone_over_all: float, local_world_size: int) -> int:
-    """Ranks per network link: how much faster one rank of each node sends across nodes alone than when all its
-    node's ranks do (1 where each has its own NIC, the node's ranks where one link carries them all), the divisor
-    of the node size nearest to it (on a log scale)."""
-    divisors = [d for d in range(1, local_world_size + 1) if local_world_size % d == 0]
-    return min(divisors, key=lambda d: abs(np.log(d) - np.log(max(alone_over_all, 1e-9))))
 
 
 # Hardware fields set to their measurement's median when it was taken
@@ -798,8 +751,6 @@ def _document(
     sources = {field.name: "preset" for field in fields(Hardware)}
     sources |= {field: "measured" for field in (*_MEASURED_FIELDS, "unique_ns_per_id") if field in measured}
     sources["host_cores"] = "machine"
-    if "inter_node_bw_alone_gbps" in measured:
-        sources["ranks_per_nic"] = "measured"
     if dense is not None:
         sources["dense_params_mb"] = "model"
     if memory_gb is not None:

@@ -62,10 +62,7 @@ same traffic message by message, and the runtime's dists send exactly that):
 
 Time per rank: lookup_ms = lookup bytes / HBM bandwidth + IDs x lookup_ns_per_id + de-duplication;
 comm_ms = max(sent, received) intra / NVLink bandwidth + max(sent, received) inter / network
-bandwidth; where ranks_per_nic ranks share one link (the emulated cluster: a node's ranks), the inter
-term of each is its link's: max(sent, received) summed over the link's ranks / (their count x network
-bandwidth), as the link carries their bytes together (the search prices ranks alone, which is the same
-where a link's ranks are loaded alike and more where not). Step = max over ranks of lookup_ms
+bandwidth. Step = max over ranks of lookup_ms
 + max over ranks of comm_ms + collective ms + DP all-reduce ms + dense ms (b / 1000 x
 dense_ms_per_ksample, plus the dense all-reduce) - overlap, the same formulas for every plan. DDP
 all-reduces its buckets (the DP tables' gradients and the dense part's) while the backward computes,
@@ -522,16 +519,6 @@ class CostModel:
         inter = _to_ms(np.maximum(send_inter, recv_inter), hw.inter_node_bw_gbps)
         return lookup, intra, inter
 
-    def shared_link_ms(self, send_inter: np.ndarray, recv_inter: np.ndarray) -> np.ndarray:
-        """Inter-node ms of each rank where Hardware.ranks_per_nic consecutive ranks share one link: the
-        link drains its ranks' bytes together, so each of them waits for its busier direction's total over
-        the group's bandwidth (with one rank per link, rank_times' inter term, bit for bit)."""
-        hw = self.topology.hardware
-        group = hw.ranks_per_nic
-        sent = send_inter.reshape(-1, group).sum(axis=1)
-        received = recv_inter.reshape(-1, group).sum(axis=1)
-        return np.repeat(_to_ms(np.maximum(sent, received) / group, hw.inter_node_bw_gbps), group)
-
     def ring_allreduce_bytes(self, nbytes: float) -> tuple[float, float]:
         """(intra-node, inter-node) bytes one rank sends to all-reduce `nbytes` as NCCL's ring does.
 
@@ -558,8 +545,7 @@ class CostModel:
         """The step of a plan's load; `allreduce_precision`: DDP's, at which the dense gradients travel
         (Plan.allreduce_precision; the data-parallel tables' are priced by their layouts)."""
         hw = self.topology.hardware
-        lookup, intra, _ = self.rank_times(load.rows)
-        inter = self.shared_link_ms(load.send_inter, load.recv_inter)
+        lookup, intra, inter = self.rank_times(load.rows)
         dp = self.ring_allreduce_ms(load.dp_intra, load.dp_inter)
         dense_bytes = hw.dense_params_mb * 1e6 / WEIGHT_BYTES * ELEMENT_BYTES[allreduce_precision]
         dense_ar = self.ring_allreduce_ms(*self.ring_allreduce_bytes(dense_bytes))

@@ -4,7 +4,7 @@
 write them by hand. The format (README "Hardware files"):
 
     {"format": "embark-hardware", "version": 1,
-     "hardware": {every Hardware field by name: "name", "hbm_gb", ..., "host_cores", "ranks_per_nic"},
+     "hardware": {every Hardware field by name: "name", "hbm_gb", ..., "host_cores"},
      "base"?: the preset the fields not measured came from,
      "sources"?: {field: "measured" | "machine" | "model" | "preset"},
      "measurements"?: {name: {"median", "p25", "p75", "min", "max", "samples", "unit", "what"?}},
@@ -49,7 +49,7 @@ VERSION = 1
 # measured here; read off the machine (memory, cores); counted in the model (dense parameters); from `base`
 SOURCES = ("measured", "machine", "model", "preset")
 
-OPTIONAL_FIELDS = ("update_ns_per_row", "ranks_per_nic")
+OPTIONAL_FIELDS = ("update_ns_per_row",)
 _TOP_KEYS = ("format", "version", "hardware", "base", "sources", "measurements", "run")
 _STAT_NUMBERS = ("median", "p25", "p75", "min", "max")
 _STAT_KEYS = (*_STAT_NUMBERS, "samples", "unit", "what")
@@ -77,7 +77,7 @@ def _finite(value: Any, field: str) -> float:
 
 def _figure(name: str, value: Any, kind: str) -> Any:
     """One Hardware field's value checked by its declared type and its plannable range (ranges.HARDWARE_RANGES):
-    name text, host_cores and ranks_per_nic integers, every other figure a finite number."""
+    name text, host_cores an integer, every other figure a finite number."""
     if kind == "str":
         return text(value, name)
     low, high, low_allowed = HARDWARE_RANGES[name]

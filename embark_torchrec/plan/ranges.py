@@ -25,7 +25,6 @@ MAX_MS_PER_KSAMPLE = 1e9  # the dense part's forward + backward per 1000 samples
 MAX_COLLECTIVE_US = 1e9  # one collective's launch and synchronisation
 MAX_DENSE_PARAMS_MB = 1e9  # dense gradients all-reduced each step: a petabyte
 MAX_HOST_CORES = 2**20  # cores of the one host every rank shares (0: ranks have their own GPUs)
-MAX_RANKS_PER_NIC = 2**20  # ranks sharing one network link
 
 # every Hardware figure a hardware file holds (hardware_file.py): (lowest, highest, whether the lowest is allowed);
 # figures the cost model divides by (memory, bandwidths) may not be zero, nor so small that a cost is infinite
@@ -44,5 +43,4 @@ HARDWARE_RANGES: dict[str, tuple[float, float, bool]] = {
     },
     "collective_us": (0.0, MAX_COLLECTIVE_US, True),
     "host_cores": (0, MAX_HOST_CORES, True),
-    "ranks_per_nic": (1, MAX_RANKS_PER_NIC, True),
 }

@@ -30,9 +30,6 @@ class Hardware:
     update_ns_per_row: float = 0.0
     dp_ns_per_element: float = 0.0  # per element of a data-parallel table per step: its dense gradient and update
     host_cores: int = 0  # > 0: every rank runs on one host with this many cores, so lookups share them
-    # ranks that share one network link per direction (inter_node_bw_gbps is each one's share when all of them
-    # send): 1 where every GPU has its own NIC (DGX); a whole node's where one link carries them (the emulated cluster)
-    ranks_per_nic: int = 1
 
     def with_overrides(self, **overrides: Any) -> "Hardware":
         known = {f.name for f in fields(self)}
@@ -144,11 +141,6 @@ class Topology:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if self.local_world_size < 1 or self.world_size % self.local_world_size:
             raise ValueError(f"local_world_size {self.local_world_size} must divide world_size {self.world_size}")
-        if self.local_world_size % self.hardware.ranks_per_nic:
-            raise ValueError(
-                f"hardware {self.hardware.name!r}: ranks_per_nic {self.hardware.ranks_per_nic} must divide "
-                f"local_world_size {self.local_world_size} (a node's ranks share its links in whole groups)"
-            )
 
     @property
     def num_nodes(self) -> int:
