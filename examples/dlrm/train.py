@@ -16,10 +16,11 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,38 @@ PLANNERS = ("embark", "torchrec", "trw")
 EBC_PATH = "model.sparse_arch.embedding_bag_collection"  # where DLRMTrain keeps the EmbeddingBagCollection
 
 
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """A flag that counts something: an integer >= minimum (--steps -5 ran 0 steps and reported -5, --batch-size 0
+    and --eval-batches 0 failed deep inside the data and the metric)."""
+
+    def parse(value: str) -> int:
+        try:
+            count = int(value)
+        except ValueError:
+            count = minimum - 1
+        if count < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value!r}")
+        return count
+
+    return parse
+
+
+def _finite(positive: bool) -> Callable[[str], float]:
+    """A flag that measures something: a finite number, > 0 (a timeout) or >= 0 (a learning rate; nan trained on
+    NaN without a word)."""
+
+    def parse(value: str) -> float:
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not math.isfinite(number) or number < 0 or (positive and number == 0):
+            raise argparse.ArgumentTypeError(f"expected a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
+        return number
+
+    return parse
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     d = DEFAULTS
     p = argparse.ArgumentParser(
@@ -120,13 +153,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=Path,
         help="directory of TorchRec's binary Criteo files day_<i>_{dense,sparse,labels}.npy; default: synthetic data",
     )
-    p.add_argument("--steps", type=int, default=d.steps, help="train until this global step")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="samples per rank per step")
-    p.add_argument("--embedding-lr", type=float, default=d.embedding_lr)
-    p.add_argument("--dense-lr", type=float, default=d.dense_lr)
+    p.add_argument("--steps", type=_at_least(0), default=d.steps, help="train until this global step")
+    p.add_argument("--batch-size", type=_at_least(1), default=d.batch_size, help="samples per rank per step")
+    p.add_argument("--embedding-lr", type=_finite(positive=False), default=d.embedding_lr)
+    p.add_argument("--dense-lr", type=_finite(positive=False), default=d.dense_lr)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument(
-        "--local-world-size", type=int, help="ranks per simulated node (default: torchrun's LOCAL_WORLD_SIZE)"
+        "--local-world-size", type=_at_least(1), help="ranks per simulated node (default: torchrun's LOCAL_WORLD_SIZE)"
     )
     p.add_argument(
         "--hardware",
@@ -152,18 +185,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plan-in", type=Path, help="run this plan file instead of planning")
     p.add_argument("--plan-out", type=Path, help="write the plan that runs (any planner) as a plan file")
     p.add_argument("--no-pipeline", action="store_true", help="plain loop instead of TrainPipelineSparseDist")
-    p.add_argument("--log-every", type=int, default=d.log_every, help="steps between samples/s and loss lines")
-    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="first steps left out of samples/s")
-    p.add_argument("--eval-batches", type=int, default=d.eval_batches, help="held-out batches per rank for AUROC")
+    p.add_argument("--log-every", type=_at_least(0), default=d.log_every, help="steps between samples/s and loss lines")
+    p.add_argument(
+        "--warmup-steps", type=_at_least(0), default=d.warmup_steps, help="first steps left out of samples/s"
+    )
+    p.add_argument(
+        "--eval-batches", type=_at_least(1), default=d.eval_batches, help="held-out batches per rank for AUROC"
+    )
     p.add_argument(
         "--checkpoint-dir", type=Path, help="torch.distributed.checkpoint directory (a step_<n> folder per save)"
     )
-    p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
+    p.add_argument("--save-every", type=_at_least(0), default=0, help="steps between checkpoints (0: only at the end)")
     p.add_argument(
         "--resume", action="store_true", help="continue from the latest complete checkpoint in --checkpoint-dir"
     )
     p.add_argument(
-        "--pg-timeout-s", type=float, default=d.pg_timeout_s, help="process-group timeout (a dead rank fails the rest)"
+        "--pg-timeout-s",
+        type=_finite(positive=True),
+        default=d.pg_timeout_s,
+        help="process-group timeout (a dead rank fails the rest)",
     )
     args = p.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
