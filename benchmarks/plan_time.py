@@ -109,9 +109,18 @@ def markdown(timings: Iterable[Timing], args: argparse.Namespace) -> str:
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *(t.row() for t in timings),
         "",
-        f"Reproduce: `PYTHONPATH=. python benchmarks/plan_time.py{' --quick' if args.quick else ''}`",
+        f"Reproduce: `PYTHONPATH=. python benchmarks/plan_time.py {reproduce(args)}`",
     ]
     return "\n".join(lines) + "\n"
+
+
+def reproduce(args: argparse.Namespace) -> str:
+    """The arguments that plan these cases again: --quick, or the sweeps and the repeats."""
+    if args.quick:
+        return "--quick"
+    sweeps = (("--table-counts", args.table_counts), ("--rank-counts", args.rank_counts))
+    flags = " ".join(f"{flag} {','.join(map(str, counts))}" for flag, counts in sweeps)
+    return f"{flags} --ranks {args.ranks} --tables {args.tables} --repeats {args.repeats}"
 
 
 def csv_ints(text: str) -> list[int]:

@@ -173,6 +173,13 @@ def test_progress_line_waits_then_draws_one_line() -> None:
     assert text.count("\n") == 1 and text.endswith("\n")
     assert "clusters [##########..........] 5/10" in text and "split rounds 3, best 1.234 ms" in text
     assert "planning m: done in" in text
+    out = io.StringIO()
+    line = ProgressLine("planning m", out, delay_s=0.0, interval_s=60.0)
+    line("improving", 1, 10)
+    line("improving", 2, 10)  # within the interval: not drawn
+    line("lower bound", 3, 10)  # a new stage: drawn at once
+    text = out.getvalue()
+    assert "1/10" in text and "2/10" not in text and "lower bound [" in text
 
 
 def test_progress_only_where_asked() -> None:
@@ -206,9 +213,9 @@ def test_planner_shows_progress_on_rank_zero_only(monkeypatch: pytest.MonkeyPatc
 
 
 def test_cli_progress_line_covers_every_stage(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
-    """On a terminal, the CLI draws one progress line from the search to the report: the lower bound
-    (a minute at 50,000 tables) and the report are stages of it, and it ends once, before the report
-    is printed."""
+    """On a terminal, the CLI draws one progress line from the search to the report: the baselines'
+    scoring and the plan's validation (10 s at 50,000 tables), the lower bound (20 s there) and the report
+    are stages of it, and it ends once, before the report is printed."""
     from embark_torchrec.plan import cli
 
     stages: list[str] = []
@@ -225,7 +232,9 @@ def test_cli_progress_line_covers_every_stage(monkeypatch: pytest.MonkeyPatch, c
     assert cli.main(["dcnv2", "--world-size", "16", "--local-world-size", "8"]) == 0
     assert "lower bound" in capsys.readouterr().out
     kinds = list(dict.fromkeys(stages))
-    for stage in ("clusters", "split rounds", "improving", "scoring", "lower bound", "report"):
+    for stage in ("clusters", "split rounds", "improving", "scoring", "scoring the baselines", "validating"):
         assert stage in kinds, stage
-    assert kinds.index("improving") < kinds.index("lower bound") < kinds.index("report")
+    for stage in ("lower bound", "report"):
+        assert stage in kinds, stage
+    assert kinds.index("improving") < kinds.index("validating") < kinds.index("lower bound") < kinds.index("report")
     assert closed == [len(stages)]

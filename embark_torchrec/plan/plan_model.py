@@ -186,11 +186,15 @@ def plan_model(
         if report is not None:
             report("scoring", 0, None, "")
         step = cost.evaluate(plan)
+        if report is not None:
+            report("scoring the baselines", 0, None, "")
         baselines = {TABLE_ROW_WISE: table_row_wise_plan(spec, topology)}
         source, plan, step = _cheapest((plan, step), {**baselines, **(candidates or {})}, cost, constraints)
         if source != EMBARK:
             clusters = {name: layout.cluster for name, layout in plan.tables.items()}
         check_finite(source, step)
+        if report is not None:
+            report("validating", 0, None, "")
         plan.validate(spec, step.rank_memory, topology.hbm_cap_bytes)
     finally:
         if line is not None:

@@ -28,8 +28,9 @@ Progress = Callable[[str, int, int | None, str], None]
 
 class ProgressLine:
     """Planning progress as one line on a terminal, redrawn in place: nothing for the first `delay_s`
-    seconds (a quick plan prints nothing), then at most every `interval_s`; close() ends the line.
-    Called as a Progress."""
+    seconds (a quick plan prints nothing), then at most every `interval_s` within a stage, and at once when
+    a new stage begins (else a stage that begins just after a redraw, and runs long without calling again,
+    would be shown under the last one's name); close() ends the line. Called as a Progress."""
 
     def __init__(
         self, label: str = "planning", stream: TextIO | None = None, delay_s: float = 2.0, interval_s: float = 0.2
@@ -40,12 +41,15 @@ class ProgressLine:
         self._start = time.monotonic()
         self._next = self._start + delay_s
         self._width = 0  # of the line drawn; 0 while none is
+        self._delay_end = self._next
+        self._stage = ""  # the stage of the line drawn
 
     def __call__(self, stage: str, done: int, total: int | None = None, note: str = "") -> None:
         now = time.monotonic()
-        if now < self._next:
+        if now < self._next and (stage == self._stage or now < self._delay_end):
             return
         self._next = now + self.interval_s
+        self._stage = stage
         if total:
             filled = _BAR_WIDTH * min(done, total) // total
             stage += f" [{'#' * filled}{'.' * (_BAR_WIDTH - filled)}] {done}/{total}"
