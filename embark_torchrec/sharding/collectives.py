@@ -12,6 +12,9 @@ joined by a dummy tensor.
 
 Every member of the group must join both exchanges, also one whose input needs no gradient: such an
 input becomes a leaf that requires one.
+
+Profiler labels follow TorchRec's comm_ops ("## all2all_pooled ##", "## All2All_Pooled_fwd ##", ...), so that a
+trace reads alike: ALL_TO_ALL_LABEL around the call, the exchange's start forward and backward, and its wait.
 """
 
 from __future__ import annotations
@@ -20,10 +23,16 @@ from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.types import Awaitable
 
 from .codecs import Segment, decode, encode, encoded_size
+
+ALL_TO_ALL_LABEL = "## embark_all2all ##"
+FORWARD_LABEL = "## Embark_All2All_fwd ##"
+BACKWARD_LABEL = "## Embark_All2All_bwd ##"
+WAIT_LABEL = "## Embark_All2All_wait ##"
 
 
 class _Exchange:
@@ -51,26 +60,28 @@ class _Exchange:
         codec: Any,
         backward: bool,
     ) -> None:
-        send_sizes = [encoded_size(codec, segs) for segs in send]
-        recv_sizes = [encoded_size(codec, segs) for segs in recv]
-        # a codec's payload and receive buffer only travel and are decoded: as inference tensors,
-        # their views need no autograd bookkeeping (without a codec the buffer is the result)
-        with torch.inference_mode(codec is not None):
-            payload = encode(codec, x.contiguous(), send)
-            self.buffer = payload.new_empty(sum(recv_sizes))
-        if self.on_send is not None:
-            self.on_send(payload, send_sizes, recv_sizes, backward)
-        # the collective writes into the inference buffer: backends that dispatch it as an in-place op (torch's
-        # fake process group) allow that only in inference mode
-        with torch.inference_mode(codec is not None):
-            self.work = dist.all_to_all_single(
-                self.buffer, payload, recv_sizes, send_sizes, group=self.group, async_op=True
-            )
+        with record_function(BACKWARD_LABEL if backward else FORWARD_LABEL):
+            send_sizes = [encoded_size(codec, segs) for segs in send]
+            recv_sizes = [encoded_size(codec, segs) for segs in recv]
+            # a codec's payload and receive buffer only travel and are decoded: as inference tensors,
+            # their views need no autograd bookkeeping (without a codec the buffer is the result)
+            with torch.inference_mode(codec is not None):
+                payload = encode(codec, x.contiguous(), send)
+                self.buffer = payload.new_empty(sum(recv_sizes))
+            if self.on_send is not None:
+                self.on_send(payload, send_sizes, recv_sizes, backward)
+            # the collective writes into the inference buffer: backends that dispatch it as an in-place op (torch's
+            # fake process group) allow that only in inference mode
+            with torch.inference_mode(codec is not None):
+                self.work = dist.all_to_all_single(
+                    self.buffer, payload, recv_sizes, send_sizes, group=self.group, async_op=True
+                )
 
     def finish(self, recv: Sequence[Sequence[Segment]], codec: Any) -> torch.Tensor:
         assert self.work is not None and self.buffer is not None
-        self.work.wait()
-        out, self.work, self.buffer = decode(codec, self.buffer, recv), None, None
+        with record_function(WAIT_LABEL):
+            self.work.wait()
+            out, self.work, self.buffer = decode(codec, self.buffer, recv), None, None
         return out
 
 
@@ -128,8 +139,9 @@ def all_to_all(
     described by recv. Gradients travel back in the backward codec and are divided by
     `gradient_divisor` (TorchRec divides embedding gradients by the world size). `on_send(payload,
     send_sizes, recv_sizes, backward)` sees every payload handed to the collective (byte counting)."""
-    if torch.is_grad_enabled() and not x.requires_grad:
-        x = x.detach().requires_grad_()
-    exchange = _Exchange(group, send, recv, codecs, gradient_divisor, on_send)
-    dummy = _Req.apply(x, exchange)
-    return AllToAllAwaitable(dummy, exchange)
+    with record_function(ALL_TO_ALL_LABEL):
+        if torch.is_grad_enabled() and not x.requires_grad:
+            x = x.detach().requires_grad_()
+        exchange = _Exchange(group, send, recv, codecs, gradient_divisor, on_send)
+        dummy = _Req.apply(x, exchange)
+        return AllToAllAwaitable(dummy, exchange)
