@@ -497,10 +497,11 @@ def test_collective_plan_raises_the_planning_error_on_every_rank() -> None:
 # ---- constructor arguments -----------------------------------------------------------------------
 
 _BAD_ARGUMENTS = [
-    ({"world_size": 0}, "world_size", "an integer >= 1, got 0"),
+    ({"world_size": 0}, "world_size", "an integer in \\[1, 1048576\\], got 0"),
     ({"world_size": 2.0}, "world_size", "an integer"),
     ({"world_size": True}, "world_size", "an integer"),
-    ({"local_world_size": 0}, "local_world_size", "an integer >= 1"),
+    ({"world_size": 2**40}, "world_size", "an integer in \\[1, 1048576\\], got 1099511627776"),
+    ({"local_world_size": 0}, "local_world_size", "an integer in \\[1, 1048576\\], got 0"),
     ({"world_size": 4, "local_world_size": 3}, "local_world_size", "3 does not divide the world size 4"),
     ({"batch_size": True}, "batch_size", "got True"),
     ({"batch_size": 0}, "batch_size", "an integer >= 1"),
@@ -529,6 +530,18 @@ def test_constructor_arguments_are_checked_by_name(kwargs: dict[str, Any], field
     where = f"EmbarkPlanner: field '{field}': " if field else ""
     with pytest.raises(SpecError, match=f"{where}.*({problem})"):
         EmbarkPlanner(**kwargs)
+
+
+@pytest.mark.parametrize("collection", ["ebc", "ec"])
+@pytest.mark.parametrize(("argument", "value"), [("fused_params", "lr"), ("qcomm_codecs_registry", 3)])
+def test_sharder_mappings_are_checked_by_name(collection: str, argument: str, value: object) -> None:
+    """A sharder's fused_params or qcomm_codecs_registry that is no dict is refused when the sharder is made, naming
+    it: TorchRec's sharders keep it and fail only when planning reads it (an AttributeError naming neither)."""
+    from embark_torchrec.sharding.sharded_ec import EmbarkEmbeddingCollectionSharder
+
+    sharder = EmbarkEmbeddingBagCollectionSharder if collection == "ebc" else EmbarkEmbeddingCollectionSharder
+    with pytest.raises(TypeError, match=f"{sharder.__name__}: {argument} must be a dict or None, got"):
+        sharder(**{argument: value})
 
 
 def test_storage_reservation_share_is_checked() -> None:

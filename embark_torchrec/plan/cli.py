@@ -30,7 +30,7 @@ from .plan_model import check_finite, plan_model
 from .report import ProgressLine, ScoredPlan, plot_rank_loads, progress_line, render, summary
 from .spec import ModelSpec, SpecError, builtin_model, load_model_spec
 from .hardware_file import HardwareError, resolve_hardware
-from .ranges import MAX_BATCH_SIZE, MAX_HBM_GB
+from .ranges import MAX_BATCH_SIZE, MAX_HBM_GB, MAX_WORLD_SIZE
 from .topology import DEFAULT_HARDWARE, PRESETS, Hardware, Topology
 
 
@@ -84,8 +84,8 @@ class _Parser(argparse.ArgumentParser):
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = _Parser(prog="python -m embark_torchrec.plan", description=__doc__.split("\n\n")[1])
     p.add_argument("model", help="model spec file (JSON/YAML) or built-in model name")
-    p.add_argument("--world-size", type=_count(), required=True)
-    p.add_argument("--local-world-size", type=_count(), required=True)
+    p.add_argument("--world-size", type=_count(MAX_WORLD_SIZE), required=True)
+    p.add_argument("--local-world-size", type=_count(MAX_WORLD_SIZE), required=True)
     p.add_argument("--batch-size", type=_count(MAX_BATCH_SIZE), help="global batch size (default: the spec's)")
     p.add_argument(
         "--hardware",

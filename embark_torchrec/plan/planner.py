@@ -25,6 +25,7 @@ from .fields import FieldError, boolean, choice, integer, reading, shown
 from .layout import SHARDING_TYPE_PREFIX, Plan, PlanError, TableLayout, ceil_row_bounds
 from .report import ScoredPlan, render
 from .plan_model import PlannedModel, plan_model
+from .ranges import MAX_WORLD_SIZE
 from .search import SearchConfig
 from .spec import IdDistribution, ModelSpec, SpecError, module_tables
 from .hardware_file import resolve_hardware
@@ -315,7 +316,7 @@ def _check_arguments(
         for name, value in sizes.items():
             if value is None:
                 continue
-            integer(value, name, minimum=1)
+            integer(value, name, minimum=1, maximum=MAX_WORLD_SIZE)
             given = getattr(topology, name, value)
             if given != value:
                 raise FieldError(f"{value} contradicts the topology's {name} {given}; give one of them", name)

@@ -14,6 +14,7 @@ MAX_ROWS = 2**40  # rows of one table: ~1.1e12 (the largest tables in production
 MAX_DIM = 2**16  # embedding width: 65,536 (fbgemm's kernels stop at a few thousand)
 MAX_POOLING = 1e6  # IDs per sample of one table (a sequence table's mean length)
 MAX_BATCH_SIZE = 2**31 - 1  # global samples per step
+MAX_WORLD_SIZE = 2**20  # ranks of one job, and of one node: a million (the largest jobs run ~1e5 GPUs)
 MIN_UNIQUE_RATIO = 1e-9  # distinct / total IDs in one rank's batch: at least 1 in 1e9 (and at most 1)
 MAX_ZIPF_ALPHA = 10.0  # Zipf's exponent (real ID streams: ~0.5..2; at 10, 99.9% of the draws are the hottest ID)
 

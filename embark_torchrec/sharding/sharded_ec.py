@@ -32,6 +32,7 @@ from .sequence import (
     UniqueSequenceEmbeddingSharding,
 )
 from .sharded_ebc import CountedModule, key_tables, load_cells, qcomms_precision
+from .sharder import check_sharder_mappings
 from .torchrec_compat import (
     is_virtual_table,
     local_shards_by_table,
@@ -205,6 +206,7 @@ class EmbarkEmbeddingCollectionSharder(EmbeddingCollectionSharder):
         if invalid_ids not in INVALID_ID_POLICIES:
             raise ValueError(f"invalid_ids must be one of {INVALID_ID_POLICIES}, got {invalid_ids!r}")
         super().__init__(*args, **kwargs)
+        check_sharder_mappings(self)
         self.invalid_ids = invalid_ids
 
     def shard(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Dict, List, Optional, Type
 
 import torch
@@ -22,6 +23,17 @@ _BUILTIN_TYPES = [
     ShardingType.TABLE_ROW_WISE.value,
     ShardingType.GRID_SHARD.value,
 ]
+
+
+def check_sharder_mappings(sharder: object) -> None:
+    """TorchRec's sharders keep fused_params and qcomm_codecs_registry as given and read them as dicts only when
+    planning or sharding, where a string or a number fails as an AttributeError that names neither: refused when
+    the sharder is made, by name."""
+    for name in ("fused_params", "qcomm_codecs_registry"):
+        value = getattr(sharder, name, None)
+        if value is not None and not isinstance(value, Mapping):
+            kind = type(value).__name__
+            raise TypeError(f"{type(sharder).__name__}: {name} must be a dict or None, got {kind} {value!r}")
 
 
 class EmbarkEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
@@ -46,6 +58,7 @@ class EmbarkEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         if unique_lookup not in UNIQUE_LOOKUPS:
             raise ValueError(f"unique_lookup must be one of {UNIQUE_LOOKUPS}, got {unique_lookup!r}")
         super().__init__(*args, **kwargs)
+        check_sharder_mappings(self)
         self.invalid_ids = invalid_ids
         self.unique_lookup = unique_lookup
 
