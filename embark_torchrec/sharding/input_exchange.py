@@ -78,34 +78,35 @@ def defer_kjt_all_to_alls(input_dists: Sequence[torch.nn.Module]) -> None:
             a2a.forward = DeferredKJTAllToAll(a2a)
 
 
-_DTYPE_BITS = 5  # a dtype's code (validation.dtype_code) in the layout code
-
-
 def _layout(meta: KJTSplitsAllToAllMeta) -> int:
-    """What decides the split rows and the tensors a KJT all-to-all sends, which every rank must send alike: 1 +
-    weights + 2 x variable batch + the IDs', lengths' and weights' dtypes (ranks sending int32 IDs to peers sending
-    int64 ones crash gloo or wait forever)."""
-    kjt = split_meta_input(meta)
-    weights = kjt.weights_or_none()
-    dtypes = (kjt.values().dtype, kjt.lengths().dtype) + ((weights.dtype,) if weights is not None else ())
-    code = ("weights" in meta.labels) + 2 * kjt.variable_stride_per_key()
-    for i, dtype in enumerate(dtypes):
-        code += (dtype_code(dtype) + 1) << (2 + _DTYPE_BITS * i)
-    return 1 + code
+    """1 + weights + 2 x variable batch: what decides the split rows and the tensors a KJT all-to-all sends."""
+    return 1 + ("weights" in meta.labels) + 2 * split_meta_input(meta).variable_stride_per_key()
 
 
 def _describe_layout(code: int) -> str:
     if code == _NO_KJT:
         return "no KJT"
-    code -= 1
-    weights = "with weights" if code & 1 else "without weights"
-    dtypes = [((code >> (2 + _DTYPE_BITS * i)) & ((1 << _DTYPE_BITS) - 1)) - 1 for i in range(3)]
-    named = ", ".join(
-        f"{what} {dtype_name(c)}"
-        for what, c in zip(("IDs", "lengths", "weights"), dtypes)
-        if c >= 0 or what != "weights"
-    )
-    return f"{weights}, {'a variable batch per feature' if code & 2 else 'one batch size'}, {named}"
+    weights = "with weights" if (code - 1) & 1 else "without weights"
+    return f"{weights}, {'a variable batch per feature' if (code - 1) & 2 else 'one batch size'}"
+
+
+_DTYPE_BITS = 5  # a dtype's code (validation.dtype_code) + 1, three of them in a batch's dtypes code
+
+
+def _dtypes_code(kjt: KeyedJaggedTensor) -> int:
+    """The batch's IDs', lengths' and weights' dtypes as one integer (0 for no weights), which every rank must send
+    alike: int32 IDs on one rank among int64 ones make the all-to-alls exchange tensors of two sizes (gloo aborts the
+    process, or waits forever), as do float16 weights among float32 ones."""
+    weights = kjt.weights_or_none()
+    codes = (dtype_code(kjt.values().dtype), dtype_code(kjt.lengths().dtype))
+    codes += (dtype_code(weights.dtype) if weights is not None else -1,)
+    return sum((c + 1) << (_DTYPE_BITS * i) for i, c in enumerate(codes))
+
+
+def _describe_dtypes(code: int) -> str:
+    codes = [((code >> (_DTYPE_BITS * i)) & ((1 << _DTYPE_BITS) - 1)) - 1 for i in range(3)]
+    named = [f"{what} {dtype_name(c)}" for what, c in zip(("IDs", "lengths", "weights"), codes) if c >= 0]
+    return ", ".join(named) + ("" if codes[2] >= 0 else ", no weights")
 
 
 def _rows(meta: KJTSplitsAllToAllMeta, world: int) -> List[List[int]]:
@@ -178,15 +179,21 @@ class SplitsExchange:
         faults = {r: InputFault.from_ints(row.tolist()) for r, row in enumerate(records) if row[0] != OK}
         if faults:
             return self._validator.error(faults)
+        dtypes = records[:, 2]  # a good batch's record carries its dtypes (CheckedInput.exchange_splits)
+        if (dtypes != dtypes[0]).any():
+            said = ", ".join(f"rank {r}: {_describe_dtypes(int(c))}" for r, c in enumerate(dtypes))
+            return InvalidInputError(
+                f"the ranks' KeyedJaggedTensors differ in dtypes ({said}); every rank must send IDs, lengths and "
+                "weights of the same dtypes (every rank refuses this batch, before its input all-to-all)"
+            )
         for i, mine in enumerate(self._codes):
             codes = received[:, i * _BLOCK]
             if (codes != mine).any():
                 layouts = ", ".join(f"rank {r}: {_describe_layout(int(c))}" for r, c in enumerate(codes))
                 return InvalidInputError(
                     f"the ranks' KeyedJaggedTensors differ in layout for sharding {self._sharding_types[i]!r} "
-                    f"({layouts}); every rank must send weights alike, a variable batch per feature alike, and "
-                    "IDs, lengths and weights of the same dtypes (every rank refuses this batch, before its input "
-                    "all-to-all)"
+                    f"({layouts}); every rank must send weights alike and a variable batch per feature alike "
+                    "(every rank refuses this batch, before its input all-to-all)"
                 )
         return None
 
@@ -230,9 +237,11 @@ class CheckedInput:
     _validate: InputValidator
     comm_stats: Optional[CommStats]
     _exchange_counter: Optional[SplitsExchangeCounter] = None
+    _batch_dtypes = 0  # the last checked batch's dtypes (_dtypes_code), which its exchange carries
 
     def check_input(self, features: Any) -> tuple[Any, Optional[InputFault]]:
         if isinstance(features, KeyedJaggedTensor):
+            self._batch_dtypes = _dtypes_code(features)
             return self._validate.check(features)
         return features, not_a_kjt(features)
 
@@ -253,7 +262,8 @@ class CheckedInput:
             if self._exchange_counter is None:
                 self._exchange_counter = SplitsExchangeCounter(self.comm_stats, pg)
             counter = self._exchange_counter
-        exchange = SplitsExchange(pg, pending, fault, self._validate, sharding_types, device, counter)
+        record = fault or InputFault(OK, numbers=(self._batch_dtypes, 0, 0))
+        exchange = SplitsExchange(pg, pending, record, self._validate, sharding_types, device, counter)
         if request is None:
             request = KJTListSplitsAwaitable([], ctx)
         request.awaitables = [ExchangedSplits(exchange, i, p) for i, p in enumerate(pending)]

@@ -24,6 +24,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 INVALID_ID_POLICIES = ("raise", "clamp", "drop")
 ID_DTYPES = (torch.int32, torch.int64)
+WEIGHT_DTYPES = (torch.float32, torch.float64)  # fbgemm's bucketing (row-wise, grid) has no float16 / bfloat16 kernel
 _SHOWN = 5
 # dtypes a fault record names by position (-1: another dtype)
 _DTYPES = tuple(
@@ -165,7 +166,7 @@ class InputValidator:
             return kjt, InputFault(LENGTHS_DTYPE, numbers=(dtype_code(lengths.dtype), 0, 0))
         if (weights is not None) != self._weighted:
             return kjt, self._weighting(keys, UNEXPECTED_WEIGHTS if weights is not None else NO_WEIGHTS)
-        if weights is not None and not weights.is_floating_point():
+        if weights is not None and weights.dtype not in WEIGHT_DTYPES:
             return kjt, InputFault(WEIGHTS_DTYPE, numbers=(dtype_code(weights.dtype), 0, 0))
         if values.dim() != 1 or lengths.dim() != 1 or (weights is not None and weights.dim() != 1):
             return kjt, InputFault(
@@ -306,7 +307,10 @@ class InputValidator:
         elif fault.kind == LENGTHS_DTYPE:
             what = f"the KeyedJaggedTensor's lengths are {dtype_name(a)}; they must be torch.int32 or torch.int64"
         elif fault.kind == WEIGHTS_DTYPE:
-            what = f"the KeyedJaggedTensor's weights are {dtype_name(a)}; per-sample weights must be floating point"
+            what = (
+                f"the KeyedJaggedTensor's weights are {dtype_name(a)}; per-sample weights must be torch.float32 or "
+                "torch.float64"
+            )
         elif fault.kind == MISSING:
             what = f"{self._named(fault)} are missing from the KeyedJaggedTensor"
         elif fault.kind == UNEXPECTED_WEIGHTS and self._collection == "EmbeddingBagCollection":
