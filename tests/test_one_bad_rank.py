@@ -126,6 +126,16 @@ def _duplicated(k: KeyedJaggedTensor, variable: bool) -> KeyedJaggedTensor:
     return KeyedJaggedTensor(**parts, stride=2)
 
 
+def _no_lengths(k: KeyedJaggedTensor, variable: bool) -> KeyedJaggedTensor:
+    """The batch's IDs without lengths or offsets: TorchRec's KJT takes it, and asserts when asked its lengths."""
+    layout: dict[str, Any] = (
+        {"stride_per_key_per_rank": k.stride_per_key_per_rank(), "inverse_indices": k.inverse_indices()}
+        if variable
+        else {"stride": k.stride()}
+    )
+    return KeyedJaggedTensor(keys=k.keys(), values=k.values(), weights=k.weights_or_none(), **layout)
+
+
 def _inverse(k: KeyedJaggedTensor, inverse: torch.Tensor | None) -> KeyedJaggedTensor:
     """A VBE batch with other inverse indices (None: without them)."""
     return KeyedJaggedTensor(
@@ -227,6 +237,7 @@ CASES: dict[str, tuple[Corrupt, bool | None, str, list[str]]] = {
         ["bag lengths, but its 2 keys and batch size (stride) make"],
     ),
     "duplicate_key": (_duplicated, None, "InvalidInputError", ["keys give feature 'a' twice"]),
+    "no_lengths": (_no_lengths, None, "InvalidInputError", ["the KeyedJaggedTensor has neither lengths nor offsets"]),
     "inverse_out_of_range": (
         lambda k, v: _inverse(k, torch.tensor([[0, 2], [0, 0]])),
         None,

@@ -241,8 +241,10 @@ class CheckedInput:
 
     def check_input(self, features: Any) -> tuple[Any, Optional[InputFault]]:
         if isinstance(features, KeyedJaggedTensor):
-            self._batch_dtypes = _dtypes_code(features)
-            return self._validate.check(features)
+            checked, fault = self._validate.check(features)
+            # after the check: a batch without lengths (or offsets) has no lengths' dtype, and is a fault already
+            self._batch_dtypes = _dtypes_code(checked) if fault is None else 0
+            return checked, fault
         return features, not_a_kjt(features)
 
     def exchange_splits(
