@@ -323,6 +323,18 @@ def _run_module(
             "bad": bad,
             "after": max(float((got[k] - want[k]).abs().max()) for k in want),
         }
+    if variable:  # a valid batch whose inverse indices are a strided view of the same ones, trained a step (last:
+        # the step updates the tables)
+        bad, inverse = ws - 1, good.inverse_indices()[1]
+        sliced = _inverse(good, torch.cat([inverse, inverse], dim=1)[:, : inverse.shape[1]])  # rows 2x apart: no view
+        try:
+            pooled = model(sliced if rank == bad else good)
+            pooled = pooled.wait() if hasattr(pooled, "wait") else pooled
+            pooled.values().sum().backward()
+            error = "no error"
+        except RuntimeError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        out["sliced_inverse_on_one_rank"] = {"error": error, "bad": bad}
     if weighted and not variable:  # one rank's batch is fine by itself, but a VBE one among uniform ones
         bad = ws - 1
         result = _feed_bad(model, store, f"{name}/vbe", bad, False, good, _good(rank, 1, weighted, True))
@@ -469,6 +481,18 @@ def test_a_variable_batch_on_one_rank_only_is_refused_alike_or_runs(results: tup
         else:
             assert text == "no error", (ws, name, text)
         assert all(g["after"] == 0.0 for g in got), (ws, name, [g["after"] for g in got])
+
+
+def test_inverse_indices_that_are_a_strided_view_run_on_every_type(results: tuple[int, list[dict[str, Any]]]) -> None:
+    """A VBE batch whose inverse indices are a slice (the same indices, not contiguous) on one rank runs on every
+    type: TorchRec views them after the output dist, which failed on that rank alone while its peers waited in the
+    backward's all-to-all; the check hands TorchRec a contiguous copy."""
+    ws, per_rank = results
+    ran = [name for name in per_rank[0] if "sliced_inverse_on_one_rank" in per_rank[0][name]]
+    assert ran, "no module ran the case"
+    for name in ran:
+        got = [r[name]["sliced_inverse_on_one_rank"] for r in per_rank]
+        assert all(g["error"] == "no error" for g in got), (ws, name, got)
 
 
 def test_validator_faults_travel_as_integers_and_read_the_same() -> None:

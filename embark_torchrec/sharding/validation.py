@@ -186,6 +186,11 @@ class InputValidator:
         inverse = self._inverse_limits(kjt) if variable else None
         if isinstance(inverse, InputFault):
             return kjt, inverse
+        if inverse is not None and not kjt.inverse_indices()[1].is_contiguous():
+            # TorchRec views them after the output dist, which fails for a slice on this rank alone (its peers then
+            # wait in the backward's all-to-all): the same indices, laid out as it needs them
+            names, index = kjt.inverse_indices()
+            kjt = _rebuilt(kjt, values, lengths, weights, (names, index.contiguous()))
         per_key = kjt.length_per_key()
         total = sum(per_key)
         if total != values.numel() or (weights is not None and weights.numel() != values.numel()):
@@ -417,9 +422,14 @@ def _key_of_ids(keys: List[str], per_key: List[int], device: torch.device) -> to
 
 
 def _rebuilt(
-    kjt: KeyedJaggedTensor, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None
+    kjt: KeyedJaggedTensor,
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    weights: torch.Tensor | None,
+    inverse_indices: Tuple[List[str], torch.Tensor] | None = None,
 ) -> KeyedJaggedTensor:
-    """`kjt` with new values, lengths and weights, keeping its batch layout (also a variable batch per feature)."""
+    """`kjt` with new values, lengths and weights (and inverse indices, where given), keeping its batch layout (also
+    a variable batch per feature)."""
     if kjt.variable_stride_per_key():
         return KeyedJaggedTensor(
             keys=kjt.keys(),
@@ -427,7 +437,7 @@ def _rebuilt(
             lengths=lengths,
             weights=weights,
             stride_per_key_per_rank=kjt.stride_per_key_per_rank(),
-            inverse_indices=kjt.inverse_indices_or_none(),
+            inverse_indices=inverse_indices or kjt.inverse_indices_or_none(),
         )
     return KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=lengths, weights=weights, stride=kjt.stride())
 
