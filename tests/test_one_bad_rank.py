@@ -376,7 +376,23 @@ def _all_modules() -> dict[str, Any]:
         model = sharded_sequence_model(tables, {t.name: layout for t in tables}, LWS, pg=pg)
         name = f"ec/{kind}"
         results[name] = _run_module(model, sequence_sharding_types(model.module.ec), name, False, False, store)
+        results[name] |= _ec_only_cases(model, name, store)
     return results
+
+
+def _ec_only_cases(model: Any, name: str, store: dist.Store) -> dict[str, Any]:
+    """What an EC cannot take though an EBC can (TorchRec's EC fails on that rank alone after the all-to-alls): a
+    batch of no samples (its output is built by viewing the lengths by the batch size), and a VBE batch without
+    inverse indices (it asserts them)."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    good, bad = _good(rank, 0, False, False), ws - 1
+    no_ids = torch.empty(0, dtype=torch.long)
+    empty = KeyedJaggedTensor(keys=KEYS, values=no_ids, lengths=no_ids, stride=0)
+    variable = _inverse(_good(rank, 1, False, True), None)
+    return {
+        case: {**_feed_bad(model, store, f"{name}/{case}", bad, False, good, kjt), "bad": bad}
+        for case, kjt in (("empty_batch", empty), ("vbe_without_inverse", variable))
+    }
 
 
 @pytest.fixture(scope="module", params=WORLDS)
@@ -493,6 +509,27 @@ def test_inverse_indices_that_are_a_strided_view_run_on_every_type(results: tupl
     for name in ran:
         got = [r[name]["sliced_inverse_on_one_rank"] for r in per_rank]
         assert all(g["error"] == "no error" for g in got), (ws, name, got)
+
+
+def test_what_an_embedding_collection_cannot_take_is_every_ranks_named_error(
+    results: tuple[int, list[dict[str, Any]]],
+) -> None:
+    """An empty batch, or a VBE batch without inverse indices, on one rank of an EC (TorchRec's or ours): every rank
+    raises the same named error; before, that rank failed inside TorchRec after the all-to-alls and its peers hung."""
+    ws, per_rank = results
+    words = {
+        "empty_batch": "holds no samples (batch size 0), for which TorchRec's EmbeddingCollection cannot build",
+        "vbe_without_inverse": "(VBE) but no inverse indices, which the EmbeddingCollection needs",
+    }
+    ran = [name for name in per_rank[0] if name.startswith("ec/")]
+    assert ran, "no EmbeddingCollection ran"
+    for name in ran:
+        for case, text in words.items():
+            got = {r[name][case]["error"] for r in per_rank}
+            assert len(got) == 1, (ws, name, case, got)
+            (error,) = got
+            bad = per_rank[0][name][case]["bad"]
+            assert error.startswith(f"InvalidInputError: rank {bad}: ") and text in error, (ws, name, case, error)
 
 
 def test_validator_faults_travel_as_integers_and_read_the_same() -> None:

@@ -49,6 +49,7 @@ class InvalidIdError(InvalidInputError):
 OK, ID_DTYPE, LENGTHS_DTYPE, WEIGHTS_DTYPE, MISSING, COUNTS = range(6)
 NEGATIVE_LENGTH, NON_FINITE_WEIGHT, BAD_ID, VARIABLE_BATCH = range(6, 10)
 UNEXPECTED_WEIGHTS, NO_WEIGHTS, NOT_A_KJT, SHAPE, LENGTHS_COUNT, DUPLICATE_KEYS, INVERSE_INDICES = range(10, 17)
+EMPTY_BATCH = 17
 # what the module got instead of a KeyedJaggedTensor (NOT_A_KJT's first number)
 _INSTEAD = ("an object that is not a KeyedJaggedTensor", "None", "a dict", "a torch.Tensor")
 # what is wrong with a VBE batch's inverse indices (INVERSE_INDICES's first number)
@@ -173,6 +174,8 @@ class InputValidator:
                 SHAPE, numbers=(values.dim(), lengths.dim(), -1 if weights is None else weights.dim())
             )
         variable = kjt.variable_stride_per_key()
+        if self._collection == "EmbeddingCollection" and not variable and kjt.stride() == 0:
+            return kjt, InputFault(EMPTY_BATCH)
         if self._uniform_only and variable:
             uniform = [k for k in keys if k in self._uniform_only]
             if uniform:
@@ -227,14 +230,12 @@ class InputValidator:
 
     def _inverse_limits(self, kjt: KeyedJaggedTensor) -> Optional[Tuple[torch.Tensor, torch.Tensor] | InputFault]:
         """A VBE batch's inverse indices and, per row, its feature's bag count (-1: a key this module does not read),
-        for the range check on the device; or what is wrong with them on the host. TorchRec's EBC expands each
-        feature's bags by its row: without one, or with an index past the feature's bags, it fails on this rank
-        alone after the all-to-alls (an EC takes no inverse indices)."""
+        for the range check on the device; or what is wrong with them on the host. TorchRec's EBC and EC expand
+        each feature's bags by its row: without one, or with an index past the feature's bags, they fail on this
+        rank alone after the all-to-alls (the EC asserts that VBE batches carry them)."""
         inverse = kjt.inverse_indices_or_none()
         if inverse is None:
-            if self._collection == "EmbeddingBagCollection":
-                return InputFault(INVERSE_INDICES, numbers=(_NO_INVERSE, 0, 0))
-            return None
+            return InputFault(INVERSE_INDICES, numbers=(_NO_INVERSE, 0, 0))
         names, index = inverse
         if (
             not torch.is_tensor(index)
@@ -343,6 +344,12 @@ class InputValidator:
         elif fault.kind == NON_FINITE_WEIGHT:
             parts = [f"{n} {name}" for n, name in ((a, "NaN"), (b, "+Inf"), (c, "-Inf")) if n]
             what = f"{where} has non-finite per-sample weights ({', '.join(parts)} in this batch)"
+        elif fault.kind == EMPTY_BATCH:
+            what = (
+                "the KeyedJaggedTensor holds no samples (batch size 0), for which TorchRec's EmbeddingCollection "
+                "cannot build its output (construct_jagged_tensors views the lengths by the batch size), so this rank "
+                "would fail after the all-to-alls while its peers wait: send at least one sample (empty bags are fine)"
+            )
         elif fault.kind == VARIABLE_BATCH:
             what = (
                 f"the KeyedJaggedTensor has a variable batch per feature (VBE), which TorchRec's data-parallel "
