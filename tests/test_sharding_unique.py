@@ -189,3 +189,22 @@ def test_de_duplication_keys_exact_at_either_key_width(rows: int) -> None:
     assert state.inverse.tolist() == inverse.tolist()
     assert state.group_counts == np.bincount(group, minlength=layout.num_groups).tolist()
     assert state.key_group.tolist() == group.tolist()
+
+
+def test_bag_sum_takes_float64_weights_as_the_tables_dtype() -> None:
+    """A weighted batch may carry float64 weights (TorchRec's types take them, and so does the input check); the
+    unique-based lookup sums with them as with their float32 values, forward and backward (embedding_bag takes only
+    weights of the table's dtype: it raised on every rank)."""
+    from embark_torchrec.sharding.unique import _BagSum
+
+    table = torch.randn(6, 4, requires_grad=True)
+    index, lengths = torch.tensor([0, 3, 3, 5]), torch.tensor([2, 0, 2])
+    weights = torch.tensor([0.5, 2.0, 1.5, -1.0], dtype=torch.float64)
+    results = []
+    for w in (weights, weights.float()):
+        out = _BagSum.apply(table, index, lengths, w)
+        (grad,) = torch.autograd.grad(out.sum(), table)
+        results.append((out, grad))
+    assert results[0][0].dtype == torch.float32
+    torch.testing.assert_close(results[0][0], results[1][0])
+    torch.testing.assert_close(results[0][1], results[1][1])

@@ -277,7 +277,9 @@ class _BagSum(torch.autograd.Function):
         ctx.save_for_backward(index, lengths, weights)
         ctx.rows = table.size(0)
         offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths.long())
-        return F.embedding_bag(index, table, offsets, mode="sum", per_sample_weights=weights, include_last_offset=True)
+        # embedding_bag takes weights of the table's dtype only; a batch's may be float64 (as TorchRec's types take)
+        per_id = None if weights is None else weights.to(table.dtype)
+        return F.embedding_bag(index, table, offsets, mode="sum", per_sample_weights=per_id, include_last_offset=True)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
