@@ -13,6 +13,9 @@ min and max go into the file):
 - intra/inter_node_bw_gbps: all-to-all inside each node (every node at once), and over all ranks with messages
   to the ranks of other nodes only (a node's ranks share its links, as in training's all-to-alls): bytes each
   rank sends to its peers / (time of a large all-to-all - time of a tiny one to the same peers);
+- inter_node_paired_ratio: the same over each cross-node group (the ranks of one local rank, every group at once:
+  how the hierarchical stage 2 and TorchRec's table-row-wise cross nodes, each rank paired with one rank per other
+  node), over inter_node_bw_gbps (its measurement is inter_node_paired_bw_gbps);
 - allreduce_bus_gbps (not a Hardware field: the cost model prices all-reduces on the two bandwidths above
   with the ring's 2 (n-1)/n bytes): nccl-tests' bus bandwidth of an all_reduce over every rank;
 - lookup_ns_per_id, update_ns_per_row and hbm_bw_gbps: fbgemm's SplitTableBatchedEmbeddingBagsCodegen forward
@@ -288,6 +291,17 @@ def _intra_node_group(job: Job) -> Any:
     return group
 
 
+def _cross_node_group(job: Job) -> Any:
+    """This rank's cross-node group (the ranks of its local rank on every node, as torchrec's
+    intra_and_cross_node_pg makes them); None (every rank) with one rank per node. Every rank creates every
+    local rank's group."""
+    lws = job.local_world_size
+    if lws == 1:
+        return None
+    group, _ = dist.new_subgroups_by_enumeration([list(range(j, job.world_size, lws)) for j in range(lws)])
+    return group
+
+
 def measure_collectives(job: Job, s: Settings) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     (tiny,) = _times([_all_to_all(s.tiny_floats, job.device)], s.repeats, job.device, calls=TINY_CALLS)
@@ -312,6 +326,14 @@ def measure_collectives(job: Job, s: Settings) -> dict[str, dict[str, Any]]:
             remote,
             f"all-to-all of all {job.world_size} ranks, each sending to every rank of the other nodes only "
             f"(as training's all-to-alls cross nodes: a node's {job.local_world_size} ranks share its links)",
+        )
+        out["inter_node_paired_bw_gbps"] = _bandwidth(
+            job,
+            s,
+            _cross_node_group(job),
+            None,
+            f"all-to-all inside each cross-node group of {job.num_nodes} ranks (one local rank's), every group at "
+            "once (as the hierarchical stage 2 and TorchRec's table-row-wise cross nodes)",
         )
     if job.world_size > 1:
         grad = torch.randn(s.allreduce_floats, device=job.device)
@@ -711,6 +733,9 @@ def _hardware(
     for figure in ("lookup_ns_per_id", "update_ns_per_row", "dp_ns_per_element"):
         if figure in figures:
             figures[figure] = max(0.0, figures[figure])  # noise around a zero cost
+    if "inter_node_paired_bw_gbps" in measured:
+        paired = measured["inter_node_paired_bw_gbps"]["median"]
+        figures["inter_node_paired_ratio"] = paired / measured["inter_node_bw_gbps"]["median"]
     if "collective_us" in figures:
         figures["collective_us"] = max(figures["collective_us"], measured["alltoall_latency_us"]["median"])
     if "unique_ns_per_id" in measured:
@@ -750,6 +775,8 @@ def _document(
 ) -> dict[str, Any]:
     sources = {field.name: "preset" for field in fields(Hardware)}
     sources |= {field: "measured" for field in (*_MEASURED_FIELDS, "unique_ns_per_id") if field in measured}
+    if "inter_node_paired_bw_gbps" in measured:
+        sources["inter_node_paired_ratio"] = "measured"
     sources["host_cores"] = "machine"
     if dense is not None:
         sources["dense_params_mb"] = "model"

@@ -19,13 +19,20 @@ from embark_torchrec.plan.topology import PRESETS, Topology
 from embark_torchrec.plan.traffic import Message, table_messages
 
 
-def _counted(cost: CostModel, msgs: list[Message]) -> dict[str, np.ndarray]:
-    w = cost.topology.world_size
-    out = {k: np.zeros(w) for k in ("send_intra", "recv_intra", "send_inter", "recv_inter")}
-    for s, d, _, x in ((m.src, m.dst, m.kind, m.nbytes) for m in msgs):
-        kind = "intra" if cost.topology.node_of(s) == cost.topology.node_of(d) else "inter"
+def _counted(cost: CostModel, msgs: list[Message], hierarchical: bool = False) -> dict[str, np.ndarray]:
+    """Bytes per rank by direction and link; "paired": a hierarchical layout's stage 2 (its partial sums and
+    their gradients crossing nodes, each from a rank to one of its local rank)."""
+    w, topology = cost.topology.world_size, cost.topology
+    rows = ("send_intra", "recv_intra", "send_inter", "recv_inter", "send_paired", "recv_paired")
+    out = {k: np.zeros(w) for k in rows}
+    for s, d, what, x in ((m.src, m.dst, m.kind, m.nbytes) for m in msgs):
+        kind = "intra" if topology.node_of(s) == topology.node_of(d) else "inter"
         out[f"send_{kind}"][s] += x
         out[f"recv_{kind}"][d] += x
+        if kind == "inter" and hierarchical and what in ("embeddings", "gradients"):
+            assert s % topology.local_world_size == d % topology.local_world_size
+            out["send_paired"][s] += x
+            out["recv_paired"][d] += x
     return out
 
 
@@ -54,11 +61,12 @@ LAYOUTS = {
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 @pytest.mark.parametrize("lws", [2, 4, 8])
 def test_closed_forms_equal_message_counting(name: str, lws: int) -> None:
-    """The bytes each rank sends and receives, intra and inter node, equal message-by-message counts."""
+    """The bytes each rank sends and receives, intra and inter node, and between ranks of one local rank in a
+    hierarchical stage 2, equal message-by-message counts."""
     spec = _model(feature_names=("f1", "f2"), id_distribution=None)
     cost = CostModel(spec, Topology(8, lws))
     load = cost.table_load("t", LAYOUTS[name])
-    expected = _counted(cost, table_messages(cost, "t", LAYOUTS[name]))
+    expected = _counted(cost, table_messages(cost, "t", LAYOUTS[name]), LAYOUTS[name].hierarchical)
     for key, arr in expected.items():
         np.testing.assert_allclose(getattr(load, key), arr, rtol=1e-12, atol=1e-9, err_msg=key)
 
@@ -241,3 +249,23 @@ def test_each_distinct_row_a_cell_touches_costs_update_ns_per_row() -> None:
     without = CostModel(spec, Topology(4, 2, PRESETS["cpu-gloo"])).table_load("small", split)
     extra = cost.table_load("small", split).host_ms - without.host_ms
     assert extra == pytest.approx([0, 100 * 400e-6, 200 * 400e-6, 0], rel=1e-3)
+
+
+@pytest.mark.parametrize("ratio", [0.5, 2.0])
+def test_paired_inter_node_bytes_run_at_the_paired_rate(ratio: float) -> None:
+    """A hierarchical table's stage 2 (every rank to its local rank's peers on other nodes) is priced at
+    inter_node_paired_ratio x the inter-node rate, the rest of the inter-node bytes at that rate; at ratio 1
+    (files without the figure) nothing changes."""
+    spec = _model(feature_names=("f1", "f2"), id_distribution=None)
+    hw = PRESETS["dgx-h100"]
+    paired = CostModel(spec, Topology(8, 2, hw.with_overrides(inter_node_paired_ratio=ratio)))
+    flat = CostModel(spec, Topology(8, 2, hw))
+    bw = hw.inter_node_bw_gbps * 1e6
+    for name in ("row_wise_hier", "grid_hier", "row_wise_flat", "ub_grid"):
+        load = paired.table_load("t", LAYOUTS[name])
+        _, _, inter = paired.rank_times(load.rows)
+        _, _, unpaired = flat.rank_times(load.rows)
+        stage2 = np.maximum(load.send_paired, load.recv_paired)
+        np.testing.assert_allclose(inter, unpaired + stage2 * (1 / ratio - 1) / bw, rtol=1e-12)
+        assert (stage2 > 0).any() == LAYOUTS[name].hierarchical, name
+        assert (load.send_paired <= load.send_inter).all() and (load.recv_paired <= load.recv_inter).all()

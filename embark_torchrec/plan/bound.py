@@ -49,10 +49,13 @@ def allowed_clusters(constraints: TableConstraints) -> tuple[str, ...]:
 def _parts_ms(cost: CostModel, loads: list[RankLoad]) -> np.ndarray:
     """Per load: a table's lookups and communication summed over ranks (each rank's max(sent, received)
     taken as their mean), in ms, and its DP all-reduce's ms were it all intra-node, or all inter-node.
-    The loads are priced stacked (rows [8, load, W]), each element as CostModel.rank_times prices it."""
+    The loads are priced stacked (rows [10, load, W]), each element as CostModel.rank_times prices it. The
+    paired bytes' premium takes their mean too where it is a cost; where pairs run faster (a negative premium)
+    it takes their sum, which no rank's max(sent, received) exceeds."""
     even = RankLoad(np.stack([load.rows for load in loads], axis=1))
-    for send, recv in (("send_intra", "recv_intra"), ("send_inter", "recv_inter")):
-        mean = (getattr(even, send) + getattr(even, recv)) / 2
+    for send, recv in (("send_intra", "recv_intra"), ("send_inter", "recv_inter"), ("send_paired", "recv_paired")):
+        both = getattr(even, send) + getattr(even, recv)
+        mean = both if send == "send_paired" and cost.paired_premium_ms_per_byte < 0 else both / 2
         setattr(even, send, mean)
         setattr(even, recv, mean)
     lookup, intra, inter = cost.rank_times(even.rows)

@@ -13,7 +13,8 @@ same traffic message by message, and the runtime's dists send exactly that):
 - RB output: every cell sends each other rank F x b x w_c x e_fwd bytes of partial sums.
   Hierarchical: a cell first sends its sums for destination j to the rank of its node whose local
   rank is j's (intra-node), which sums the node's cells and sends each column slice once across
-  nodes. Backward: the same bytes in the opposite direction at e_bwd.
+  nodes, each rank to the ranks of its local rank (TorchRec's table-row-wise the same). Backward: the
+  same bytes in the opposite direction at e_bwd.
 - UB: IDs are de-duplicated per destination: F x (U_r x 4 + 4) bytes in to each distinct holder
   of row slice r (IDs and one int32 count per feature), F x U_r x w_c x e_fwd bytes back from each
   cell (one vector per distinct ID), and the same back in backward at e_bwd.
@@ -62,7 +63,9 @@ same traffic message by message, and the runtime's dists send exactly that):
 
 Time per rank: lookup_ms = lookup bytes / HBM bandwidth + IDs x lookup_ns_per_id + de-duplication;
 comm_ms = max(sent, received) intra / NVLink bandwidth + max(sent, received) inter / network
-bandwidth. Step = max over ranks of lookup_ms
+bandwidth; the part of the inter-node bytes a rank exchanges with its local rank's peers only (the
+hierarchical stage 2) runs at inter_node_paired_ratio x that bandwidth instead: one pair of ranks per
+node pair carries it, and on gloo a pair is half duplex (benchmarks/link_sharing.md). Step = max over ranks of lookup_ms
 + max over ranks of comm_ms + collective ms + DP all-reduce ms + dense ms (b / 1000 x
 dense_ms_per_ksample, plus the dense all-reduce) - overlap, the same formulas for every plan. DDP
 all-reduces its buckets (the DP tables' gradients and the dense part's) while the backward computes,
@@ -122,7 +125,19 @@ def _to_ms(nbytes: np.ndarray | float, gbps: float) -> np.ndarray | float:
     return nbytes / (gbps * 1e6)
 
 
-_ROWS = ("lookup_bytes", "send_intra", "recv_intra", "send_inter", "recv_inter", "memory", "host_ms", "lookup_ids")
+# send_/recv_paired: the part of send_/recv_inter that goes to the ranks of the same local rank only (stage 2)
+_ROWS = (
+    "lookup_bytes",
+    "send_intra",
+    "recv_intra",
+    "send_inter",
+    "recv_inter",
+    "memory",
+    "host_ms",
+    "lookup_ids",
+    "send_paired",
+    "recv_paired",
+)
 
 
 def _row_accessors(i: int) -> tuple:
@@ -138,9 +153,10 @@ def _row_accessors(i: int) -> tuple:
 
 
 class RankLoad:
-    """Per-rank quantities, summed over tables, as the rows of one [8, W] array (so that adding a
+    """Per-rank quantities, summed over tables, as the rows of one [10, W] array (so that adding a
     table is one array operation): lookup bytes, bytes sent / received intra and inter node,
-    memory bytes, host work ms (UB's own per ID, DP tables' updates), IDs looked up; plus the DP
+    memory bytes, host work ms (UB's own per ID, DP tables' updates), IDs looked up, and the inter-node
+    bytes sent / received between ranks of the same local rank only (already in the inter rows); plus the DP
     all-reduce bytes per rank, intra and inter node, and the tables per sharding group (a group costs
     its collectives while it has any table)."""
 
@@ -173,6 +189,8 @@ class RankLoad:
     memory = property(*_row_accessors(5))
     host_ms = property(*_row_accessors(6))
     lookup_ids = property(*_row_accessors(7))
+    send_paired = property(*_row_accessors(8))
+    recv_paired = property(*_row_accessors(9))
 
     def add(self, other: "RankLoad", sign: float = 1.0) -> None:
         self.rows += other.rows if sign == 1.0 else sign * other.rows
@@ -310,10 +328,9 @@ class CostModel:
         node with j's local rank (stage 1, intra-node); each node holding the column sends its sums
         once to every rank on another node (stage 2). `reverse`: the gradients, the other way."""
         lws, nodes = self.topology.local_world_size, self.topology.num_nodes
-        send_i, recv_i, send_x, recv_x = (
-            (load.recv_intra, load.send_intra, load.recv_inter, load.send_inter)
-            if reverse
-            else (load.send_intra, load.recv_intra, load.send_inter, load.recv_inter)
+        rows = (load.send_intra, load.recv_intra, load.send_inter, load.recv_inter, load.send_paired, load.recv_paired)
+        send_i, recv_i, send_x, recv_x, send_p, recv_p = (
+            (rows[1], rows[0], rows[3], rows[2], rows[5], rows[4]) if reverse else rows
         )
         for k in column_holders:
             n = int(self._node[k])
@@ -322,9 +339,10 @@ class CostModel:
             recv_i[here] += nodes * nbytes
             recv_i[k] -= nodes * nbytes
         for n in sorted({int(self._node[k]) for k in column_holders}):
-            send_x[n * lws : (n + 1) * lws] += (nodes - 1) * nbytes
-            recv_x[: n * lws] += nbytes
-            recv_x[(n + 1) * lws :] += nbytes
+            for send, recv in ((send_x, recv_x), (send_p, recv_p)):
+                send[n * lws : (n + 1) * lws] += (nodes - 1) * nbytes
+                recv[: n * lws] += nbytes
+                recv[(n + 1) * lws :] += nbytes
 
     def table_load(self, name: str, layout: TableLayout) -> RankLoad:
         """What one table adds to each rank (memoised by what the cost depends on, so identical
@@ -348,7 +366,7 @@ class CostModel:
         return source
 
     def one_cell_columns(self, base: RankLoad) -> np.ndarray:
-        """The [8, L + 1] columns of a one-cell table's load on rank 0 (`base`) that give its load on any
+        """The [10, L + 1] columns of a one-cell table's load on rank 0 (`base`) that give its load on any
         rank (add_in_order): its node's L ranks, and one rank of another node (every rank off the
         holder's node takes the same load; L columns on one node)."""
         return base.rows[:, : self.topology.local_world_size + 1]
@@ -509,15 +527,25 @@ class CostModel:
         return RankLoad.total((self.table_load(n, layout) for n, layout in tables.items()), self.topology.world_size)
 
     def rank_times(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Lookup, intra-node and inter-node ms of each column of RankLoad rows ([8, W], or any
+        """Lookup, intra-node and inter-node ms of each column of RankLoad rows ([10, W], or any
         columns of such arrays stacked): elementwise, so a column costs the same bits here as in
-        the whole array (the search prices single ranks of many tables at once)."""
+        the whole array (the search prices single ranks of many tables at once). The paired bytes pay
+        the difference between the paired rate and the all-ranks one on top (none where they are equal,
+        which keeps a hardware file without the paired figure's prices to the bit)."""
         hw = self.topology.hardware
-        lookup_bytes, send_intra, recv_intra, send_inter, recv_inter, _, host_ms, lookup_ids = rows  # as _ROWS
+        lookup_bytes, send_intra, recv_intra, send_inter, recv_inter, _, host_ms, lookup_ids = rows[:8]  # as _ROWS
         lookup = _to_ms(lookup_bytes, hw.hbm_bw_gbps) + lookup_ids * hw.lookup_ns_per_id / 1e6 + host_ms
         intra = _to_ms(np.maximum(send_intra, recv_intra), hw.intra_node_bw_gbps)
         inter = _to_ms(np.maximum(send_inter, recv_inter), hw.inter_node_bw_gbps)
+        if hw.inter_node_paired_ratio != 1.0:
+            inter = inter + np.maximum(rows[8], rows[9]) * self.paired_premium_ms_per_byte
         return lookup, intra, inter
+
+    @property
+    def paired_premium_ms_per_byte(self) -> float:
+        """What a paired inter-node byte costs over an all-ranks one (negative where pairs run faster)."""
+        hw = self.topology.hardware
+        return (1.0 / hw.inter_node_paired_ratio - 1.0) / (hw.inter_node_bw_gbps * 1e6)
 
     def ring_allreduce_bytes(self, nbytes: float) -> tuple[float, float]:
         """(intra-node, inter-node) bytes one rank sends to all-reduce `nbytes` as NCCL's ring does.

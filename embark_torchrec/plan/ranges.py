@@ -25,6 +25,7 @@ MAX_NS_PER_ID = 1e9  # per-ID, per-row and per-element host work: up to a second
 MAX_MS_PER_KSAMPLE = 1e9  # the dense part's forward + backward per 1000 samples
 MAX_COLLECTIVE_US = 1e9  # one collective's launch and synchronisation
 MAX_DENSE_PARAMS_MB = 1e9  # dense gradients all-reduced each step: a petabyte
+MIN_PAIRED_RATIO, MAX_PAIRED_RATIO = 1e-3, 1e3  # paired inter-node rate over the all-ranks one
 MAX_HOST_CORES = 2**20  # cores of the one host every rank shares (0: ranks have their own GPUs)
 
 # every Hardware figure a hardware file holds (hardware_file.py): (lowest, highest, whether the lowest is allowed);
@@ -36,6 +37,7 @@ HARDWARE_RANGES: dict[str, tuple[float, float, bool]] = {
         bw: (MIN_BANDWIDTH_GBPS, MAX_BANDWIDTH_GBPS, True)
         for bw in ("hbm_bw_gbps", "intra_node_bw_gbps", "inter_node_bw_gbps")
     },
+    "inter_node_paired_ratio": (MIN_PAIRED_RATIO, MAX_PAIRED_RATIO, True),
     "dense_ms_per_ksample": (0.0, MAX_MS_PER_KSAMPLE, True),
     "dense_params_mb": (0.0, MAX_DENSE_PARAMS_MB, True),
     **{

@@ -20,6 +20,10 @@ class Hardware:
     hbm_bw_gbps: float  # achieved bandwidth of embedding lookups (gathers, not streaming)
     intra_node_bw_gbps: float  # NVLink per GPU per direction
     inter_node_bw_gbps: float  # network per GPU per direction
+    # a rank's network rate when it exchanges with its local rank's peers on other nodes only (the hierarchical
+    # stage 2, TorchRec's table-row-wise cross-node all-to-all), over inter_node_bw_gbps: on gloo one pair of
+    # ranks per node pair carries it, half duplex (measured by calibrate; 1 in the presets)
+    inter_node_paired_ratio: float = 1.0
     dense_ms_per_ksample: float  # dense forward+backward per 1000 samples on one GPU
     dense_params_mb: float = 0.0  # MB of dense gradients all-reduced every step (same for every plan)
     unique_ns_per_id: float = 0.0  # a UB table's own host work per ID (de-duplication, routing, expansion)
