@@ -141,7 +141,7 @@ def test_loads_added_in_order_match_one_at_a_time(
     tables = [spec.tables[i] for i in rng.integers(0, len(spec.tables), 600)]
     holders = rng.integers(0, world, len(tables))
     holders[rng.random(len(tables)) < 0.1] = -1  # these are cut in two row slices
-    columns, full, expected = [], {}, rng.standard_normal((8, world)) * 1e6
+    columns, full, expected = [], {}, rng.standard_normal((len(cost_module._ROWS), world)) * 1e6
     start = expected.copy()
     for j, (t, k) in enumerate(zip(tables, holders.tolist())):
         base = cost.table_load(t.name, TableLayout.table_wise(t.rows, t.dim, 0, cluster))
