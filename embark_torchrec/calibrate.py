@@ -15,7 +15,8 @@ min and max go into the file):
   rank sends to its peers / (time of a large all-to-all - time of a tiny one to the same peers);
 - inter_node_paired_ratio: the same over each cross-node group (the ranks of one local rank, every group at once:
   how the hierarchical stage 2 and TorchRec's table-row-wise cross nodes, each rank paired with one rank per other
-  node), over inter_node_bw_gbps (its measurement is inter_node_paired_bw_gbps);
+  node; measurement inter_node_paired_bw_gbps), over inter_node_bw_gbps: the two take turns sample by sample, and
+  the figure is the median of each paired sample over the all-ranks sample just before it (one state of the links);
 - allreduce_bus_gbps (not a Hardware field: the cost model prices all-reduces on the two bandwidths above
   with the ring's 2 (n-1)/n bytes): nccl-tests' bus bandwidth of an all_reduce over every rank;
 - lookup_ns_per_id, update_ns_per_row and hbm_bw_gbps: fbgemm's SplitTableBatchedEmbeddingBagsCodegen forward
@@ -257,28 +258,40 @@ def _all_to_all(
     return lambda: dist.all_to_all_single(recv, send, sizes, sizes, group=group)
 
 
-def _bandwidth(job: Job, s: Settings, group: Any, peers: Sequence[bool] | None, what: str) -> dict[str, Any]:
-    """GB/s each rank sends to its peers (every rank of `group` but itself, or the flagged ones) in a large
-    all-to-all, every rank at once: per sample, its bytes / (the large all-to-all's time - the tiny one's just
-    before it)."""
-    tiny, large = _times(
-        [
-            _all_to_all(s.tiny_floats, job.device, group, peers),
-            _all_to_all(s.large_floats, job.device, group, peers),
-        ],
-        s.repeats,
-        job.device,
-        group,
-    )
-    count = dist.get_world_size(group) - 1 if peers is None else sum(peers)
-    peer_bytes = count * s.large_floats * 4
-    gbps = [peer_bytes / (b - a) / 1e9 for a, b in zip(tiny, large) if b > a]
-    if len(gbps) * 2 < len(large):
-        raise CalibrationError(
-            f"{what}: an all-to-all of {s.large_floats * 4} bytes per peer was mostly no slower than one of "
-            f"{s.tiny_floats * 4}: the machine is too noisy for these sizes"
-        )
-    return stats(gbps, "GB/s", f"{what}: {peer_bytes} bytes sent per rank, less a tiny all-to-all's time")
+@dataclass(frozen=True)
+class _Pattern:
+    """A large all-to-all's traffic: over `group` (None: every rank), to every other rank of it or, with `peers`
+    (one flag per rank of the group), to the flagged ones only."""
+
+    group: Any
+    peers: Sequence[bool] | None
+    what: str
+
+
+def _bandwidths(job: Job, s: Settings, patterns: Sequence[_Pattern]) -> list[tuple[dict[str, Any], list[float]]]:
+    """Per pattern, GB/s each rank sends to its peers, every rank at once: per sample, its bytes / (the large
+    all-to-all's time - the tiny one's just before it), as stats and as the samples (nan where the large one
+    was no slower). The patterns take turns sample by sample after a barrier of every rank (every group runs at
+    once), so that the i-th samples of two patterns see the same state of the links."""
+    fns = []
+    for p in patterns:
+        fns += [_all_to_all(s.tiny_floats, job.device, p.group, p.peers)]
+        fns += [_all_to_all(s.large_floats, job.device, p.group, p.peers)]
+    times = _times(fns, s.repeats, job.device)
+    out = []
+    for p, tiny, large in zip(patterns, times[0::2], times[1::2]):
+        count = dist.get_world_size(p.group) - 1 if p.peers is None else sum(p.peers)
+        peer_bytes = count * s.large_floats * 4
+        gbps = [peer_bytes / (y - x) / 1e9 if y > x else float("nan") for x, y in zip(tiny, large)]
+        usable = [g for g in gbps if np.isfinite(g)]
+        if len(usable) * 2 < len(large):
+            raise CalibrationError(
+                f"{p.what}: an all-to-all of {s.large_floats * 4} bytes per peer was mostly no slower than one of "
+                f"{s.tiny_floats * 4}: the machine is too noisy for these sizes"
+            )
+        what = f"{p.what}: {peer_bytes} bytes sent per rank, less a tiny all-to-all's time"
+        out.append((stats(usable, "GB/s", what), gbps))
+    return out
 
 
 def _intra_node_group(job: Job) -> Any:
@@ -313,27 +326,34 @@ def measure_collectives(job: Job, s: Settings) -> dict[str, dict[str, Any]]:
     )
     intra = _intra_node_group(job)
     if intra is not None:
-        out["intra_node_bw_gbps"] = _bandwidth(
-            job, s, intra, None, f"all-to-all inside each node of {job.local_world_size} ranks"
+        ((out["intra_node_bw_gbps"], _),) = _bandwidths(
+            job, s, [_Pattern(intra, None, f"all-to-all inside each node of {job.local_world_size} ranks")]
         )
     if job.num_nodes > 1:
         node = job.rank // job.local_world_size
         remote = [k // job.local_world_size != node for k in range(job.world_size)]
-        out["inter_node_bw_gbps"] = _bandwidth(
-            job,
-            s,
+        everyone = _Pattern(
             None,
             remote,
             f"all-to-all of all {job.world_size} ranks, each sending to every rank of the other nodes only "
             f"(as training's all-to-alls cross nodes: a node's {job.local_world_size} ranks share its links)",
         )
-        out["inter_node_paired_bw_gbps"] = _bandwidth(
-            job,
-            s,
+        paired = _Pattern(
             _cross_node_group(job),
             None,
             f"all-to-all inside each cross-node group of {job.num_nodes} ranks (one local rank's), every group at "
-            "once (as the hierarchical stage 2 and TorchRec's table-row-wise cross nodes)",
+            "once (as the hierarchical stage 2 and TorchRec's table-row-wise cross nodes), its samples taking "
+            "turns with inter_node_bw_gbps's",
+        )
+        (out["inter_node_bw_gbps"], all_gbps), (out["inter_node_paired_bw_gbps"], paired_gbps) = _bandwidths(
+            job, s, [everyone, paired]
+        )
+        ratios = [y / x for x, y in zip(all_gbps, paired_gbps) if np.isfinite(x) and np.isfinite(y)]
+        out["inter_node_paired_ratio"] = stats(
+            ratios,
+            "ratio",
+            "inter_node_paired_bw_gbps's sample / inter_node_bw_gbps's taken just before it (one state of the "
+            "links: the ratio varies less than either rate)",
         )
     if job.world_size > 1:
         grad = torch.randn(s.allreduce_floats, device=job.device)
@@ -733,9 +753,6 @@ def _hardware(
     for figure in ("lookup_ns_per_id", "update_ns_per_row", "dp_ns_per_element"):
         if figure in figures:
             figures[figure] = max(0.0, figures[figure])  # noise around a zero cost
-    if "inter_node_paired_bw_gbps" in measured:
-        paired = measured["inter_node_paired_bw_gbps"]["median"]
-        figures["inter_node_paired_ratio"] = paired / measured["inter_node_bw_gbps"]["median"]
     if "collective_us" in figures:
         figures["collective_us"] = max(figures["collective_us"], measured["alltoall_latency_us"]["median"])
     if "unique_ns_per_id" in measured:
@@ -754,6 +771,7 @@ _MEASURED_FIELDS = (
     "collective_us",
     "intra_node_bw_gbps",
     "inter_node_bw_gbps",
+    "inter_node_paired_ratio",
     "hbm_bw_gbps",
     "lookup_ns_per_id",
     "update_ns_per_row",
@@ -775,8 +793,6 @@ def _document(
 ) -> dict[str, Any]:
     sources = {field.name: "preset" for field in fields(Hardware)}
     sources |= {field: "measured" for field in (*_MEASURED_FIELDS, "unique_ns_per_id") if field in measured}
-    if "inter_node_paired_bw_gbps" in measured:
-        sources["inter_node_paired_ratio"] = "measured"
     sources["host_cores"] = "machine"
     if dense is not None:
         sources["dense_params_mb"] = "model"
