@@ -16,7 +16,8 @@ min and max go into the file):
 - inter_node_paired_ratio: the same over each cross-node group (the ranks of one local rank, every group at once:
   how the hierarchical stage 2 and TorchRec's table-row-wise cross nodes, each rank paired with one rank per other
   node; measurement inter_node_paired_bw_gbps), over inter_node_bw_gbps: the two take turns sample by sample, and
-  the figure is the median of each paired sample over the all-ranks sample just before it (one state of the links);
+  the figure is the median of each paired sample over the all-ranks sample just before it (so that both see the
+  same minutes of the links: measured one after the other, a link's slow minutes could fall on one pattern only);
 - allreduce_bus_gbps (not a Hardware field: the cost model prices all-reduces on the two bandwidths above
   with the ring's 2 (n-1)/n bytes): nccl-tests' bus bandwidth of an all_reduce over every rank;
 - lookup_ns_per_id, update_ns_per_row and hbm_bw_gbps: fbgemm's SplitTableBatchedEmbeddingBagsCodegen forward
@@ -352,8 +353,8 @@ def measure_collectives(job: Job, s: Settings) -> dict[str, dict[str, Any]]:
         out["inter_node_paired_ratio"] = stats(
             ratios,
             "ratio",
-            "inter_node_paired_bw_gbps's sample / inter_node_bw_gbps's taken just before it (one state of the "
-            "links: the ratio varies less than either rate)",
+            "inter_node_paired_bw_gbps's sample / inter_node_bw_gbps's taken just before it (the two patterns "
+            "see the same minutes of the links)",
         )
     if job.world_size > 1:
         grad = torch.randn(s.allreduce_floats, device=job.device)
