@@ -1,7 +1,7 @@
 """A sharder's QCommsConfig applies to our sharding types as to TorchRec's: with fp16 qcomms and no precision in the
 plan, an embark grid sends its embeddings and gradients at fp16 (half the counted bytes of the same step without
-qcomms, outputs within fp16 rounding of the fp32 run); a precision the plan sets wins over the QCommsConfig; a
-qcomms precision our codecs do not have is refused by name."""
+qcomms, outputs within fp16 rounding of the fp32 run); a precision the plan sets wins over the QCommsConfig. Any
+other codec a QCommsConfig (or a user) gives runs on our dists as given: test_foreign_codecs.py."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from embark_torchrec.plan.layout import Plan, TableLayout, WirePrecision
 from embark_torchrec.plan.spec import ModelSpec
 from embark_torchrec.sharding.comm_stats import enable_comm_stats
 from embark_torchrec.sharding.parameter_sharding import module_sharding_plan
-from embark_torchrec.sharding.sharded_ebc import qcomms_precision
 from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 from embark_torchrec.testing import global_kjt_batch, run_ranks
 from embark_torchrec.testing.training import SparseArch
@@ -82,10 +81,3 @@ def test_qcomms_halve_the_bytes_of_a_cluster_the_plan_leaves_at_fp32(results: li
         assert not torch.equal(ref, got)  # fp16 really applied
         # partial sums rounded to fp16 (2^-11 relative) before they add up: a few roundings of the largest value
         torch.testing.assert_close(got, ref, rtol=2.0**-9, atol=2.0**-9 * float(ref.abs().max()))
-
-
-def test_qcomms_precisions_we_do_not_send_are_refused() -> None:
-    assert qcomms_precision(_registry(CommType.FP16)) == WirePrecision("fp16", "fp16")
-    assert qcomms_precision(None) == WirePrecision()
-    with pytest.raises(ValueError, match="QCommsConfig precision \\['int8'\\]"):
-        qcomms_precision(_registry(CommType.INT8))

@@ -89,16 +89,6 @@ def test_received_peer_order_follows_torchrec_recat() -> None:
         assert received_peer_order(a2a, 4) == recat.tolist()
 
 
-def test_qcomms_codecs_keep_their_precision() -> None:
-    """fbgemm's quantized comm codec keeps its SparseType in `_comm_precision`, which qcomm_precisions reads."""
-    from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs
-
-    from embark_torchrec.sharding.torchrec_compat import qcomm_precisions
-
-    codecs = get_qcomm_codecs(QCommsConfig(forward_precision=CommType.FP16, backward_precision=CommType.BF16))
-    assert qcomm_precisions(codecs) == ("fp16", "bf16")
-
-
 def test_collective_and_sharding_internals_exist() -> None:
     """The private attributes torchrec_compat reads off TorchRec's collective modules, output dists and shardings
     are still set where it expects them (read off TorchRec's source, as they need process groups to build)."""

@@ -1,8 +1,19 @@
 """Per-cluster wire precision: what the plan's "precision" field turns into on the all-to-alls.
 
-fp16 and bf16 use torchrec's fbgemm codecs, built here directly so that torchrec's CPU fallback from
-bf16 to fp16 does not apply. fp8 is our own codec (Fp8RowwiseCodec): float8 e4m3 with one fp32
-scale per row vector, the bits carried as uint8 because gloo rejects float8 tensors.
+Every codec here is one of TorchRec's QuantizedCommCodec (torchrec/distributed/types.py), registered per
+cluster as QCommsConfig's codecs are (a QuantizedCommCodecs under CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL), and
+our dists (collectives.all_to_all) take any such codec: fbgemm's, TorchRec's or a user's.
+
+fp16 and bf16 are TorchRec's fbgemm codecs (TorchRecCodec), built here directly so that torchrec's CPU
+fallback from bf16 to fp16 does not apply. fp8 is our own codec (Fp8RowwiseCodec): float8 e4m3 with one fp32
+scale per row vector, the bits carried as uint8 because gloo rejects float8 tensors; our messages hold rows of
+several widths, so its QuantizationContext (SegmentContext) carries the message's layout as segments.
+
+A codec of TorchRec's protocol that scales rows of its context's row dim (fbgemm's INT8 row-wise, and its FP8
+row-wise, QCommsConfig's fp8_quantize_dim, on GPUs) gets each cell's block of rows on its own, the context's
+row dim set to its width, so that each cell's vector has its own scale (as plan/wire.py prices our fp8): a few
+ops per block, for such codecs only. Any other codec (fp16, bf16, a user's element-wise one) takes the whole
+message at once.
 
 Per-element error bounds (round to nearest; |x| the element, a its row's largest magnitude):
 fp16 |e| <= 2^-11 |x| (|x| >= 2^-14), bf16 |e| <= 2^-8 |x|, fp8 |e| <= 2^-4 |x| + 2^-10 a / 448.
@@ -10,12 +21,17 @@ fp16 |e| <= 2^-11 |x| (|x| >= 2^-14), bf16 |e| <= 2^-8 |x|, fp8 |e| <= 2^-4 |x| 
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 from torchrec.distributed.fbgemm_qcomm_codec import CommOp, CommType, QCommsConfig, get_qcomm_codecs
-from torchrec.distributed.types import QuantizedCommCodecs
+from torchrec.distributed.types import (
+    NoOpQuantizedCommCodec,
+    QuantizedCommCodec,
+    QuantizedCommCodecs,
+)
 
 from ..plan.layout import WirePrecision
 from ..plan.wire import FP8_SCALE_BYTES, rows_bytes
@@ -41,7 +57,15 @@ _TORCHREC_TYPES = {"fp32": CommType.FP32, "fp16": CommType.FP16, "bf16": CommTyp
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
 
 
-class Fp8RowwiseCodec:
+@dataclass
+class SegmentContext:
+    """What Fp8RowwiseCodec needs of one message, besides its values: its parts as (elements, row width)
+    segments, the messages to (or from) each peer in order."""
+
+    segments: Sequence[Segment] = ()
+
+
+class Fp8RowwiseCodec(QuantizedCommCodec[SegmentContext]):
     """float8 e4m3fn values with one fp32 scale per row (row max / 448), as uint8 bytes on the wire.
 
     A row of w values travels as its w value bytes followed by its scale's 4 bytes, so each peer's
@@ -50,9 +74,27 @@ class Fp8RowwiseCodec:
     all-to-all; rows of one width take a fixed handful of ops (views), mixed widths a fixed number
     of gathers and scatters, whatever the number of segments."""
 
-    quantized_dtype = torch.uint8
-    row_wise = True
     wire_precision = "fp8"
+
+    @property
+    def quantized_dtype(self) -> torch.dtype:
+        return torch.uint8
+
+    def create_context(self) -> SegmentContext:
+        return SegmentContext()
+
+    def calc_quantized_size(self, input_len: int, ctx: Optional[SegmentContext] = None) -> int:
+        segments = _segments_of(ctx)
+        if sum(e for e, _ in segments) != input_len:
+            raise ValueError(
+                f"fp8 codec: the context's segments hold {sum(e for e, _ in segments)} values, not {input_len}"
+            )
+        return sum(int(rows_bytes(s[0], scaled_rows(s), "fp8")) for s in segments)
+
+    def padded_size(
+        self, input_tensor: torch.Tensor, dim_per_rank: List[int], my_rank: int, qcomm_ctx: SegmentContext
+    ) -> Tuple[int, int]:
+        return dim_per_rank[my_rank], 0  # each row carries its own scale: no padding
 
     @staticmethod
     def _one_width(segments: Sequence[Segment]) -> int:
@@ -79,10 +121,10 @@ class Fp8RowwiseCodec:
         scales = (scale_start.unsqueeze(1) + torch.arange(FP8_SCALE_BYTES, device=device)).reshape(-1)
         return values, scales
 
-    def encode(self, x: torch.Tensor, peers: Sequence[Sequence[Segment]]) -> torch.Tensor:
-        """The wire bytes of x; an inference tensor (called in inference mode: the payload only
-        travels, so its dtype views need no autograd bookkeeping)."""
-        segments = [s for segs in peers for s in segs]
+    def encode(self, input_tensor: torch.Tensor, ctx: Optional[SegmentContext] = None) -> torch.Tensor:
+        """The wire bytes of the message (best called in inference mode, as our all-to-all does: the payload
+        only travels, so its dtype views need no autograd bookkeeping)."""
+        x, segments = input_tensor, _segments_of(ctx)
         if x.numel() == 0:
             return x.new_empty(0, dtype=torch.uint8)
         if x.dtype != torch.float32:  # (in inference mode even a no-op conversion is an op)
@@ -104,10 +146,10 @@ class Fp8RowwiseCodec:
         out[scales] = scale.view(torch.uint8)
         return out
 
-    def decode(self, y: torch.Tensor, peers: Sequence[Sequence[Segment]]) -> torch.Tensor:
-        """The values of wire bytes y (best an inference tensor, as the exchange allocates it: its
-        dtype views then need no autograd bookkeeping); the result is a normal tensor."""
-        segments = [s for segs in peers for s in segs]
+    def decode(self, input_grad: torch.Tensor, ctx: Optional[SegmentContext] = None) -> torch.Tensor:
+        """The values of wire bytes (best an inference tensor, as the exchange allocates it: its dtype views
+        then need no autograd bookkeeping); the result is a normal tensor."""
+        y, segments = input_grad, _segments_of(ctx)
         if sum(e for e, _ in segments) == 0:
             return y.new_empty(0, dtype=torch.float32)
         width = self._one_width(segments)
@@ -128,16 +170,16 @@ class Fp8RowwiseCodec:
         out = q.float() * scale
         return out.view(-1) if width else out
 
-    @staticmethod
-    def size(segment: Segment) -> int:
-        return int(rows_bytes(segment[0], scaled_rows(segment), "fp8"))
+
+def _segments_of(ctx: Optional[SegmentContext]) -> Sequence[Segment]:
+    if not isinstance(ctx, SegmentContext):
+        raise ValueError("Fp8RowwiseCodec needs the message's SegmentContext (from create_context, segments set)")
+    return ctx.segments
 
 
-class TorchRecCodec:
+class TorchRecCodec(QuantizedCommCodec[Any]):
     """One of TorchRec's fbgemm codecs (fp16 / bf16), labelled with its wire precision for the byte
-    counters."""
-
-    row_wise = False
+    counters (plan/wire.py prices it)."""
 
     def __init__(self, precision: str) -> None:
         config = QCommsConfig(
@@ -145,24 +187,30 @@ class TorchRecCodec:
         )
         self._codec = get_qcomm_codecs(config).forward
         self.wire_precision = precision
-        self.quantized_dtype = self._codec.quantized_dtype
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        return self._codec.encode(x)
+    @property
+    def quantized_dtype(self) -> torch.dtype:
+        return self._codec.quantized_dtype
 
-    def decode(self, y: torch.Tensor) -> torch.Tensor:
-        return self._codec.decode(y)
+    def encode(self, input_tensor: torch.Tensor, ctx: Optional[Any] = None) -> torch.Tensor:
+        return self._codec.encode(input_tensor, ctx)
+
+    def decode(self, input_grad: torch.Tensor, ctx: Optional[Any] = None) -> torch.Tensor:
+        return self._codec.decode(input_grad, ctx)
+
+    def calc_quantized_size(self, input_len: int, ctx: Optional[Any] = None) -> int:
+        return self._codec.calc_quantized_size(input_len, ctx)
+
+    def create_context(self) -> Optional[Any]:
+        return self._codec.create_context()
+
+    def padded_size(
+        self, input_tensor: torch.Tensor, dim_per_rank: List[int], my_rank: int, qcomm_ctx: Any
+    ) -> Tuple[int, int]:
+        return self._codec.padded_size(input_tensor, dim_per_rank, my_rank, qcomm_ctx)
 
 
-class WireCodecs:
-    """A cluster's forward (embeddings) and backward (gradients) codecs, shaped like torchrec's
-    QuantizedCommCodecs; None: fp32."""
-
-    def __init__(self, forward: Any, backward: Any) -> None:
-        self.forward, self.backward = forward, backward
-
-
-def _codec(precision: str) -> Any:
+def _codec(precision: str) -> Optional[QuantizedCommCodec]:
     if precision == "fp8":
         return Fp8RowwiseCodec()
     if precision == "fp32":
@@ -172,29 +220,144 @@ def _codec(precision: str) -> Any:
 
 def wire_codecs(precision: WirePrecision) -> Optional[Dict[str, QuantizedCommCodecs]]:
     """The codecs of one cluster's embedding all-to-alls, from the plan's precision (the plan decides
-    an embark cluster's precision, not module-wide qcomms)."""
+    an embark cluster's precision, not module-wide qcomms); None: fp32 both ways."""
     if (precision.forward, precision.backward) == ("fp32", "fp32"):
         return None
-    return {CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name: WireCodecs(_codec(precision.forward), _codec(precision.backward))}  # type: ignore[dict-item]
+    return {
+        CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name: QuantizedCommCodecs(
+            forward=_codec(precision.forward) or NoOpQuantizedCommCodec(),
+            backward=_codec(precision.backward) or NoOpQuantizedCommCodec(),
+        )
+    }
 
 
-def encoded_size(codec: Any, segments: Sequence[Segment]) -> int:
+def cluster_codecs(
+    precision: WirePrecision, registry: Optional[Dict[str, QuantizedCommCodecs]], op: CommOp
+) -> Optional[Dict[str, QuantizedCommCodecs]]:
+    """The codec registry one of our clusters' dists take (under the pooled all-to-all's key, which they read):
+    the plan's precision, where it sets one, in our codecs; else the sharder's QCommsConfig codecs of `op` as
+    given (TorchRec's, fbgemm's or a user's QuantizedCommCodec), as TorchRec's own shardings take them."""
+    if precision != WirePrecision():
+        return wire_codecs(precision)
+    codecs = (registry or {}).get(op.name)
+    return None if codecs is None else {CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name: codecs}
+
+
+def active_codec(codec: Optional[QuantizedCommCodec]) -> Optional[QuantizedCommCodec]:
+    """The codec a message goes through; None for fp32 (no codec, or TorchRec's no-op one: the message
+    travels as it is)."""
+    return None if codec is None or isinstance(codec, NoOpQuantizedCommCodec) else codec
+
+
+def _row_context(codec: QuantizedCommCodec, width: int) -> Optional[Any]:
+    """A context that makes `codec` scale rows of `width`, where it scales rows of its context's row dim and its
+    size for one such row depends on it (fbgemm's INT8 and FP8 row-wise: values + scale per row); else None
+    (an element-wise codec: fp16, bf16, a user's)."""
+    ctx = codec.create_context()
+    if getattr(ctx, "row_dim", -1) <= 0:
+        return None
+    ctx.row_dim = width
+    row = codec.calc_quantized_size(width, ctx)
+    if row == width:
+        return None
+    ctx.row_dim_quant = row  # what decode views a row as
+    return ctx
+
+
+def _row_blocks(codec: QuantizedCommCodec, segments: Sequence[Segment]) -> Optional[List[Tuple[int, int, Any]]]:
+    """For a row-wise codec of TorchRec's protocol, the message as blocks each of rows of one width: per
+    non-empty segment, per block of its rows (a cell's vectors), (rows, width, context), so that each cell's
+    vector gets its own scale as the cost model prices it; None for our fp8 codec and element-wise codecs,
+    which take the whole message."""
+    if isinstance(codec, Fp8RowwiseCodec):
+        return None
+    out: List[Tuple[int, int, Any]] = []
+    contexts: Dict[int, Any] = {}
+    for elems, width in segments:
+        if not elems:
+            continue
+        blocks = _blocks(width)
+        rows = elems // sum(blocks)
+        for w in blocks:
+            if w not in contexts:
+                contexts[w] = _row_context(codec, w)
+            if contexts[w] is None:
+                return None
+            out.append((rows, w, contexts[w]))
+    return out
+
+
+def _message_context(codec: QuantizedCommCodec, segments: Sequence[Segment]) -> Optional[Any]:
+    ctx = codec.create_context()
+    if isinstance(ctx, SegmentContext):
+        ctx.segments = segments
+    return ctx
+
+
+def _flat_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A codec's result as one dimension (a codec may keep its input's shape); no op when it is already."""
+    return t if t.dim() == 1 else t.reshape(-1)
+
+
+def _flat(peers: Sequence[Sequence[Segment]]) -> List[Segment]:
+    return [s for segs in peers for s in segs]
+
+
+def encoded_size(codec: Optional[QuantizedCommCodec], segments: Sequence[Segment]) -> int:
     """Wire elements (of codec.quantized_dtype, or fp32 without a codec) of one peer's message."""
-    if codec is not None and getattr(codec, "row_wise", False):
-        return sum(codec.size(s) for s in segments)
-    return sum(e for e, _ in segments)
+    codec = active_codec(codec)
+    elems = sum(e for e, _ in segments)
+    if codec is None:
+        return elems
+    blocks = _row_blocks(codec, segments)
+    if blocks is None:
+        return codec.calc_quantized_size(elems, _message_context(codec, segments))
+    return sum(codec.calc_quantized_size(rows * w, ctx) for rows, w, ctx in blocks)
 
 
-def encode(codec: Any, x: torch.Tensor, peers: Sequence[Sequence[Segment]]) -> torch.Tensor:
+def encode(codec: Optional[QuantizedCommCodec], x: torch.Tensor, peers: Sequence[Sequence[Segment]]) -> torch.Tensor:
     """x (1-D, the messages to each peer in order, described by `peers`) in the codec's wire format;
-    call it in inference mode where a codec is given (see all_to_all)."""
+    call it in inference mode where a codec is given (see all_to_all). A row-wise codec of TorchRec's
+    protocol encodes each cell's block of rows on its own (a few ops per block: only such codecs)."""
+    codec = active_codec(codec)
     if codec is None:
         return x
-    return codec.encode(x, peers) if getattr(codec, "row_wise", False) else codec.encode(x)
+    segments = _flat(peers)
+    blocks = _row_blocks(codec, segments)
+    if blocks is None:
+        return _flat_tensor(codec.encode(x, _message_context(codec, segments)))
+    out, start, k = [], 0, 0
+    for elems, width in segments:
+        if not elems:
+            continue
+        widths = _blocks(width)
+        rows = x[start : start + elems].view(-1, sum(widths))
+        start += elems
+        column = 0
+        for w in widths:
+            out.append(_flat_tensor(codec.encode(rows[:, column : column + w].reshape(-1), blocks[k][2])))
+            column, k = column + w, k + 1
+    return torch.cat(out) if out else x.new_empty(0, dtype=codec.quantized_dtype)
 
 
-def decode(codec: Any, y: torch.Tensor, peers: Sequence[Sequence[Segment]]) -> torch.Tensor:
+def decode(codec: Optional[QuantizedCommCodec], y: torch.Tensor, peers: Sequence[Sequence[Segment]]) -> torch.Tensor:
     """The inverse of encode, for the messages received from each peer."""
+    codec = active_codec(codec)
     if codec is None:
         return y
-    return codec.decode(y, peers) if getattr(codec, "row_wise", False) else codec.decode(y)
+    segments = _flat(peers)
+    blocks = _row_blocks(codec, segments)
+    if blocks is None:
+        return _flat_tensor(codec.decode(y, _message_context(codec, segments)))
+    out, start, k = [], 0, 0
+    for elems, width in segments:
+        if not elems:
+            continue
+        parts = []
+        for _ in _blocks(width):
+            rows, w, ctx = blocks[k]
+            size = codec.calc_quantized_size(rows * w, ctx)
+            parts.append(codec.decode(y[start : start + size], ctx).view(rows, w).float())
+            start, k = start + size, k + 1
+        out.append(torch.cat(parts, dim=1).reshape(-1))
+    return torch.cat(out) if out else y.new_empty(0, dtype=torch.float32)

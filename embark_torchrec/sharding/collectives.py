@@ -27,7 +27,7 @@ from torch.autograd.profiler import record_function
 from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.types import Awaitable
 
-from .codecs import Segment, decode, encode, encoded_size
+from .codecs import Segment, active_codec, decode, encode, encoded_size
 
 ALL_TO_ALL_LABEL = "## embark_all2all ##"
 FORWARD_LABEL = "## Embark_All2All_fwd ##"
@@ -51,6 +51,12 @@ class _Exchange:
         self.gradient_divisor, self.on_send = gradient_divisor, on_send
         self.work: Optional[dist.Work] = None
         self.buffer: Optional[torch.Tensor] = None
+
+    def codec(self, backward: bool) -> Any:
+        """The codec of one direction (any of TorchRec's QuantizedCommCodec), None for fp32."""
+        if self.codecs is None:
+            return None
+        return active_codec(self.codecs.backward if backward else self.codecs.forward)
 
     def start(
         self,
@@ -89,13 +95,13 @@ class _Req(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, exchange: _Exchange) -> torch.Tensor:  # type: ignore[override]
         ctx.exchange = exchange
-        exchange.start(x, exchange.send, exchange.recv, exchange.codecs.forward if exchange.codecs else None, False)
+        exchange.start(x, exchange.send, exchange.recv, exchange.codec(backward=False), False)
         return x.new_empty(1)  # a token that ties _Wait to this exchange in the autograd graph
 
     @staticmethod
     def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         exchange: _Exchange = ctx.exchange
-        grad = exchange.finish(exchange.send, exchange.codecs.backward if exchange.codecs else None)
+        grad = exchange.finish(exchange.send, exchange.codec(backward=True))
         if exchange.gradient_divisor > 1 and get_gradient_division():
             grad = grad.div_(exchange.gradient_divisor)  # a fresh buffer: in place, as TorchRec does
         return grad, None
@@ -105,12 +111,12 @@ class _Wait(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, dummy: torch.Tensor, exchange: _Exchange) -> torch.Tensor:  # type: ignore[override]
         ctx.exchange = exchange
-        return exchange.finish(exchange.recv, exchange.codecs.forward if exchange.codecs else None)
+        return exchange.finish(exchange.recv, exchange.codec(backward=False))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         exchange: _Exchange = ctx.exchange
-        exchange.start(grad, exchange.recv, exchange.send, exchange.codecs.backward if exchange.codecs else None, True)
+        exchange.start(grad, exchange.recv, exchange.send, exchange.codec(backward=True), True)
         return grad.new_zeros(1), None
 
 

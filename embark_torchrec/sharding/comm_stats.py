@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ..plan.wire import rows_bytes
+from .codecs import encoded_size
 
 KINDS = ("metadata", "lengths", "ids", "weights", "embeddings", "gradients")
 _DIRECTIONS = ("sent", "received")
@@ -191,15 +192,17 @@ def enable_comm_stats(model: torch.nn.Module) -> CommStats:
 
 
 def wire_bytes(codec: Any, elems: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Bytes on the wire for `elems` elements in `rows` row vectors, after an optional codec: ours
-    name their precision (plan/wire.py prices it); TorchRec's qcomms codecs send their quantized
-    dtype's size per element."""
+    """Bytes on the wire for `elems` elements in `rows` row vectors (of one width per entry), after an
+    optional codec: ours name their precision (plan/wire.py prices it); any other of TorchRec's protocol
+    (fbgemm's, a user's) is asked its size of each entry's rows, in its quantized dtype."""
     if codec is None:
         return rows_bytes(elems, rows, "fp32")
     precision = getattr(codec, "wire_precision", None)
     if precision is not None:
         return rows_bytes(elems, rows, precision)
-    return elems * float(torch.empty(0, dtype=codec.quantized_dtype).element_size())
+    element = float(torch.empty(0, dtype=codec.quantized_dtype).element_size())
+    sizes = [encoded_size(codec, [(int(e), int(e) // int(r))]) if e else 0 for e, r in zip(elems, rows)]
+    return np.asarray(sizes, dtype=np.float64) * element
 
 
 class Ledger:

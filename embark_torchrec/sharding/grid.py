@@ -12,6 +12,11 @@ torchrec's table-wise lookup, fused optimizers and all-to-alls do the work:
   are summed per (feature, column) into the pooled output; or, for hierarchical layouts, the sums
   are reduced inside each node first and cross nodes once (HierarchicalPooledEmbeddingDist).
 
+BaseGridEmbeddingSharding holds the cells and what the module sees (its features and embedding names);
+it is the generic base of the pooled GridPooledEmbeddingSharding here, of the sequence sharding
+(sequence.py) and of the unique-based ones (unique.py), which are siblings as TorchRec's pooled and
+sequence table-wise shardings are: each chooses its own lookup and dists.
+
 MEAN pooling is exact without any state between input and output dist: each ID is weighted by
 1 / (its bag's length) before it is cut, so the partial sums add up to the mean. Weighted features
 keep their weights (multiplied by that factor for MEAN tables).
@@ -20,7 +25,7 @@ keep their weights (multiplied by that factor for MEAN tables).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, TypeVar
 
 import numpy as np
 import torch
@@ -29,14 +34,21 @@ from torch.distributed._shard.sharded_tensor import ShardedTensorMetadata
 from torch.distributed._shard.sharding_spec import ShardMetadata
 from torchrec.distributed.comm import get_local_size, intra_and_cross_node_pg
 from torchrec.distributed.fbgemm_qcomm_codec import CommOp
+from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
 from torchrec.distributed.embedding_sharding import (
     BaseEmbeddingDist,
     BaseSparseFeaturesDist,
+    EmbeddingSharding,
     EmbeddingShardingContext,
     EmbeddingShardingInfo,
 )
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel, ShardedEmbeddingTable
-from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
+from torchrec.distributed.embedding_types import (
+    BaseEmbeddingLookup,
+    BaseGroupedFeatureProcessor,
+    EmbeddingComputeKernel,
+    ShardedEmbeddingTable,
+)
+from torchrec.distributed.sharding.tw_sharding import BaseTwEmbeddingSharding
 from torchrec.distributed.types import Awaitable, QuantizedCommCodecs, ShardingEnv
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -44,13 +56,16 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from ..plan.layout import Shard, grid_from_shards
 from ..plan.topology import Topology
 from ..plan.wire import MAX_SLICE_ROWS
+from .codecs import active_codec
 from .collectives import all_to_all
 from .comm_stats import CountsComm, Ledger, group_ranks
 from .torchrec_compat import (
     emb_dims_per_rank,
     has_rowwise_state,
     sharding_device,
+    sharding_env,
     sharding_group,
+    sharding_grouped_configs,
     sharding_world_size,
 )
 from .variable_batch import FeatureMajor, pad_to_uniform
@@ -261,7 +276,7 @@ def _ledger_hook(ledger: Optional[Ledger], codecs: Optional[QuantizedCommCodecs]
         return None
 
     def on_send(payload: torch.Tensor, send_sizes: List[int], recv_sizes: List[int], backward: bool) -> None:
-        codec = (codecs.backward if backward else codecs.forward) if codecs else None
+        codec = active_codec(codecs.backward if backward else codecs.forward) if codecs else None
         ledger.record(codec, backward, payload.element_size(), send_sizes, recv_sizes)
 
     return on_send
@@ -469,8 +484,29 @@ class HierarchicalPooledEmbeddingDist(
         return awaitable
 
 
-class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
-    """Embark's RB cluster: every layout of the planner, run exactly (see module docstring)."""
+C = TypeVar("C", bound=EmbeddingShardingContext)
+
+
+def pooled_lookup(
+    sharding: EmbeddingSharding,
+    device: Optional[torch.device],
+    feature_processor: Optional[BaseGroupedFeatureProcessor],
+) -> BaseEmbeddingLookup:
+    """TorchRec's pooled table-wise lookup over a sharding's cells (as TwPooledEmbeddingSharding builds it)."""
+    return GroupedPooledEmbeddingsLookup(
+        grouped_configs=sharding_grouped_configs(sharding),
+        pg=sharding_group(sharding),
+        device=device if device is not None else sharding_device(sharding),
+        feature_processor=feature_processor,
+        env=sharding_env(sharding),
+    )
+
+
+class BaseGridEmbeddingSharding(BaseTwEmbeddingSharding[C, KeyedJaggedTensor, torch.Tensor, torch.Tensor]):
+    """The cells of any grid of the planner's as table-wise virtual features, and the original features and
+    embedding names the module sees. The generic base of the pooled and the sequence shardings of our grid and
+    unique-based clusters (as TorchRec's BaseTwEmbeddingSharding is of its table-wise ones): they differ in
+    their dists and lookups, and none of them is a subclass of another."""
 
     def __init__(
         self,
@@ -478,9 +514,7 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
         env: ShardingEnv,
         device: Optional[torch.device] = None,
         qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
-        hierarchical: bool = False,
     ) -> None:
-        self._hierarchical = hierarchical
         self._features: List[str] = []
         self._embedding_names: List[str] = []  # TorchRec's: "feature@table" for a feature read by several tables
         self._feature_tables: List[str] = []
@@ -589,6 +623,34 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
         chosen = device if device is not None else sharding_device(self)
         return chosen if chosen is not None else torch.device("cpu")
 
+    def wire_codecs(self) -> Optional[QuantizedCommCodecs]:
+        """The codecs of the cluster's wire precision for the embeddings' all-to-all (TorchRec's registry key)."""
+        return (self.qcomm_codecs_registry or {}).get(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name)
+
+
+class GridPooledEmbeddingSharding(BaseGridEmbeddingSharding[EmbeddingShardingContext]):
+    """Embark's RB cluster for pooled tables: every layout of the planner, run exactly (module docstring); with
+    `hierarchical`, the partial sums are reduced inside each node before they cross nodes."""
+
+    def __init__(
+        self,
+        sharding_infos: List[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+        qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
+        hierarchical: bool = False,
+    ) -> None:
+        self._hierarchical = hierarchical
+        super().__init__(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)
+
+    def create_lookup(
+        self,
+        device: Optional[torch.device] = None,
+        fused_params: Optional[Dict[str, Any]] = None,
+        feature_processor: Optional[BaseGroupedFeatureProcessor] = None,
+    ) -> BaseEmbeddingLookup:
+        return pooled_lookup(self, device, feature_processor)
+
     def create_input_dist(self, device: Optional[torch.device] = None) -> BaseSparseFeaturesDist[KeyedJaggedTensor]:
         pg = sharding_group(self)
         assert pg is not None
@@ -618,7 +680,7 @@ class GridPooledEmbeddingSharding(TwPooledEmbeddingSharding):
             [self._column_run(self._cells[v], int(width), offsets) for v, width in zip(names, dims)]
             for names, dims in zip(self.embedding_names_per_rank(), emb_dims_per_rank(self))
         ]
-        codecs = (self.qcomm_codecs_registry or {}).get(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name)
+        codecs = self.wire_codecs()
         if self._hierarchical:
             local_world_size = get_local_size(sharding_world_size(self))
             return HierarchicalPooledEmbeddingDist(

@@ -1,9 +1,11 @@
 """Sequence (unpooled) embeddings on our cluster types: grid (RB) and unique-based (UB) tables of a
 TorchRec EmbeddingCollection, whose output is one vector per ID.
 
-Both keep the cells of the pooled shardings (grid.py, unique.py): each cell is a table-wise virtual
-feature, looked up by TorchRec's fused sequence TBE (GroupedEmbeddingsLookup), so TorchRec's kernels
-and fused optimizers hold the weights. A holder's lookup returns one row per ID it received, cell by
+Both are siblings of the pooled shardings on their generic bases (grid.py's BaseGridEmbeddingSharding,
+unique.py's BaseUniqueEmbeddingSharding and BaseUniqueEmbeddingDist), as TorchRec's sequence shardings are of
+its pooled ones, and keep the same cells: each cell is a table-wise virtual feature, looked up by
+TorchRec's fused sequence TBE (GroupedEmbeddingsLookup), so TorchRec's kernels and fused optimizers hold
+the weights. A holder's lookup returns one row per ID it received, cell by
 cell and, inside a cell, sender by sender; the output dists first reorder those rows sender by sender
 (one segment permute, SegmentPermute) and send each sender its rows with our asynchronous all-to-all
 (collectives.py, with the cluster's wire codecs).
@@ -33,9 +35,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torchrec.distributed.embedding_lookup import GroupedEmbeddingsLookup
-from torchrec.distributed.embedding_sharding import BaseEmbeddingDist, BaseSparseFeaturesDist
+from torchrec.distributed.embedding_sharding import (
+    BaseEmbeddingDist,
+    BaseSparseFeaturesDist,
+    EmbeddingSharding,
+    EmbeddingShardingInfo,
+)
 from torchrec.distributed.embedding_types import BaseEmbeddingLookup, BaseGroupedFeatureProcessor, ShardedEmbeddingTable
-from torchrec.distributed.fbgemm_qcomm_codec import CommOp
 from torchrec.distributed.sharding.sequence_sharding import SequenceShardingContext
 from torchrec.distributed.types import Awaitable, QuantizedCommCodecs
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -44,7 +50,7 @@ from .codecs import Segment
 from .collectives import all_to_all
 from .batch_state import BatchStateHandover
 from .comm_stats import CountsComm, Ledger
-from .grid import CellRoute, GridPooledEmbeddingSharding, GridSparseFeaturesDist, _ledger_hook
+from .grid import BaseGridEmbeddingSharding, CellRoute, GridSparseFeaturesDist, _ledger_hook
 from .torchrec_compat import (
     emb_dims_per_rank,
     sharding_device,
@@ -52,7 +58,7 @@ from .torchrec_compat import (
     sharding_group,
     sharding_grouped_configs,
 )
-from .unique import UniquePooledEmbeddingDist, UniquePooledEmbeddingSharding, UniqueState
+from .unique import BaseUniqueEmbeddingDist, BaseUniqueEmbeddingSharding, UniqueLayout, UniqueState
 from .variable_batch import RowGather
 
 
@@ -311,24 +317,33 @@ class GridSequenceEmbeddingDist(BaseEmbeddingDist[EmbarkSequenceContext, torch.T
         return ledger
 
 
-class SequenceCells:
-    """What sequence tables change in the grid's cells (mixed into our shardings): TorchRec's sequence
-    lookup, and one TBE per cell width, since a sequence TBE takes a single row width (TorchRec groups
-    tables by its grouping-only fused param "_batch_key", which never reaches the TBE)."""
+def by_cell_width(tables_per_rank: List[List[ShardedEmbeddingTable]]) -> List[List[ShardedEmbeddingTable]]:
+    """The cells grouped into one TBE per width: a sequence TBE takes a single row width (TorchRec groups tables
+    by its grouping-only fused param "_batch_key", which never reaches the TBE)."""
+    for tables in tables_per_rank:
+        for table in tables:
+            params = dict(table.fused_params or {})
+            params["_batch_key"] = (params.get("_batch_key"), table.local_cols)
+            table.fused_params = params
+    return tables_per_rank
 
-    _grouped_embedding_configs: Any
-    _pg: Any
-    _device: Any
-    _env: Any
 
-    def _shard(self, sharding_infos: List[Any]) -> List[List[ShardedEmbeddingTable]]:
-        tables_per_rank: List[List[ShardedEmbeddingTable]] = super()._shard(sharding_infos)  # type: ignore[misc]
-        for tables in tables_per_rank:
-            for table in tables:
-                params = dict(table.fused_params or {})
-                params["_batch_key"] = (params.get("_batch_key"), table.local_cols)
-                table.fused_params = params
-        return tables_per_rank
+def sequence_lookup(sharding: EmbeddingSharding, device: Optional[torch.device]) -> BaseEmbeddingLookup:
+    """TorchRec's sequence (unpooled) lookup over a sharding's cells, as its sequence shardings build it."""
+    return GroupedEmbeddingsLookup(
+        grouped_configs=sharding_grouped_configs(sharding),
+        pg=sharding_group(sharding),
+        device=device if device is not None else sharding_device(sharding),
+        env=sharding_env(sharding),
+    )
+
+
+class GridSequenceEmbeddingSharding(BaseGridEmbeddingSharding[EmbarkSequenceContext]):
+    """Embark's RB cluster for sequence tables: the grid's cells, looked up unpooled (module docstring); a
+    sibling of the pooled GridPooledEmbeddingSharding on their common base."""
+
+    def _shard(self, sharding_infos: List[EmbeddingShardingInfo]) -> List[List[ShardedEmbeddingTable]]:
+        return by_cell_width(super()._shard(sharding_infos))
 
     def create_lookup(
         self,
@@ -336,22 +351,14 @@ class SequenceCells:
         fused_params: Optional[Dict[str, Any]] = None,
         feature_processor: Optional[BaseGroupedFeatureProcessor] = None,
     ) -> BaseEmbeddingLookup:
-        return GroupedEmbeddingsLookup(
-            grouped_configs=sharding_grouped_configs(self),
-            pg=sharding_group(self),
-            device=device if device is not None else sharding_device(self),
-            env=sharding_env(self),
-        )
-
-
-class GridSequenceEmbeddingSharding(SequenceCells, GridPooledEmbeddingSharding):
-    """Embark's RB cluster for sequence tables: the grid's cells, looked up unpooled (module docstring)."""
+        return sequence_lookup(self, device)
 
     def create_input_dist(self, device: Optional[torch.device] = None) -> BaseSparseFeaturesDist[KeyedJaggedTensor]:
-        assert self._pg is not None
+        pg = sharding_group(self)
+        assert pg is not None
         virtual = [v for names in self.feature_names_per_rank() for v in names]
         return GridSequenceFeaturesDist(
-            self._pg,
+            pg,
             self._feature_rows,
             self._feature_bounds,
             [self._cells[v] for v in virtual],
@@ -365,16 +372,13 @@ class GridSequenceEmbeddingSharding(SequenceCells, GridPooledEmbeddingSharding):
     def create_output_dist(  # type: ignore[override]
         self, device: Optional[torch.device] = None
     ) -> GridSequenceEmbeddingDist:
-        assert self._pg is not None
+        pg = sharding_group(self)
+        assert pg is not None
         tables = [
             [self._feature_tables[self._cells[v].feature] for v in names] for names in self.feature_names_per_rank()
         ]
         return GridSequenceEmbeddingDist(
-            self._pg,
-            emb_dims_per_rank(self),
-            tables,
-            self.dist_device(device),
-            (self.qcomm_codecs_registry or {}).get(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name),
+            pg, emb_dims_per_rank(self), tables, self.dist_device(device), self.wire_codecs()
         )
 
     def _sequence_dim(self) -> int:
@@ -384,21 +388,20 @@ class GridSequenceEmbeddingSharding(SequenceCells, GridPooledEmbeddingSharding):
         return dims.pop()
 
 
-class UniqueSequenceEmbeddingDist(UniquePooledEmbeddingDist):
-    """The UB dist for sequence tables: the pooled one's exchange of distinct vectors; the holder's
-    lookup output is laid out sender by sender first, and the sender expands the distinct vectors
-    into its sequence order (one row per ID) instead of pooling them."""
+class UniqueSequenceEmbeddingDist(BaseUniqueEmbeddingDist[EmbarkSequenceContext]):
+    """The UB dist for sequence tables: the exchange of distinct vectors the pooled one has too (their common
+    base); the holder's lookup output is laid out sender by sender first, and the sender expands the distinct
+    vectors into its sequence order (one row per ID) instead of pooling them."""
 
     def __init__(
         self,
         pg: dist.ProcessGroup,
-        layout: Any,
+        layout: UniqueLayout,
         tables: List[str],
         device: torch.device,
         codecs: Optional[QuantizedCommCodecs] = None,
     ) -> None:
         super().__init__(pg, layout, tables, device, codecs)
-        self._device = device
         self._layout_rows = SenderMajor(layout.cell_widths_on[self._rank], self._world, device)
 
     def _sender_major(self, padded: torch.Tensor, per_cell: np.ndarray) -> torch.Tensor:
@@ -411,17 +414,26 @@ class UniqueSequenceEmbeddingDist(UniquePooledEmbeddingDist):
         return table.index_select(0, index)
 
 
-class UniqueSequenceEmbeddingSharding(SequenceCells, UniquePooledEmbeddingSharding):
-    """Embark's UB cluster for sequence tables: the UB cells and input dist, looked up unpooled."""
+class UniqueSequenceEmbeddingSharding(BaseUniqueEmbeddingSharding[EmbarkSequenceContext]):
+    """Embark's UB cluster for sequence tables: the UB cells and input dist, looked up unpooled; a sibling of
+    the pooled UniquePooledEmbeddingSharding on their common base."""
+
+    def _shard(self, sharding_infos: List[EmbeddingShardingInfo]) -> List[List[ShardedEmbeddingTable]]:
+        return by_cell_width(super()._shard(sharding_infos))
+
+    def create_lookup(
+        self,
+        device: Optional[torch.device] = None,
+        fused_params: Optional[Dict[str, Any]] = None,
+        feature_processor: Optional[BaseGroupedFeatureProcessor] = None,
+    ) -> BaseEmbeddingLookup:
+        return sequence_lookup(self, device)
 
     def create_output_dist(  # type: ignore[override]
         self, device: Optional[torch.device] = None
     ) -> UniqueSequenceEmbeddingDist:
-        assert self._pg is not None
+        pg = sharding_group(self)
+        assert pg is not None
         return UniqueSequenceEmbeddingDist(
-            self._pg,
-            self.unique_layout(),
-            self._feature_tables,
-            self.dist_device(device),
-            (self.qcomm_codecs_registry or {}).get(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name),
+            pg, self.unique_layout(), self._feature_tables, self.dist_device(device), self.wire_codecs()
         )

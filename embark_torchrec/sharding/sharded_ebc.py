@@ -16,10 +16,10 @@ from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from ..plan.layout import PRECISIONS, SHARDING_TYPE_PREFIX, WirePrecision, parse_sharding_type
-from .codecs import wire_codecs
+from ..plan.layout import SHARDING_TYPE_PREFIX, parse_sharding_type
+from .codecs import cluster_codecs
 from .comm_stats import CommStats, CountsComm
-from .grid import GridPooledEmbeddingSharding
+from .grid import BaseGridEmbeddingSharding, GridPooledEmbeddingSharding
 from .input_exchange import CheckedInput, defer_kjt_all_to_alls
 from .torchrec_compat import (
     is_virtual_table,
@@ -33,28 +33,11 @@ from .torchrec_compat import (
     module_output_dists,
     module_sharding_types,
     module_shardings,
-    qcomm_precisions,
     skip_missing_weight,
 )
 from .torchrec_counting import KJTCounter, count_borrowed_dists
 from .unique import UniquePooledEmbeddingSharding, UniqueShardingContext, UniqueSparseFeaturesDist
 from .validation import InputValidator, check_equal_batches
-
-
-def qcomms_precision(registry: Optional[Dict[str, QuantizedCommCodecs]]) -> WirePrecision:
-    """The wire precision a sharder's QCommsConfig asks for on pooled all-to-alls (fp32 without one),
-    carried out by our codecs; refused by name where our codecs have no such precision."""
-    codecs = (registry or {}).get(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name)
-    if codecs is None:
-        return WirePrecision()
-    forward, backward = qcomm_precisions(codecs)
-    unknown = sorted({forward, backward} - set(PRECISIONS))
-    if unknown:
-        raise ValueError(
-            f"QCommsConfig precision {unknown} is not one embark sharding types send (they send {list(PRECISIONS)}); "
-            "set the cluster's precision in the plan instead"
-        )
-    return WirePrecision(forward, backward)
 
 
 def key_tables(configs: List[Any]) -> Dict[str, str]:
@@ -163,7 +146,7 @@ class EmbarkShardedEmbeddingBagCollection(CheckedInput, CountedModule, ShardedEm
             weighted=module.is_weighted(),
         )
         self._embark_shardings = [
-            i for i, s in enumerate(module_shardings(self)) if isinstance(s, GridPooledEmbeddingSharding)
+            i for i, s in enumerate(module_shardings(self)) if isinstance(s, BaseGridEmbeddingSharding)
         ]
         self._reduce_scatter_shardings = [  # TorchRec's types whose output dist reduce-scatters per rank
             i for i, t in enumerate(module_sharding_types(self)) if t in ("row_wise", "table_row_wise")
@@ -227,7 +210,7 @@ class EmbarkShardedEmbeddingBagCollection(CheckedInput, CountedModule, ShardedEm
                 qcomm_codecs_registry=qcomm_codecs_registry,
             )
         cluster, hierarchical, precision = parse_sharding_type(sharding_type)
-        codecs = wire_codecs(precision if precision != WirePrecision() else qcomms_precision(qcomm_codecs_registry))
+        codecs = cluster_codecs(precision, qcomm_codecs_registry, CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL)
         if cluster == "ub":
             return UniquePooledEmbeddingSharding(sharding_infos, env, device, qcomm_codecs_registry=codecs)
         return GridPooledEmbeddingSharding(

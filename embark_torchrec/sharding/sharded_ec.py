@@ -21,8 +21,8 @@ from torchrec.distributed.types import Awaitable, ParameterSharding, QuantizedCo
 from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from ..plan.layout import SHARDING_TYPE_PREFIX, WirePrecision, parse_sharding_type
-from .codecs import wire_codecs
+from ..plan.layout import SHARDING_TYPE_PREFIX, parse_sharding_type
+from .codecs import cluster_codecs
 from .comm_stats import CommStats, CountsComm
 from .input_exchange import CheckedInput, defer_kjt_all_to_alls
 from .sequence import (
@@ -31,7 +31,7 @@ from .sequence import (
     GridSequenceFeaturesDist,
     UniqueSequenceEmbeddingSharding,
 )
-from .sharded_ebc import CountedModule, key_tables, load_cells, qcomms_precision
+from .sharded_ebc import CountedModule, key_tables, load_cells
 from .sharder import check_sharder_mappings
 from .torchrec_compat import (
     is_virtual_table,
@@ -48,13 +48,6 @@ from .torchrec_compat import (
 from .torchrec_counting import KJTCounter, count_borrowed_dists
 from .unique import UniqueSparseFeaturesDist
 from .validation import INVALID_ID_POLICIES, InputValidator
-
-
-def sequence_qcomms_precision(registry: Optional[Dict[str, QuantizedCommCodecs]]) -> WirePrecision:
-    """The wire precision a sharder's QCommsConfig asks for on sequence all-to-alls (as
-    qcomms_precision reads the pooled ones)."""
-    codecs = (registry or {}).get(CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL.name)
-    return qcomms_precision({CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name: codecs} if codecs is not None else None)
 
 
 class EmbarkShardedEmbeddingCollection(CheckedInput, CountedModule, ShardedEmbeddingCollection):
@@ -98,9 +91,7 @@ class EmbarkShardedEmbeddingCollection(CheckedInput, CountedModule, ShardedEmbed
                 sharding_type, sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry
             )
         cluster, _, precision = parse_sharding_type(sharding_type)
-        codecs = wire_codecs(
-            precision if precision != WirePrecision() else sequence_qcomms_precision(qcomm_codecs_registry)
-        )
+        codecs = cluster_codecs(precision, qcomm_codecs_registry, CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL)
         sharding = UniqueSequenceEmbeddingSharding if cluster == "ub" else GridSequenceEmbeddingSharding
         return sharding(sharding_infos, env, device, qcomm_codecs_registry=codecs)
 

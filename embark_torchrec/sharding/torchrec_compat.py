@@ -138,16 +138,6 @@ def received_peer_order(a2a: Any, peers: int) -> List[int]:
     return [x + peers // stagger * y for x in range(peers // stagger) for y in range(stagger)]
 
 
-def qcomm_precisions(codecs: Any) -> tuple[str, str]:
-    """The forward and backward wire precisions of TorchRec qcomms codecs (fbgemm's
-    FbgemmQuantizedCommCodec keeps its SparseType in `_comm_precision`), as plan precision names."""
-    names = []
-    for codec in (codecs.forward, codecs.backward):
-        precision = getattr(codec, "_comm_precision", None)
-        names.append(str(getattr(precision, "name", precision)).lower())
-    return names[0], names[1]
-
-
 def collective_group(module: Any) -> Any:
     """The process group of one of TorchRec's collective modules (KJTAllToAll, PooledEmbeddingsAllToAll,
     PooledEmbeddingsReduceScatter: `_pg`)."""

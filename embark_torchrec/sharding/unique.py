@@ -20,6 +20,10 @@ holders are the ranks holding cells of that row slice.
   the gradients are summed per distinct ID, and one gradient row per distinct ID travels back to
   its holder.
 
+BaseUniqueEmbeddingSharding (the layout and the input dist) and BaseUniqueEmbeddingDist (the exchange of
+distinct vectors) are the generic bases of the pooled classes here and the sequence ones (sequence.py), which
+differ in the lookup and in how the sender expands the vectors.
+
 Host work per step is a fixed number of tensor ops and three host syncs more than TorchRec's
 table-wise (the unique, its counts, the counts received; 6 against 3 per training step at 2 ranks in
 benchmarks/host_overhead.py), whatever the number of tables. What the output dist needs from its batch's
@@ -28,8 +32,9 @@ input dist travels in that batch's context (UniqueShardingContext), so pipelined
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, TypeVar
 
 import numpy as np
 import torch
@@ -37,7 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torchrec.distributed.dist_data import KJTAllToAll
 from torchrec.distributed.embedding_sharding import BaseEmbeddingDist, BaseSparseFeaturesDist, EmbeddingShardingContext
-from torchrec.distributed.fbgemm_qcomm_codec import CommOp
+from torchrec.distributed.embedding_types import BaseEmbeddingLookup, BaseGroupedFeatureProcessor
 from torchrec.distributed.types import Awaitable, QuantizedCommCodecs
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -46,7 +51,7 @@ from .collectives import all_to_all
 from .batch_state import BatchStateHandover
 from .comm_stats import CountsComm, Ledger
 from .torchrec_compat import VARIABLE_BATCH_OPTIMIZERS, emb_dims_per_rank, sharding_group, supports_variable_batch
-from .grid import CellRoute, GridPooledEmbeddingSharding, _ledger_hook, bag_weights
+from .grid import BaseGridEmbeddingSharding, CellRoute, _ledger_hook, bag_weights, pooled_lookup
 from .variable_batch import FeatureMajor, RowGather, pad_to_uniform
 
 # the largest key space whose keys (IDs offset per feature and row slice) de-duplicate as int32
@@ -297,8 +302,15 @@ class _BagSum(torch.autograd.Function):
         return grad.new_zeros(ctx.rows, grad.size(1)).index_add_(0, index, per_id), None, None, None
 
 
-class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.Tensor, torch.Tensor], CountsComm):
-    """Sends each sender the vectors of its distinct IDs; the sender expands them into its bags."""
+C = TypeVar(
+    "C", bound=EmbeddingShardingContext
+)  # UniqueShardingContext, sequence.EmbarkSequenceContext: both carry the unique state
+
+
+class BaseUniqueEmbeddingDist(BaseEmbeddingDist[C, torch.Tensor, torch.Tensor], CountsComm):
+    """Sends each sender the vectors of its distinct IDs, which the sender then expands (`_expand`): into its
+    bags (UniquePooledEmbeddingDist) or one row per ID (sequence.UniqueSequenceEmbeddingDist). The generic
+    base of the two; a holder's padded lookup output comes in each one's own layout (`_sender_major`)."""
 
     def __init__(
         self,
@@ -317,10 +329,8 @@ class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.T
         self._cell_widths = np.asarray(layout.cell_widths_on[me], dtype=np.int64)
         self._full_width = layout.full_width()
         self._device = device
-        self._bag_orders: Dict[int, torch.Tensor] = {}  # per batch size: the bags' sample-major order
         self._feature_major = FeatureMajor(layout.dims, device)
         self._width = layout.dims[0] if layout.dims else 0
-        self._num_features = len(layout.features)
         # received blocks, in arrival order (holder, then its cells): group, width, first column
         blocks = [
             (g, w, c.col_start)
@@ -330,12 +340,7 @@ class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.T
         self._block_group = torch.tensor([b[0] for b in blocks], dtype=torch.int64, device=device)
         self._block_width = torch.tensor([b[1] for b in blocks], dtype=torch.int64, device=device)
         self._block_col = torch.tensor([b[2] for b in blocks], dtype=torch.int64, device=device)
-        max_dim = max(layout.dims) if layout.dims else 0
-        self._max_dim = max_dim
-        self._columns = torch.tensor(
-            [f * max_dim + j for f, d in enumerate(layout.dims) for j in range(d)], dtype=torch.int64, device=device
-        )
-        self._same_dims = len(set(layout.dims)) <= 1
+        self._max_dim = max(layout.dims) if layout.dims else 0
         # counting: the table of each cell of mine and of each block I receive
         table_index = {t: i for i, t in enumerate(dict.fromkeys(tables))}
         self._tables = list(table_index)
@@ -359,14 +364,13 @@ class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.T
             segments[m].append((r * w, w))
         return segments
 
-    def forward(
-        self, local_embs: torch.Tensor, sharding_ctx: Optional[UniqueShardingContext] = None
-    ) -> Awaitable[torch.Tensor]:
-        if sharding_ctx is None or sharding_ctx.unique is None or sharding_ctx.received_counts is None:
+    def forward(self, local_embs: torch.Tensor, sharding_ctx: Optional[C] = None) -> Awaitable[torch.Tensor]:
+        state: Optional[UniqueState] = getattr(sharding_ctx, "unique", None)
+        received: Optional[np.ndarray] = getattr(sharding_ctx, "received_counts", None)
+        if sharding_ctx is None or state is None or received is None:
             raise RuntimeError(
-                "UniquePooledEmbeddingDist needs its batch's UniqueShardingContext (set by the sharded EBC)"
+                f"{type(self).__name__} needs its batch's context with the unique state (set by the sharded module)"
             )
-        state, received = sharding_ctx.unique, sharding_ctx.received_counts
         world = self._world
         # what I send: per sender, per cell of mine, its distinct IDs' vectors (the lookup's order)
         per_cell = received[self._cell_pos]  # [cells, senders]
@@ -387,6 +391,82 @@ class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.T
         if sharding_ctx.variable_batch_per_feature:
             awaitable.callbacks.append(self._feature_major)
         return awaitable
+
+    @abc.abstractmethod
+    def _sender_major(self, padded: torch.Tensor, per_cell: np.ndarray) -> torch.Tensor:
+        """A padded lookup's output as the exchange sends it: sender by sender, cell by cell, row by row;
+        `per_cell`: [cells, senders] IDs received."""
+
+    @abc.abstractmethod
+    def _expand(self, vectors: torch.Tensor, state: UniqueState) -> torch.Tensor:
+        """The sender's output from the distinct vectors that came back."""
+
+    def _table(self, vectors: torch.Tensor, state: UniqueState) -> tuple[torch.Tensor, torch.Tensor]:
+        """The distinct vectors as the rows of one table, and each batch ID's row in it."""
+        if self._full_width:  # the vectors are rows already, block by block: shift each key's row
+            # by where its group's block starts (from the host counts: a handful of ops, no scatter)
+            counts = np.asarray(state.group_counts, dtype=np.int64)
+            block_rows = counts[self._block_group_host]
+            shift = np.empty_like(counts)
+            shift[self._block_group_host] = np.cumsum(block_rows) - block_rows
+            shift -= np.cumsum(counts) - counts
+            # (non-blocking: a pageable host buffer is staged at once, the host does not wait on the device)
+            key_shift = torch.from_numpy(shift).to(state.inverse.device, non_blocking=True)[state.key_group]
+            return vectors.view(-1, self._width), state.inverse + key_shift[state.inverse]
+        # otherwise scatter every received element into a [keys, widest dim] table
+        counts = state.counts
+        group_first_key = torch.cumsum(counts, 0) - counts
+        block_rows = counts[self._block_group]
+        block, offset = _element_blocks(block_rows * self._block_width, vectors.numel())
+        width = self._block_width[block]
+        row = group_first_key[self._block_group][block] + torch.div(offset, width, rounding_mode="floor")
+        dest = row * self._max_dim + self._block_col[block] + torch.remainder(offset, width)
+        keys = state.key_group.numel()
+        table = vectors.new_zeros(keys * self._max_dim).index_copy(0, dest, vectors)
+        return table.view(keys, self._max_dim), state.inverse
+
+    def _ledger(self, per_cell: np.ndarray, counts: np.ndarray) -> Ledger:
+        """Vectors each way, per table and peer: what I send per cell and sender, what I receive per block."""
+        assert self.comm_stats is not None
+        ledger = Ledger(self.comm_stats, self.comm_sharding_type, list(range(self._world)))
+        world = self._world
+        cells = len(self._cell_pos)
+        rows = per_cell.reshape(-1)
+        ledger.add_many(
+            self._tables,
+            np.repeat(self._cell_table, world),
+            np.tile(np.arange(world), cells),
+            False,
+            rows * np.repeat(self._cell_widths, world),
+            rows,
+        )
+        block_rows = counts[self._block_group_host]
+        ledger.add_many(
+            self._tables, self._block_table, self._block_rank, True, block_rows * self._block_width_host, block_rows
+        )
+        return ledger
+
+
+class UniquePooledEmbeddingDist(BaseUniqueEmbeddingDist[UniqueShardingContext]):
+    """The UB dist for pooled tables: the sender pools the distinct vectors into its bags (module docstring)."""
+
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        layout: UniqueLayout,
+        tables: List[str],
+        device: torch.device,
+        codecs: Optional[QuantizedCommCodecs] = None,
+    ) -> None:
+        super().__init__(pg, layout, tables, device, codecs)
+        self._bag_orders: Dict[int, torch.Tensor] = {}  # per batch size: the bags' sample-major order
+        self._num_features = len(layout.features)
+        self._columns = torch.tensor(
+            [f * self._max_dim + j for f, d in enumerate(layout.dims) for j in range(d)],
+            dtype=torch.int64,
+            device=device,
+        )
+        self._same_dims = len(set(layout.dims)) <= 1
 
     def _sender_major(self, padded: torch.Tensor, per_cell: np.ndarray) -> torch.Tensor:
         """A padded lookup's output ([longest cell, my width]; cell c's IDs from sender s in rows
@@ -422,30 +502,6 @@ class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.T
         source = row * padded.size(1) + torch.tensor(columns, device=device)[block] + torch.remainder(offset, width)
         return padded.reshape(-1)[source]
 
-    def _table(self, vectors: torch.Tensor, state: UniqueState) -> tuple[torch.Tensor, torch.Tensor]:
-        """The distinct vectors as the rows of one table, and each batch ID's row in it."""
-        if self._full_width:  # the vectors are rows already, block by block: shift each key's row
-            # by where its group's block starts (from the host counts: a handful of ops, no scatter)
-            counts = np.asarray(state.group_counts, dtype=np.int64)
-            block_rows = counts[self._block_group_host]
-            shift = np.empty_like(counts)
-            shift[self._block_group_host] = np.cumsum(block_rows) - block_rows
-            shift -= np.cumsum(counts) - counts
-            # (non-blocking: a pageable host buffer is staged at once, the host does not wait on the device)
-            key_shift = torch.from_numpy(shift).to(state.inverse.device, non_blocking=True)[state.key_group]
-            return vectors.view(-1, self._width), state.inverse + key_shift[state.inverse]
-        # otherwise scatter every received element into a [keys, widest dim] table
-        counts = state.counts
-        group_first_key = torch.cumsum(counts, 0) - counts
-        block_rows = counts[self._block_group]
-        block, offset = _element_blocks(block_rows * self._block_width, vectors.numel())
-        width = self._block_width[block]
-        row = group_first_key[self._block_group][block] + torch.div(offset, width, rounding_mode="floor")
-        dest = row * self._max_dim + self._block_col[block] + torch.remainder(offset, width)
-        keys = state.key_group.numel()
-        table = vectors.new_zeros(keys * self._max_dim).index_copy(0, dest, vectors)
-        return table.view(keys, self._max_dim), state.inverse
-
     def _sample_major(self, stride: int) -> torch.Tensor:
         """The bags in sample-major order (bag s * features + f is feature-major bag f * stride + s),
         built once per batch size: pooling them in this order gives the [stride, features x width]
@@ -468,30 +524,10 @@ class UniquePooledEmbeddingDist(BaseEmbeddingDist[UniqueShardingContext, torch.T
         out = pooled.view(stride, self._num_features * pooled.size(1))
         return out if self._same_dims else out.index_select(1, self._columns)
 
-    def _ledger(self, per_cell: np.ndarray, counts: np.ndarray) -> Ledger:
-        """Vectors each way, per table and peer: what I send per cell and sender, what I receive per block."""
-        assert self.comm_stats is not None
-        ledger = Ledger(self.comm_stats, self.comm_sharding_type, list(range(self._world)))
-        world = self._world
-        cells = len(self._cell_pos)
-        rows = per_cell.reshape(-1)
-        ledger.add_many(
-            self._tables,
-            np.repeat(self._cell_table, world),
-            np.tile(np.arange(world), cells),
-            False,
-            rows * np.repeat(self._cell_widths, world),
-            rows,
-        )
-        block_rows = counts[self._block_group_host]
-        ledger.add_many(
-            self._tables, self._block_table, self._block_rank, True, block_rows * self._block_width_host, block_rows
-        )
-        return ledger
 
-
-class UniquePooledEmbeddingSharding(GridPooledEmbeddingSharding):
-    """Embark's UB cluster: the grid's cells, with de-duplicating dists (module docstring)."""
+class BaseUniqueEmbeddingSharding(BaseGridEmbeddingSharding[C]):
+    """Embark's UB cluster: the grid's cells, with the de-duplicating input dist (module docstring). The
+    generic base of the pooled and the sequence UB shardings, which differ in their lookups and output dists."""
 
     def unique_layout(self) -> UniqueLayout:
         """The static routing, built once from the cells (after the sharding is built)."""
@@ -515,18 +551,6 @@ class UniquePooledEmbeddingSharding(GridPooledEmbeddingSharding):
             pg, self.unique_layout(), self._weighted, self._feature_mean, self.dist_device(device)
         )
 
-    def create_output_dist(self, device: Optional[torch.device] = None) -> UniquePooledEmbeddingDist:  # type: ignore[override]
-        pg = sharding_group(self)
-        assert pg is not None
-        registry = self.qcomm_codecs_registry or {}
-        return UniquePooledEmbeddingDist(
-            pg,
-            self.unique_layout(),
-            self._feature_tables,
-            self.dist_device(device),
-            registry.get(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name),
-        )
-
     def lookup_input(
         self, received: KeyedJaggedTensor, lookup: torch.nn.Module, mode: str
     ) -> tuple[KeyedJaggedTensor, np.ndarray]:
@@ -547,4 +571,23 @@ class UniquePooledEmbeddingSharding(GridPooledEmbeddingSharding):
             variable_batch = self._variable_batch = mode == "variable_batch" or (mode == "auto" and capable and on_gpu)
         return unique_lookup_input(
             received, self.unique_layout(), rank, self.feature_names_per_rank()[rank], variable_batch
+        )
+
+
+class UniquePooledEmbeddingSharding(BaseUniqueEmbeddingSharding[UniqueShardingContext]):
+    """Embark's UB cluster for pooled tables: TorchRec's pooled lookup of the cells, bags pooled by the sender."""
+
+    def create_lookup(
+        self,
+        device: Optional[torch.device] = None,
+        fused_params: Optional[Dict[str, Any]] = None,
+        feature_processor: Optional[BaseGroupedFeatureProcessor] = None,
+    ) -> BaseEmbeddingLookup:
+        return pooled_lookup(self, device, feature_processor)
+
+    def create_output_dist(self, device: Optional[torch.device] = None) -> UniquePooledEmbeddingDist:  # type: ignore[override]
+        pg = sharding_group(self)
+        assert pg is not None
+        return UniquePooledEmbeddingDist(
+            pg, self.unique_layout(), self._feature_tables, self.dist_device(device), self.wire_codecs()
         )
