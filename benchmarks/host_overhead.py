@@ -7,16 +7,18 @@ counts them (embark_torchrec.testing.host_work.HostWorkCounter) on rank 0, for o
 backward with the fused SGD optimizer in backward) after warm-up, and also times steps.
 
 Types: TorchRec's "table_wise" (table i on rank i mod ranks) and "row_wise" (rows in ceil blocks over all ranks),
-the baselines, at fp32; our flat grid "embark_rb" (each table a 2x2 grid of row x column slices spread over the
-ranks, which TorchRec cannot express), hierarchical grid "embark_rb_hier" (row slices of a column on one node,
-reduced there first; only with 2 or more nodes, i.e. 4 ranks) and unique-based "embark_ub" (rows split over two
-ranks) and "embark_ub_tw" (each table whole on one rank, placed as table-wise: UB's own cost), each at wire
-precision fp32, fp16 and fp8. Tables: 1,000 rows x dim 16, one feature each, batch 256 per
-rank; --bags multi-hot: ~2 IDs per bag (1-4, a quarter of the bags empty), one-hot: one ID per bag (as Criteo's
-DLRM; UB then sends as many vectors as table-wise when IDs do not repeat, so its time is its own host work); --ids
-nonrepeating: no ID twice in a rank's batch of a feature, zipf: Zipf(1.1). Ranks: gloo, 2 (one node) or 4 (2 nodes
-x 2). All configurations of one world size run in one spawn of ranks; step times are medians over steps, then over
---rounds rounds that interleave all types.
+the baselines, at fp32 and, from the plan, fp16 (TorchRec's shardings with the plan's codecs as their registry; fp8
+runs on ours); "table_wise_qcomms" and "row_wise_qcomms": the same at fp32 in the plan with the sharder's
+QCommsConfig at fp16, TorchRec's own way to compress (so each pair should count alike); our flat grid "embark_rb"
+(each table a 2x2 grid of row x column slices spread over the ranks, which TorchRec cannot express), hierarchical
+grid "embark_rb_hier" (row slices of a column on one node, reduced there first; only with 2 or more nodes, i.e. 4
+ranks) and unique-based "embark_ub" (rows split over two ranks) and "embark_ub_tw" (each table whole on one rank,
+placed as table-wise: UB's own cost), each at wire precision fp32, fp16 and fp8. Tables: 1,000 rows x dim 16, one
+feature each, batch 256 per rank; --bags multi-hot: ~2 IDs per bag (1-4, a quarter of the bags empty), one-hot: one
+ID per bag (as Criteo's DLRM; UB then sends as many vectors as table-wise when IDs do not repeat, so its time is its
+own host work); --ids nonrepeating: no ID twice in a rank's batch of a feature, zipf: Zipf(1.1). Ranks: gloo, 2 (one
+node) or 4 (2 nodes x 2). All configurations of one world size run in one spawn of ranks; step times are medians
+over steps, then over --rounds rounds that interleave all types.
 Ratios (x tw) are against TorchRec's table-wise at the same tables and ranks.
 
     python benchmarks/host_overhead.py [--tables 8,64,512] [--ranks 2,4] [--types table_wise,row_wise,embark_rb,...]
@@ -38,11 +40,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs_registry
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embark_torchrec.plan.groups import sharding_type
-from embark_torchrec.plan.layout import TableLayout, WirePrecision, sharding_type_name
+from embark_torchrec.plan.layout import TableLayout, WirePrecision, precision_suffix, sharding_type_name
+from embark_torchrec.plan.wire import ROW_SCALED_PRECISIONS
 from embark_torchrec.testing import global_kjt_batch, run_ranks
 from embark_torchrec.testing.host_work import HostWorkCounter
 from embark_torchrec.testing.training import sharded_model
@@ -51,6 +55,9 @@ ROWS, DIM, LOCAL_WORLD_SIZE = 1_000, 16, 2
 ROW_CUT = 400  # our grids cut rows unevenly, at 400
 BASELINE = "table_wise"
 TORCHREC_TYPES = ("table_wise", "row_wise")
+QCOMMS = "_qcomms"  # TorchRec's type with the sharder's QCommsConfig at the row's precision
+QCOMMS_TYPES = tuple(t + QCOMMS for t in TORCHREC_TYPES)
+QCOMMS_PRECISIONS = {"fp16": CommType.FP16}  # (on CPU TorchRec runs bf16 as fp16, and has no fp8 kernel)
 OUR_TYPES = ("embark_rb", "embark_rb_hier", "embark_ub", "embark_ub_tw")
 PRECISIONS = ("fp32", "fp16", "fp8")
 IDS = {"nonrepeating": "distinct", "zipf": "zipf"}  # --ids -> global_kjt_batch's ids
@@ -61,6 +68,7 @@ COUNTS = ("aten_ops", "host_syncs", "blocking_collectives", "ms")
 
 def _layout(kind: str, i: int, ws: int) -> TableLayout:
     """Table i's layout for a sharding type; the placement rotates with i so that every rank holds work."""
+    kind = kind.removesuffix(QCOMMS)
     if kind == "table_wise":
         return TableLayout.table_wise(ROWS, DIM, i % ws)
     if kind == "row_wise":
@@ -80,22 +88,38 @@ def _layout(kind: str, i: int, ws: int) -> TableLayout:
 
 
 def _configs(types: list[str], precisions: list[str], ws: int) -> list[tuple[str, str]]:
-    """(type, precision) pairs to run at this world size; TorchRec's types at fp32 only, hier only across nodes."""
+    """(type, precision) pairs to run at this world size; TorchRec's types at element-wise precisions, with
+    QCommsConfig at those it has on CPU, hier only across nodes."""
     out = []
     for kind in types:
         if kind == "embark_rb_hier" and ws // LOCAL_WORLD_SIZE < 2:
             continue
-        for precision in ["fp32"] if kind in TORCHREC_TYPES else precisions:
-            out.append((kind, precision))
+        if kind in TORCHREC_TYPES:
+            chosen = [p for p in precisions if p not in ROW_SCALED_PRECISIONS]
+        elif kind in QCOMMS_TYPES:
+            chosen = [p for p in precisions if p in QCOMMS_PRECISIONS]
+        else:
+            chosen = precisions
+        out += [(kind, precision) for precision in chosen]
     return out
+
+
+def _qcomms(kind: str, precision: str) -> dict[str, Any] | None:
+    """The sharder's codec registry of a QCommsConfig type, None for the others."""
+    if kind not in QCOMMS_TYPES:
+        return None
+    p = QCOMMS_PRECISIONS[precision]
+    return get_qcomm_codecs_registry(QCommsConfig(forward_precision=p, backward_precision=p))
 
 
 def _layouts(tables: list[EmbeddingBagConfig], kind: str, precision: str, ws: int) -> dict[str, TableLayout]:
     layouts = {}
+    plan_precision = WirePrecision() if kind in QCOMMS_TYPES else WirePrecision(precision, precision)
     for i, t in enumerate(tables):
-        layout = dataclasses.replace(_layout(kind, i, ws), precision=WirePrecision(precision, precision))
+        layout = dataclasses.replace(_layout(kind, i, ws), precision=plan_precision)
         runs_as = sharding_type(layout, ROWS, ws, LOCAL_WORLD_SIZE)
-        expected = kind if kind in TORCHREC_TYPES else sharding_type_name(layout)
+        builtin = kind.removesuffix(QCOMMS) + precision_suffix(plan_precision)
+        expected = sharding_type_name(layout) if kind in OUR_TYPES else builtin
         assert runs_as == expected, f"{kind} {precision}: table {t.name} would run as {runs_as}"
         layouts[t.name] = layout
     return layouts
@@ -145,7 +169,12 @@ def _run(
         models = {}
         found = {}
         for kind, precision in configs:
-            model = sharded_model(tables, _layouts(tables, kind, precision, ws), LOCAL_WORLD_SIZE)
+            model = sharded_model(
+                tables,
+                _layouts(tables, kind, precision, ws),
+                LOCAL_WORLD_SIZE,
+                qcomm_codecs_registry=_qcomms(kind, precision),
+            )
             for s in range(warmup):
                 _step(model, batches[s % BATCHES])
             with HostWorkCounter() as counter:
@@ -173,7 +202,7 @@ def _run(
 
 def _ratios(rows: list[dict[str, Any]]) -> None:
     """Adds "<count>_x_tw": each count over TorchRec table-wise's at the same tables and ranks (None: no baseline)."""
-    base = {(r["tables"], r["ranks"]): r for r in rows if r["type"] == BASELINE}
+    base = {(r["tables"], r["ranks"]): r for r in rows if r["type"] == BASELINE and r["precision"] == "fp32"}
     for r in rows:
         b = base.get((r["tables"], r["ranks"]))
         for key in COUNTS:
@@ -208,7 +237,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tables", type=lambda s: _csv(s, int), default=[8, 64, 512])
     p.add_argument("--ranks", type=lambda s: _csv(s, int), default=[2, 4])
-    p.add_argument("--types", type=_csv, default=list(TORCHREC_TYPES + OUR_TYPES))
+    p.add_argument("--types", type=_csv, default=list(TORCHREC_TYPES + QCOMMS_TYPES + OUR_TYPES))
     p.add_argument("--precisions", type=_csv, default=list(PRECISIONS))
     p.add_argument("--ids", choices=sorted(IDS), default="nonrepeating")
     p.add_argument("--bags", choices=sorted(BAGS), default="multi-hot")
@@ -220,8 +249,8 @@ def main() -> None:
     p.add_argument("--json", type=Path, help="also write the rows (with per-op sync counts) here")
     args = p.parse_args()
     for kind in args.types:
-        if kind not in TORCHREC_TYPES + OUR_TYPES:
-            p.error(f"unknown type {kind!r}; choose from {TORCHREC_TYPES + OUR_TYPES}")
+        if kind not in TORCHREC_TYPES + QCOMMS_TYPES + OUR_TYPES:
+            p.error(f"unknown type {kind!r}; choose from {TORCHREC_TYPES + QCOMMS_TYPES + OUR_TYPES}")
     for precision in args.precisions:
         if precision not in PRECISIONS:
             p.error(f"unknown precision {precision!r}; choose from {PRECISIONS}")

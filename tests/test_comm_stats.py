@@ -1,13 +1,14 @@
 """Communication accounting: the bytes the runtime counts equal the bytes the cost model predicts.
 
 One 4-rank spawn (2 nodes x 2) trains one step of a model holding an RB grid (flat), an RB grid with hierarchical
-reduction and two cells of a row slice on one rank, another at fp8 on the wire, table-wise and column-wise tables
-on TorchRec's own shardings, row-wise and table-row-wise ones (TorchRec's reduce-scatters, counted per sharding
-group, each holding one table here), three UB tables (a grid at fp16/bf16 on the wire, a row split, a row split at
-fp8/fp16) and a DP table, on Zipf IDs. The counters measure the payloads handed to each collective (the KJT
-tensors; our all-to-alls' encoded payload per member, which the per-table split must add up to, or counting
-raises). Every rank's counted bytes, per table, kind (ids, lengths, embeddings, gradients) and peer, must equal
-traffic.table_messages given the batch's actual IDs per row slice (RB) and distinct IDs per row slice (UB), exactly.
+reduction and two cells of a row slice on one rank, another at fp8 on the wire, table-wise and column-wise tables on
+TorchRec's own shardings, row-wise and table-row-wise ones (TorchRec's reduce-scatters, counted per sharding group,
+each holding one table here), three UB tables (a grid at fp16/bf16 on the wire, a row split, a row split at
+fp8/fp16) and a DP table, and TorchRec's table-wise, row-wise and table-row-wise at fp16 / bf16, on Zipf IDs. The
+counters measure the payloads handed to each collective (the KJT tensors; our all-to-alls' encoded payload per
+member, which the per-table split must add up to, or counting raises). Every rank's counted bytes, per table, kind
+(ids, lengths, embeddings, gradients) and peer, must equal traffic.table_messages given the batch's actual IDs per
+row slice (RB) and distinct IDs per row slice (UB), exactly.
 
 The module's split exchange (sharding/input_exchange.py: every group's split sizes and the rank's input-fault record,
 once per module and batch) is counted as "metadata": per rank and peer it must equal traffic.split_exchange_messages
@@ -59,6 +60,9 @@ TABLES = [
     EmbeddingBagConfig(name="rb_hier_bf16", num_embeddings=32, embedding_dim=8, feature_names=["b"]),
     EmbeddingBagConfig(name="rb_flat_fp8", num_embeddings=28, embedding_dim=12, feature_names=["z0", "z1"]),
     EmbeddingBagConfig(name="twrw", num_embeddings=18, embedding_dim=4, feature_names=["x"]),
+    EmbeddingBagConfig(name="tw_fp16", num_embeddings=20, embedding_dim=8, feature_names=["t16"]),
+    EmbeddingBagConfig(name="rw_bf16", num_embeddings=20, embedding_dim=8, feature_names=["w16"]),
+    EmbeddingBagConfig(name="twrw_fp16", num_embeddings=14, embedding_dim=4, feature_names=["x16"]),
 ]
 LAYOUTS = {
     "rb_flat": TableLayout("rb", (0, 13, 40), (0, 8, 16), ((0, 1), (3, 2))),
@@ -79,9 +83,18 @@ LAYOUTS = {
     ),
     "rb_flat_fp8": TableLayout("rb", (0, 14, 28), (0, 4, 12), ((0, 2), (2, 1)), WirePrecision("fp8", "fp8")),
     "twrw": TableLayout("rb", (0, 9, 18), (0, 4), ((2,), (3,)), hierarchical=True),  # TorchRec's table-row-wise
+    # TorchRec's own shardings at fp16 / bf16, the plan's codecs as their registry
+    "tw_fp16": TableLayout("rb", (0, 20), (0, 8), ((2,),), WirePrecision("fp16", "bf16")),
+    "rw_bf16": TableLayout("rb", (0, 5, 10, 15, 20), (0, 8), ((0,), (1,), (2,), (3,)), WirePrecision("bf16", "fp16")),
+    "twrw_fp16": TableLayout("rb", (0, 7, 14), (0, 4), ((0,), (1,)), WirePrecision("fp16", "fp16"), hierarchical=True),
 }
 # TorchRec's reduce-scatters count a whole sharding group at once ("*"); each of these groups holds one table
-GROUP_OF_ONE = {"row_wise": "rw", "table_row_wise": "twrw"}
+GROUP_OF_ONE = {
+    "row_wise": "rw",
+    "table_row_wise": "twrw",
+    "row_wise:bf16-fp16": "rw_bf16",
+    "table_row_wise:fp16-fp16": "twrw_fp16",
+}
 
 
 def _batches(tables: list[EmbeddingBagConfig] = TABLES) -> list[KeyedJaggedTensor]:
@@ -266,6 +279,7 @@ def test_every_cluster_is_counted_and_printable(results: list[dict[str, Any]]) -
         assert {"embark_rb", "embark_rb_hier", "embark_ub", "table_wise", "column_wise"} <= {
             c.split(":")[0] for c in r["sharding_types"]
         }
+        assert {"table_wise:fp16-bf16", "row_wise:bf16-fp16", "table_row_wise:fp16-fp16"} <= set(r["sharding_types"])
         t = r["totals"]
         assert t["sent"] == t["sent_intra"] + t["sent_inter"] and t["sent_inter"] > 0
         for name in (
@@ -280,5 +294,6 @@ def test_every_cluster_is_counted_and_printable(results: list[dict[str, Any]]) -
             "rb_fp16",
             "rb_flat_fp8",
             "rb_hier_bf16",
+            "tw_fp16",
         ):
             assert name in r["render"]

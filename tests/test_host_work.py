@@ -4,7 +4,9 @@ On a GPU the host must run ahead of the device: a collective without async_op=Tr
 it, and host work per table makes a step of many tables host-bound. HostWorkCounter counts those on CPU. One
 4-rank spawn (2 nodes x 2, so the hierarchical grid has two nodes) trains every sharding type we emit, at every
 wire precision, and TorchRec's table-wise, at 4 and at 16 tables, and counts the second training step (the first
-builds the lazily created dists). The unit tests check the counter itself.
+builds the lazily created dists). TorchRec's table-wise and row-wise tables at fp16 from the plan (TorchRec's
+shardings, the plan's codecs as their registry) are counted beside the same tables at fp32 with the sharder's
+QCommsConfig at fp16, TorchRec's own way. The unit tests check the counter itself.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs_registry
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embark_torchrec.plan.groups import module_collectives_per_step, sharding_type
-from embark_torchrec.plan.layout import TableLayout, WirePrecision, sharding_type_name
+from embark_torchrec.plan.layout import TableLayout, WirePrecision, precision_suffix, sharding_type_name
 from embark_torchrec.testing import global_kjt_batch, run_ranks
 from embark_torchrec.testing.host_work import COLLECTIVES, HostWorkCounter
 from embark_torchrec.testing.training import sharded_model
@@ -35,6 +38,10 @@ BASELINE = "table_wise:fp32"
 OPS_GROWTH, OPS_SLACK = 1.5, 10  # aten ops at 16 tables <= ops at 4 tables * growth + slack
 SYNC_MARGIN = 4  # our syncs <= TorchRec table-wise's + margin
 OPS_RATIO = 2.0  # our aten ops <= TorchRec table-wise's x ratio
+# TorchRec's types at fp16 from the plan, each against the same type at fp32 with QCommsConfig(fp16)
+TORCHREC_AT_FP16 = ("table_wise:fp16", "row_wise:fp16")
+QCOMMS = ":qcomms"
+FP16_QCOMMS = QCommsConfig(forward_precision=CommType.FP16, backward_precision=CommType.FP16)
 # the hierarchical grid's fp8 encodes and decodes on both of its hops (8 codec calls a step, ~9 ops each)
 OVER_OPS_RATIO = {"embark_rb_hier:fp8"}
 
@@ -43,6 +50,9 @@ def _layout(kind: str, i: int, precision: str) -> TableLayout:
     """Table i's layout; placements rotate with i, so every rank holds cells of several tables."""
     if kind == "table_wise":
         layout = TableLayout.table_wise(ROWS, DIM, i % WS)
+    elif kind == "row_wise":  # TorchRec's ceil blocks over every rank
+        step = -(-ROWS // WS)
+        layout = TableLayout("rb", tuple(range(0, ROWS, step)) + (ROWS,), (0, DIM), tuple((k,) for k in range(WS)))
     elif kind == "embark_rb":  # a 2x2 grid over four ranks
         layout = TableLayout(
             "rb", (0, 15, ROWS), (0, 4, DIM), tuple(tuple((i + 2 * r + c) % WS for c in range(2)) for r in range(2))
@@ -70,12 +80,17 @@ def _count_steps() -> dict[str, dict[str, Any]]:
             EmbeddingBagConfig(name=f"t{i}", num_embeddings=ROWS, embedding_dim=DIM, feature_names=[f"f{i}"])
             for i in range(n)
         ]
-        for case in [BASELINE, *OUR_CASES]:
-            kind, precision = case.split(":")
-            layouts = {t.name: _layout(kind, i, precision) for i, t in enumerate(tables)}
+        for case in [BASELINE, *OUR_CASES, *TORCHREC_AT_FP16, *(c + QCOMMS for c in TORCHREC_AT_FP16)]:
+            kind, precision, *qcomms = case.split(":")
+            plan_precision = "fp32" if qcomms else precision
+            layouts = {t.name: _layout(kind, i, plan_precision) for i, t in enumerate(tables)}
             runs_as = {sharding_type(layout, ROWS, WS, LWS) for layout in layouts.values()}
-            assert runs_as == {kind if kind == "table_wise" else sharding_type_name(layouts["t0"])}, (case, runs_as)
-            model = sharded_model(tables, layouts, LWS)
+            expected = (
+                sharding_type_name(layouts["t0"]) if kind in OURS else kind + precision_suffix(layouts["t0"].precision)
+            )
+            assert runs_as == {expected}, (case, runs_as)
+            registry = get_qcomm_codecs_registry(FP16_QCOMMS) if qcomms else None
+            model = sharded_model(tables, layouts, LWS, qcomm_codecs_registry=registry)
             first, second = (global_kjt_batch(tables, WS, BATCH, seed=s)[rank] for s in range(2))
             _step(model, first)
             with HostWorkCounter() as counter:
@@ -211,3 +226,18 @@ def test_aten_ops_at_most_twice_torchrec_table_wise(counts: list[dict[str, dict[
         assert ours["aten_ops"] <= base["aten_ops"] * OPS_RATIO, (
             f"{case}, {n} tables: ours {_show(ours)}; torchrec table_wise {_show(base)}"
         )
+
+
+@pytest.mark.parametrize("case", TORCHREC_AT_FP16)
+def test_torchrec_types_at_the_plans_precision_work_as_with_qcomms(
+    counts: list[dict[str, dict[str, Any]]], case: str
+) -> None:
+    """TorchRec's table-wise and row-wise sharding at fp16 from the plan dispatches the same aten ops, host syncs and
+    collectives (none blocking) as the same tables at fp32 with the sharder's QCommsConfig(fp16) (every rank): the
+    plan's precision is TorchRec's own compression, not a detour through our dists."""
+    for n in TABLE_COUNTS:
+        for rank, c in enumerate(counts):
+            ours, theirs = c[f"{case}:{n}"], c[f"{case}{QCOMMS}:{n}"]
+            for field in ("aten_ops", "host_syncs", "collectives"):
+                assert ours[field] == theirs[field], f"{case}, {n} tables, rank {rank}: {_show(ours)}; {_show(theirs)}"
+            assert ours["blocking_collectives"] == 0

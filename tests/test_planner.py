@@ -258,8 +258,12 @@ BUILTIN_CASES = {
     "table-row-wise shuffled": (_rows(_ceil(ROWS, L), [L + 1, L] + list(range(L + 2, 2 * L)), hier=True), None),
     "ub table-wise": (TableLayout("ub", (0, ROWS), (0, 64), ((3,),)), None),
     "ub row-wise": (_rows(_ceil(ROWS, W), list(range(W)), cluster="ub"), None),
-    "fp16 table-wise": (TableLayout("rb", (0, ROWS), (0, 64), ((3,),), FP16), None),
-    "bf16 backward row-wise": (_rows(_ceil(ROWS, W), list(range(W)), precision=WirePrecision("fp32", "bf16")), None),
+    "fp16 table-wise": (TableLayout("rb", (0, ROWS), (0, 64), ((3,),), FP16), "table_wise"),
+    "bf16 backward row-wise": (
+        _rows(_ceil(ROWS, W), list(range(W)), precision=WirePrecision("fp32", "bf16")),
+        "row_wise",
+    ),
+    "fp8 backward table-wise": (TableLayout("rb", (0, ROWS), (0, 64), ((3,),), WirePrecision("fp16", "fp8")), None),
     "fp8 column-wise": (TableLayout("rb", (0, ROWS), (0, 32, 64), ((3, 4),), WirePrecision("fp8", "fp32")), None),
     "grid": (TableLayout("rb", (0, 500, ROWS), (0, 32, 64), ((0, 1), (2, 3))), None),
     "grid hier": (TableLayout("rb", (0, 500, ROWS), (0, 32, 64), ((0, 1), (2, 3)), hierarchical=True), None),
@@ -270,8 +274,8 @@ BUILTIN_CASES = {
 def test_builtin_sharding_type(case: str) -> None:
     """A layout maps to the torchrec sharding type that runs it exactly: DP, table-wise,
     column-wise, row-wise only as torchrec's ceil blocks on ranks 0..W-1 (flat), table-row-wise only
-    as ceil blocks on one whole node's ranks in order (hierarchical); None for uneven rows, UB,
-    reduced precision, grids and any other rank order."""
+    as ceil blocks on one whole node's ranks in order (hierarchical), at fp32, fp16 or bf16; None for uneven
+    rows, UB, fp8 on the wire either way, grids and any other rank order."""
     layout, expected = BUILTIN_CASES[case]
     layout.validate("t", ROWS, 64, W)
     assert builtin_sharding_type(layout, ROWS, W, L) == expected
@@ -394,11 +398,18 @@ def test_from_sharding_plan_inverts_module_sharding_plan() -> None:
 
 def test_from_sharding_plan_keeps_embark_types() -> None:
     """from_sharding_plan(module_sharding_plan(plan)) == plan also for UB tables, hierarchical RB
-    grids and reduced wire precision, whose cluster, hierarchy and precision the sharding type names."""
+    grids and reduced wire precision, whose cluster, hierarchy and precision the sharding type names (TorchRec's
+    table-wise at fp16 / bf16 too, and its table-row-wise at fp16)."""
     spec = ModelSpec(
         "rt2",
         4096,
-        (TableSpec("ub", 1000, 64, 1.0), TableSpec("hier", 1000, 64, 1.0), TableSpec("fp16_table", 1000, 64, 1.0)),
+        (
+            TableSpec("ub", 1000, 64, 1.0),
+            TableSpec("hier", 1000, 64, 1.0),
+            TableSpec("fp16_table", 1000, 64, 1.0),
+            TableSpec("fp8_table", 1000, 64, 1.0),
+            TableSpec("twrw_fp16", 1000, 64, 1.0),
+        ),
     )
     plan = Plan(
         W,
@@ -407,9 +418,14 @@ def test_from_sharding_plan_keeps_embark_types() -> None:
             "ub": TableLayout("ub", (0, 400, 1000), (0, 64), ((1,), (9,))),
             "hier": TableLayout("rb", (0, 500, 1000), (0, 32, 64), ((0, 1), (8, 9)), hierarchical=True),
             "fp16_table": TableLayout("rb", (0, 1000), (0, 64), ((5,),), WirePrecision("fp16", "bf16")),
+            "fp8_table": TableLayout("rb", (0, 1000), (0, 64), ((6,),), WirePrecision("fp8", "fp16")),
+            "twrw_fp16": _rows(_ceil(1000, L), list(range(L, 2 * L)), hier=True, precision=FP16),
         },
     )
     sharding_plan = ShardingPlan(plan={"": module_sharding_plan(plan, spec)})
+    kinds = {name: ps.sharding_type for name, ps in sharding_plan.plan[""].items()}
+    assert kinds["fp16_table"] == "table_wise:fp16-bf16" and kinds["twrw_fp16"] == "table_row_wise:fp16-fp16"
+    assert kinds["fp8_table"] == "embark_rb:fp8-fp16"
     assert from_sharding_plan(sharding_plan, Topology(W, L)) == plan
 
 

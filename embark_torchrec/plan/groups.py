@@ -18,8 +18,17 @@ from collections.abc import Iterable
 from dataclasses import replace
 from functools import lru_cache
 
-from .layout import TableLayout, ceil_row_bounds, parse_sharding_type, sharding_type_name
-from .wire import EMBARK_ID_BYTES, TORCHREC_ID_BYTES
+from .layout import (
+    SHARDING_TYPE_PREFIX,
+    TableLayout,
+    WirePrecision,
+    ceil_row_bounds,
+    parse_sharding_type,
+    precision_suffix,
+    sharding_type_name,
+    split_precision,
+)
+from .wire import EMBARK_ID_BYTES, ROW_SCALED_PRECISIONS, TORCHREC_ID_BYTES
 
 DATA_PARALLEL = "data_parallel"
 # collectives per training step of one group, forward and backward: the KJT input dist's tensors
@@ -54,12 +63,13 @@ def builtin_sharding_type(layout: TableLayout, rows: int, world_size: int, local
     """The torchrec sharding type that runs this layout exactly, or None.
 
     RW and TWRW only when the row bounds are torchrec's own ceil blocks on the ranks it would use
-    (its bucketizer ignores our bounds), none of them empty (a 0-row shard crashes the CPU TBE),
-    and only at fp32 (qcomms in torchrec are per module).
+    (its bucketizer ignores our bounds), none of them empty (a 0-row shard crashes the CPU TBE).
+    At any element-wise wire precision (fp32, fp16, bf16: the codecs reach TorchRec's dists as a
+    registry per group, see sharding_type); a row-scaled one (fp8) runs on ours (plan/wire.py).
     """
     if layout.cluster == "dp":
         return DATA_PARALLEL
-    if layout.cluster != "rb" or layout.precision.forward != "fp32" or layout.precision.backward != "fp32":
+    if layout.cluster != "rb" or {layout.precision.forward, layout.precision.backward} & ROW_SCALED_PRECISIONS:
         return None
     n_r, n_c = layout.num_row_slices, layout.num_col_slices
     if n_r == 1:
@@ -81,26 +91,46 @@ def sharding_type(
 ) -> str:
     """The sharding-type string the layout runs under: a built-in one where it exists (for a
     sequence table, one of SEQUENCE_BUILTIN_TYPES), else ours; a sequence table's is never
-    hierarchical, as there are no partial sums to reduce (its grid runs flat)."""
+    hierarchical, as there are no partial sums to reduce (its grid runs flat).
+
+    A built-in type below fp32 carries its precision ("table_wise:fp16-fp16"): TorchRec builds one
+    sharding per distinct string in a module, so its fp32 and its compressed table-wise tables are two
+    groups, each with its own codecs, as two modules with two QCommsConfigs would be."""
     builtin = builtin_sharding_type(layout, rows, world_size, local_world_size)
-    if not sequence:
-        return builtin or sharding_type_name(layout)
-    if builtin in SEQUENCE_BUILTIN_TYPES:
+    if builtin is not None and builtin != DATA_PARALLEL and (not sequence or builtin in SEQUENCE_BUILTIN_TYPES):
+        return builtin + precision_suffix(layout.precision)
+    if builtin == DATA_PARALLEL:
         return builtin
-    return sharding_type_name(replace(layout, hierarchical=False))
+    return sharding_type_name(replace(layout, hierarchical=False) if sequence else layout)
+
+
+def torchrec_type(kind: str) -> str | None:
+    """The TorchRec sharding type that runs a group of this sharding-type string ("table_wise:fp16-fp16":
+    "table_wise"), None for ours."""
+    base, _ = split_precision(kind)
+    return base if base in _BUILTIN_COLLECTIVES else None
+
+
+def group_precision(kind: str) -> WirePrecision:
+    """The wire precision of a group of this sharding-type string (data-parallel: fp32, its all-reduce's
+    precision is the plan's allreduce_precision)."""
+    if kind.startswith(SHARDING_TYPE_PREFIX):
+        return parse_sharding_type(kind)[2]
+    return split_precision(kind)[1]
 
 
 def id_bytes(kind: str) -> int:
     """Bytes per ID that a group of this sharding type sends in its input dist."""
-    return TORCHREC_ID_BYTES if kind in _BUILTIN_COLLECTIVES else EMBARK_ID_BYTES
+    return TORCHREC_ID_BYTES if torchrec_type(kind) is not None else EMBARK_ID_BYTES
 
 
 @lru_cache(maxsize=None)
 def collectives_per_step(kind: str) -> int:
     """Collectives one sharding group issues per training step (forward and backward), its module's split
     exchange aside (module_collectives_per_step)."""
-    if kind in _BUILTIN_COLLECTIVES:
-        return _BUILTIN_COLLECTIVES[kind]
+    builtin = torchrec_type(kind)
+    if builtin is not None:
+        return _BUILTIN_COLLECTIVES[builtin]
     cluster, hierarchical, _ = parse_sharding_type(kind)
     if cluster == "ub":
         return UNIQUE_COLLECTIVES

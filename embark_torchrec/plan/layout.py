@@ -373,21 +373,32 @@ def _shard_from_dict(entry: Any, field: str, world_size: int) -> Shard:
     return Shard((rows[0], rows[1]), (cols[0], cols[1]), rank)
 
 
+def precision_suffix(precision: WirePrecision) -> str:
+    """A sharding-type string's precision part: none at fp32 both ways, else ":<forward>-<backward>"."""
+    p = precision
+    return "" if (p.forward, p.backward) == ("fp32", "fp32") else f":{p.forward}-{p.backward}"
+
+
+def split_precision(name: str) -> tuple[str, WirePrecision]:
+    """A sharding-type string as (its type, its precision): the inverse of appending precision_suffix."""
+    body, _, precision = name.partition(":")
+    fwd, _, bwd = (precision or "fp32-fp32").partition("-")
+    return body, WirePrecision(fwd, bwd or fwd)
+
+
 def sharding_type_name(layout: TableLayout) -> str:
     """Our sharding-type string for a layout no built-in type runs: one string per EMBark cluster
     variant, e.g. "embark_rb", "embark_rb_hier", "embark_ub:fp16-bf16"."""
     name = SHARDING_TYPE_PREFIX + layout.cluster + ("_hier" if layout.hierarchical else "")
-    p = layout.precision
-    return name if (p.forward, p.backward) == ("fp32", "fp32") else f"{name}:{p.forward}-{p.backward}"
+    return name + precision_suffix(layout.precision)
 
 
 def parse_sharding_type(name: str) -> tuple[str, bool, WirePrecision]:
     """The inverse of sharding_type_name: (cluster, hierarchical, precision)."""
     if not name.startswith(SHARDING_TYPE_PREFIX):
         raise PlanError(f"{name!r} is not an embark sharding type")
-    body, _, precision = name[len(SHARDING_TYPE_PREFIX) :].partition(":")
+    body, precision = split_precision(name[len(SHARDING_TYPE_PREFIX) :])
     cluster, _, variant = body.partition("_")
     if cluster not in ("rb", "ub") or variant not in ("", "hier"):
         raise PlanError(f"unknown embark sharding type {name!r}")
-    fwd, _, bwd = (precision or "fp32-fp32").partition("-")
-    return cluster, variant == "hier", WirePrecision(fwd, bwd or fwd)
+    return cluster, variant == "hier", precision

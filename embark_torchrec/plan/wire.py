@@ -6,7 +6,9 @@ cannot drift apart.
   row slice of our sharding holds fewer than MAX_SLICE_ROWS rows.
 - bag lengths (and UB's per-group counts, which travel as KJT lengths): int32.
 - embedding and gradient rows: ELEMENT_BYTES per value at the cluster's wire precision; fp8 adds one
-  fp32 scale per row (sharding/codecs.py's row-wise e4m3 codec).
+  fp32 scale per row (sharding/codecs.py's row-wise e4m3 codec). A row-scaled precision needs each row's
+  width, which TorchRec's own dists do not tell a codec (they size a message by its element count), so
+  only element-wise precisions run on TorchRec's shardings (plan/groups.py).
 - the split exchange (sharding/input_exchange.py): once per sharded module (EBC or EC) and batch, every
   rank sends every other rank one row of int64: per sharding group of the module, a layout code and
   SPLIT_ROWS split sizes, then its INPUT_FAULT_INTS-integer input-fault record.
@@ -24,6 +26,7 @@ MAX_SLICE_ROWS = 2**31
 LENGTH_BYTES = 4
 ELEMENT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0}
 FP8_SCALE_BYTES = 4  # one fp32 scale per row vector
+ROW_SCALED_PRECISIONS = frozenset({"fp8"})
 SPLIT_INT_BYTES = 8  # the split exchange's integers are int64
 SPLIT_ROWS = 4  # split sizes per group: lengths, values, then two of: strides, weights, batch size
 INPUT_FAULT_INTS = 11  # sharding/validation.py's InputFault.FIELDS
@@ -33,7 +36,7 @@ Count = Union[float, np.ndarray]
 
 def rows_bytes(elements: Count, rows: Count, precision: str) -> Count:
     """Wire bytes of `rows` embedding (or gradient) rows holding `elements` values in all."""
-    return elements * ELEMENT_BYTES[precision] + (rows * FP8_SCALE_BYTES if precision == "fp8" else 0.0)
+    return elements * ELEMENT_BYTES[precision] + (rows * FP8_SCALE_BYTES if precision in ROW_SCALED_PRECISIONS else 0.0)
 
 
 def vector_bytes(width: int, precision: str) -> float:

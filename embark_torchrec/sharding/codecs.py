@@ -218,16 +218,28 @@ def _codec(precision: str) -> Optional[QuantizedCommCodec]:
     return TorchRecCodec(precision)
 
 
+# the collectives of an embedding group that carry embeddings forward and their gradients backward, by
+# TorchRec's registry keys: our dists read the first; TorchRec's row-wise and table-row-wise reduce-scatter,
+# and its sequence shardings send through the last
+_EMBEDDING_COMM_OPS = (
+    CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL,
+    CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER,
+    CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL,
+)
+
+
 def wire_codecs(precision: WirePrecision) -> Optional[Dict[str, QuantizedCommCodecs]]:
-    """The codecs of one cluster's embedding all-to-alls, from the plan's precision (the plan decides
-    an embark cluster's precision, not module-wide qcomms); None: fp32 both ways."""
+    """One group's codec registry, from the plan's precision (the plan decides a cluster's precision, not
+    module-wide qcomms), under every key an embedding group's collectives read, as QCommsConfig's registry
+    is; our dists and TorchRec's take it alike. None: fp32 both ways."""
     if (precision.forward, precision.backward) == ("fp32", "fp32"):
         return None
     return {
-        CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name: QuantizedCommCodecs(
+        op.name: QuantizedCommCodecs(
             forward=_codec(precision.forward) or NoOpQuantizedCommCodec(),
             backward=_codec(precision.backward) or NoOpQuantizedCommCodec(),
         )
+        for op in _EMBEDDING_COMM_OPS
     }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -11,17 +12,19 @@ from torchrec.distributed.comm import get_local_size
 from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo, KJTList
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionContext, ShardedEmbeddingBagCollection
 from torchrec.distributed.fbgemm_qcomm_codec import CommOp
-from torchrec.distributed.types import Awaitable, QuantizedCommCodecs, ShardingEnv
+from torchrec.distributed.types import Awaitable, ParameterSharding, QuantizedCommCodecs, ShardingEnv
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from ..plan.layout import SHARDING_TYPE_PREFIX, parse_sharding_type
-from .codecs import cluster_codecs
+from ..plan.groups import torchrec_type
+from ..plan.layout import SHARDING_TYPE_PREFIX, parse_sharding_type, split_precision
+from .codecs import cluster_codecs, wire_codecs
 from .comm_stats import CommStats, CountsComm
 from .grid import BaseGridEmbeddingSharding, GridPooledEmbeddingSharding
 from .input_exchange import CheckedInput, defer_kjt_all_to_alls
 from .torchrec_compat import (
+    add_mean_fixup_features,
     is_virtual_table,
     local_shards_by_table,
     mean_fixup_features,
@@ -38,6 +41,18 @@ from .torchrec_compat import (
 from .torchrec_counting import KJTCounter, count_borrowed_dists
 from .unique import UniquePooledEmbeddingSharding, UniqueShardingContext, UniqueSparseFeaturesDist
 from .validation import InputValidator, check_equal_batches
+
+
+# TorchRec's types whose output dist reduce-scatters partial sums per rank (and whose MEAN tables it fixes up)
+_REDUCE_SCATTER_TYPES = ("row_wise", "table_row_wise")
+
+
+def _by_pooling(configs: Any) -> Dict[str, List[str]]:
+    """The features of these tables per pooling type's value, as TorchRec's MEAN fix-up lists them."""
+    out: Dict[str, List[str]] = {}
+    for c in configs:
+        out.setdefault(c.pooling.value, []).extend(c.feature_names)
+    return out
 
 
 def key_tables(configs: List[Any]) -> Dict[str, str]:
@@ -124,12 +139,22 @@ class EmbarkShardedEmbeddingBagCollection(CheckedInput, CountedModule, ShardedEm
     def __init__(
         self,
         module: EmbeddingBagCollectionInterface,
+        table_name_to_parameter_sharding: Dict[str, ParameterSharding],
         *args: Any,
         invalid_ids: str = "raise",
         unique_lookup: str = "auto",
         **kwargs: Any,
     ) -> None:
-        super().__init__(module, *args, **kwargs)
+        super().__init__(module, table_name_to_parameter_sharding, *args, **kwargs)
+        add_mean_fixup_features(  # TorchRec lists its row-wise features by their fp32 strings only
+            self,
+            _by_pooling(
+                c
+                for c in module_configs(self)
+                if table_name_to_parameter_sharding[c.name].sharding_type not in _REDUCE_SCATTER_TYPES
+                and torchrec_type(table_name_to_parameter_sharding[c.name].sharding_type) in _REDUCE_SCATTER_TYPES
+            ),
+        )
         self._unique_lookup = unique_lookup
         self.comm_stats: Optional[CommStats] = None
         self._kjt_counters: Dict[int, KJTCounter] = {}  # sharding index -> its input KJT all-to-all's counter
@@ -149,7 +174,7 @@ class EmbarkShardedEmbeddingBagCollection(CheckedInput, CountedModule, ShardedEm
             i for i, s in enumerate(module_shardings(self)) if isinstance(s, BaseGridEmbeddingSharding)
         ]
         self._reduce_scatter_shardings = [  # TorchRec's types whose output dist reduce-scatters per rank
-            i for i, t in enumerate(module_sharding_types(self)) if t in ("row_wise", "table_row_wise")
+            i for i, t in enumerate(module_sharding_types(self)) if torchrec_type(t) in _REDUCE_SCATTER_TYPES
         ]
         self._unique_shardings = [
             (i, sharding)
@@ -179,7 +204,7 @@ class EmbarkShardedEmbeddingBagCollection(CheckedInput, CountedModule, ShardedEm
         wrong: List[bool] = []
         seen: set[str] = set()
         for kind, sharding in zip(module_sharding_types(self), module_shardings(self)):
-            row_split = kind in ("row_wise", "table_row_wise")
+            row_split = torchrec_type(kind) in _REDUCE_SCATTER_TYPES
             for feature, name, dim in zip(
                 sharding.feature_names(), sharding.embedding_names(), sharding.embedding_dims()
             ):
@@ -202,6 +227,14 @@ class EmbarkShardedEmbeddingBagCollection(CheckedInput, CountedModule, ShardedEm
     ) -> EmbeddingSharding:
         sharding_type = sharding_infos[0].param_sharding.sharding_type
         if not sharding_type.startswith(SHARDING_TYPE_PREFIX):
+            # TorchRec's sharding; a group of ours below fp32 names its precision, whose codecs are its registry
+            builtin, precision = split_precision(sharding_type)
+            if builtin != sharding_type:
+                qcomm_codecs_registry = wire_codecs(precision)
+                sharding_infos = [
+                    replace(info, param_sharding=replace(info.param_sharding, sharding_type=builtin))
+                    for info in sharding_infos
+                ]
             return super().create_embedding_bag_sharding(
                 sharding_infos,
                 env,

@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, List
 
 import fbgemm_gpu
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torchrec.modules.embedding_configs import PoolingType
 
 # fbgemm's TBE accepts variable batch sizes per feature only with these optimizers
 # (SplitTableBatchedEmbeddingBagsCodegen._generate_vbe_metadata asserts it), keyed by the fbgemm release
@@ -259,6 +260,15 @@ def mean_fixup_features(module: Any) -> Any:
     (`_pooling_type_to_rs_features`), or None when the module has no such fix-up
     (`_has_mean_pooling_callback`)."""
     return module._pooling_type_to_rs_features if module._has_mean_pooling_callback else None
+
+
+def add_mean_fixup_features(module: Any, features_by_pooling: Dict[str, List[str]]) -> None:
+    """Adds features to TorchRec's MEAN fix-up of row-wise / table-row-wise tables, which it lists per pooling
+    type at construction by their sharding-type strings (`_pooling_type_to_rs_features`, then
+    `_has_mean_pooling_callback`); our compressed row-wise groups' strings carry their precision."""
+    for pooling, features in features_by_pooling.items():
+        module._pooling_type_to_rs_features[pooling].extend(features)
+    module._has_mean_pooling_callback = PoolingType.MEAN.value in module._pooling_type_to_rs_features
 
 
 def local_shards_by_table(module: Any) -> Any:

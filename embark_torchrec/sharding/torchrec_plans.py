@@ -16,7 +16,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConf
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from ..plan.fields import POOLED, SEQUENCE
-from ..plan.layout import SHARDING_TYPE_PREFIX, Plan, parse_sharding_type
+from ..plan.layout import SHARDING_TYPE_PREFIX, Plan, parse_sharding_type, split_precision
 from ..plan.spec import ModelSpec
 from ..plan.topology import Topology
 
@@ -27,7 +27,8 @@ _HIERARCHICAL_TYPES = ("table_row_wise", "grid_shard")
 def from_sharding_plan(sharding_plan: Any, topology: Topology, module_path: str = "") -> Plan:
     """One module of a torchrec ShardingPlan (an EmbeddingBagCollection or EmbeddingCollection) as a
     Plan; empty shards are dropped.
-    Our own "embark_*" types carry their cluster, reduction and precision in the string."""
+    Our own "embark_*" types carry their cluster, reduction and precision in the string; a built-in type
+    of ours below fp32 its precision ("table_wise:fp16-fp16")."""
     if module_path:
         module_plan = sharding_plan.plan[module_path]
     else:
@@ -46,18 +47,17 @@ def from_sharding_plan(sharding_plan: Any, topology: Topology, module_path: str 
             for m in ps.sharding_spec.shards
             if m.shard_sizes[0] > 0 and m.shard_sizes[1] > 0
         ]
-        entry: dict[str, Any] = {
-            "cluster": "rb",
-            "shards": shards,
-            "hierarchical": ps.sharding_type in _HIERARCHICAL_TYPES,
-        }
         if ps.sharding_type.startswith(SHARDING_TYPE_PREFIX):
             cluster, hierarchical, precision = parse_sharding_type(ps.sharding_type)
-            entry.update(
-                cluster=cluster,
-                hierarchical=hierarchical,
-                precision={"forward": precision.forward, "backward": precision.backward},
-            )
+        else:
+            base, precision = split_precision(ps.sharding_type)
+            cluster, hierarchical = "rb", base in _HIERARCHICAL_TYPES
+        entry: dict[str, Any] = {
+            "cluster": cluster,
+            "shards": shards,
+            "hierarchical": hierarchical,
+            "precision": {"forward": precision.forward, "backward": precision.backward},
+        }
         tables[name] = entry
     return Plan.from_dict(
         {

@@ -17,7 +17,7 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.distributed.types import QuantizedCommCodecs, ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, get_embedding_names_by_table
 from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -104,9 +104,10 @@ def sharded_model(
     invalid_ids: str = "raise",
     unique_lookup: str = "auto",
     pg: dist.ProcessGroup | None = None,
+    qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
 ) -> DistributedModelParallel:
     """A SparseArch sharded by `layouts` through EmbarkEmbeddingBagCollectionSharder, on `pg` (the default group
-    unless given, e.g. one with a short timeout)."""
+    unless given, e.g. one with a short timeout), with the sharder's `qcomm_codecs_registry` (QCommsConfig's)."""
     pg = pg or dist.group.WORLD
     ws = dist.get_world_size(pg)
     meta = SparseArch(tables, weighted, torch.device("meta"))
@@ -116,6 +117,7 @@ def sharded_model(
         fused_params={"optimizer": OPTIMIZERS[optimizer], "learning_rate": lr, "eps": ADAGRAD_EPS},
         invalid_ids=invalid_ids,
         unique_lookup=unique_lookup,
+        qcomm_codecs_registry=qcomm_codecs_registry,
     )
     return DistributedModelParallel(
         meta,
