@@ -19,8 +19,11 @@ communication, and the busiest by communication, whose tables are ranked by thei
 
 and the emptying of each sharding group of at most SMALL_DISSOLUTION tables (every table DP,
 table-wise, or UB <-> RB): a group costs its collectives until its last table leaves, which no
-one-table move prices. When those find nothing, every bottleneck table's re-cuts are tried; when
-those find nothing either, the sweep: every group's emptying and all at once, every table's
+one-table move prices. When those find nothing, every bottleneck table's re-cuts are tried; then the
+plateau move: the ranks within SearchConfig.plateau_share of the busiest by communication each
+have their heaviest table by communication spread (re-cut into k column or row slices on the ranks
+least loaded by communication, RB or UB: moves.spreads), all in one move, since while several ranks
+tie as busiest no one table's spread lowers the step; when those find nothing either, the sweep: every group's emptying and all at once, every table's
 re-clustering, every re-split of the tables of several cells (DP tables go back to model-parallel
 this way, split tables are merged), and tables moved into another sharding group together (the
 2, 4, 8, ... that gain most moving there, each by its best move priced alone), which opens a group
@@ -52,11 +55,12 @@ from .moves import (
     regroup_alternatives,
     regroupings,
     reshapes,
+    spreads,
     swaps,
 )
 from .objective import better, objective
 from .report import Progress
-from .search_state import Move, SearchState, better_move
+from .search_state import Changes, Move, SearchState, better_move
 
 _KICK_TRIES = 8
 SMALL_DISSOLUTION = 64  # tables of a sharding group whose dissolution every round of the climb tries
@@ -153,6 +157,50 @@ class Improvement:
             best = better_move(best, s.evaluate(change, decide_hierarchy=False))
         return best
 
+    def _plateau_move(self, step: StepCost) -> Move | None:
+        """The ranks on the plateau of the busiest by communication (within SearchConfig.plateau_share
+        of its ms, the busiest SearchConfig.plateau_ranks of them) each have their heaviest table by
+        communication spread (moves.spreads), all in one move. The step counts the busiest rank's
+        communication alone, so while two ranks tie no one table's move lowers it, and each one's
+        side traffic (IDs sent to more holders) raises the other's: the climb prices every spread
+        alone as a loss. The tables are chosen in turn, busiest rank first, each spread the one that
+        gives the lowest step with the plateau's ranks not yet handled left out of the busiest
+        communication, on the plan with the spreads chosen before it; the whole move is priced as
+        any other."""
+        s = self.state
+        cost = s.cost
+
+        def comm_ms(rows: np.ndarray) -> np.ndarray:
+            _, intra, inter = cost.rank_times(rows)
+            return intra + inter
+
+        comm = step.rank_intra_ms + step.rank_inter_ms
+        top = float(comm.max())
+        order = np.lexsort((np.arange(len(comm)), -comm))
+        plateau = [int(k) for k in order[: s.config.plateau_ranks] if comm[k] >= top * (1.0 - s.config.plateau_share)]
+        changes: Changes = []
+        chosen: Move | None = None
+        for i, k in enumerate(plateau):
+            names = [n for n in heaviest_tables(s, k, comm=True) if all(n != m for m, _ in changes)]
+            if not names:
+                continue
+            rest = plateau[i + 1 :]
+            here = chosen.step if chosen is not None else step
+            best: tuple[float, Move] | None = None
+            for layout in spreads(s, names[0], here.rank_intra_ms + here.rank_inter_ms, comm_ms):
+                move = s.evaluate([*changes, (names[0], layout)])
+                if move is None:
+                    continue
+                others = move.step.rank_intra_ms + move.step.rank_inter_ms
+                others[rest] = 0.0
+                ms = move.step.step_ms - move.step.comm_ms + float(others.max())
+                if best is None or ms < best[0]:
+                    best = (ms, move)
+            if best is not None:
+                chosen = best[1]
+                changes = [(name, layout) for name, layout, _ in chosen.changes]
+        return chosen
+
     def _kick(self) -> bool:
         """Moves a random cell of the most loaded rank's heaviest tables to a random allowed rank
         (a few tries, for one that fits); False when none did."""
@@ -191,6 +239,8 @@ class Improvement:
             move = self._bottleneck_move(step)
             if move is None or not better(move.objective, current):
                 move = better_move(move, self._bottleneck_move(step, deep=True))
+            if move is None or not better(move.objective, current):
+                move = better_move(move, self._plateau_move(step))
             if (move is None or not better(move.objective, current)) and not swept:
                 move = better_move(move, self._sweep_move(step))
                 swept = current == best_objective
