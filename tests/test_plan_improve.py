@@ -18,7 +18,7 @@ from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.fields import SEQUENCE
 from embark_torchrec.plan.improve import Improvement
 from embark_torchrec.plan.layout import Plan, TableLayout, WirePrecision
-from embark_torchrec.plan.moves import spreads
+from embark_torchrec.plan.moves import reshapes, spreads
 from embark_torchrec.plan.plan_model import PlannedModel, plan_model
 from embark_torchrec.plan.report import ScoredPlan, render
 from embark_torchrec.plan.search import GreedySearch, SearchConfig
@@ -62,10 +62,12 @@ def _search(spec: ModelSpec, topology: Topology, budget: int) -> GreedySearch:
     return search
 
 
-def test_a_plateau_of_busiest_ranks_comes_down_in_one_move() -> None:
-    """Two hot twin tables, one cell each on ranks 0 and 1, tie as the busiest by communication: no
-    spread of either alone lowers the step (the other's rank stays as busy, and now sends its IDs to
-    more holders), while the plateau move spreads both at once and does."""
+@pytest.mark.parametrize("by_comm", [True, False])
+def test_a_plateau_of_busiest_ranks_comes_down_in_one_move(by_comm: bool) -> None:
+    """Two hot twin tables, one cell each on ranks 0 and 1, tie as the busiest by communication and as
+    the slowest by lookups: no spread (by communication) or re-split (by lookups) of either alone lowers
+    the step (the other's rank stays as busy, and now sends its IDs to more holders), while the plateau
+    move changes both at once and does."""
     hots = tuple(TableSpec(f"hot{i}", 4_000_000, 128, 60.0) for i in range(2))
     small = tuple(TableSpec(f"t{i}", 50_000 + 1000 * i, 64, 4.0) for i in range(14))
     spec = ModelSpec("plateau", 16384, (*hots, *small), IdDistribution("zipf", 1.1))
@@ -74,19 +76,23 @@ def test_a_plateau_of_busiest_ranks_comes_down_in_one_move() -> None:
     state = SearchState(cost, {n: "rb" for n in layouts}, {}, SearchConfig())
     state.set_plan(layouts, cost.rank_load(layouts))
     step = cost.step_cost(state.total)
-    comm = step.rank_intra_ms + step.rank_inter_ms
-    assert comm[0] == comm[1] == comm.max()
+    busy = step.rank_intra_ms + step.rank_inter_ms if by_comm else step.rank_lookup_ms
+    assert busy[0] == busy[1] == busy.max()
 
     def comm_ms(rows: np.ndarray) -> np.ndarray:
         _, intra, inter = cost.rank_times(rows)
         return intra + inter
 
     for name in ("hot0", "hot1"):
-        alone = [state.evaluate([(name, g)]) for g in spreads(state, name, comm, comm_ms)]
+        if by_comm:
+            layouts = spreads(state, name, step.rank_intra_ms + step.rank_inter_ms, comm_ms)
+        else:
+            layouts = reshapes(state, name, step.rank_load_ms)
+        alone = [state.evaluate([(name, g)]) for g in layouts]
         assert alone and all(m is None or m.step.step_ms >= step.step_ms for m in alone)
     improvement = Improvement()
     improvement.state = state
-    move = improvement._plateau_move(step)
+    move = improvement._plateau_move(step, by_comm)
     assert move is not None and {name for name, _, _ in move.changes} == {"hot0", "hot1"}
     assert move.step.step_ms < 0.9 * step.step_ms
 
