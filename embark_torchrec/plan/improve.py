@@ -168,8 +168,8 @@ class Improvement:
         move lowers it, and each one's side traffic (IDs sent to more holders) raises the other's:
         the climb prices every such move alone as a loss. The tables are chosen in turn, busiest
         rank first, each change the one that gives the lowest step with the plateau's ranks not yet
-        handled left out of that maximum, on the plan with the changes chosen before it; the whole
-        move is priced as any other."""
+        handled left out of that maximum, on the plan with the changes chosen before it (the ranks
+        reached when the budget runs out); the whole move is priced as any other."""
         s = self.state
         cost = s.cost
 
@@ -213,6 +213,8 @@ class Improvement:
             if best is not None:
                 chosen = best[1]
                 changes = [(name, layout) for name, layout, _ in chosen.changes]
+            if self._spent():
+                break
         return chosen
 
     def _kick(self) -> bool:
