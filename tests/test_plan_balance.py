@@ -15,12 +15,12 @@ from embark_torchrec.plan.topology import PRESETS, Topology
 
 
 def test_the_busiest_rank_s_communication_comes_down_within_the_step_tolerance() -> None:
-    """t180 at 64 GPUs: the climb's plan (phase 4 off) has its busiest rank over 1.10x the average rank's
+    """DCNv2 at 128 GPUs: the climb's plan (phase 4 off) has its busiest rank over 1.10x the average rank's
     communication; phase 4 lowers the busiest rank's communication and the ratio, with the step within
     balance_tolerance of the climb's; run again with the ratio set above what it reached, it prices nothing and
     changes nothing."""
-    spec = builtin_model("t180").with_batch_size(65536)
-    cost = CostModel(spec, Topology(64, 8, PRESETS["dgx-h100"]))
+    spec = builtin_model("dcnv2").with_batch_size(65536)
+    cost = CostModel(spec, Topology(128, 8, PRESETS["dgx-h100"]))
     off = SearchConfig(comm_balance=math.inf)
     search = GreedySearch(cost, assign_clusters(cost, {}, off.dp_memory_fraction), {}, off)
     search.run()

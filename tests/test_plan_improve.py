@@ -16,10 +16,13 @@ from embark_torchrec.plan.clusters import assign_clusters
 from embark_torchrec.plan.constraints import TableConstraints
 from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.fields import SEQUENCE
+from embark_torchrec.plan.improve import Improvement
 from embark_torchrec.plan.layout import Plan, TableLayout, WirePrecision
+from embark_torchrec.plan.moves import reshapes, spreads
 from embark_torchrec.plan.plan_model import PlannedModel, plan_model
 from embark_torchrec.plan.report import ScoredPlan, render
 from embark_torchrec.plan.search import GreedySearch, SearchConfig
+from embark_torchrec.plan.search_state import SearchState
 from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec, builtin_model
 from embark_torchrec.plan.topology import PRESETS, Hardware, Topology
 
@@ -57,6 +60,41 @@ def _search(spec: ModelSpec, topology: Topology, budget: int) -> GreedySearch:
     search = GreedySearch(cost, assign_clusters(cost, {}), {}, SearchConfig(improve_evaluations=budget))
     search.run()
     return search
+
+
+@pytest.mark.parametrize("by_comm", [True, False])
+def test_a_plateau_of_busiest_ranks_comes_down_in_one_move(by_comm: bool) -> None:
+    """Two hot twin tables, one cell each on ranks 0 and 1, tie as the busiest by communication and as
+    the slowest by lookups: no spread (by communication) or re-split (by lookups) of either alone lowers
+    the step (the other's rank stays as busy, and now sends its IDs to more holders), while the plateau
+    move changes both at once and does."""
+    hots = tuple(TableSpec(f"hot{i}", 4_000_000, 128, 60.0) for i in range(2))
+    small = tuple(TableSpec(f"t{i}", 50_000 + 1000 * i, 64, 4.0) for i in range(14))
+    spec = ModelSpec("plateau", 16384, (*hots, *small), IdDistribution("zipf", 1.1))
+    cost = CostModel(spec, Topology(16, 4, H100))
+    layouts = {t.name: TableLayout.table_wise(t.rows, t.dim, i) for i, t in enumerate(spec.tables)}
+    state = SearchState(cost, {n: "rb" for n in layouts}, {}, SearchConfig())
+    state.set_plan(layouts, cost.rank_load(layouts))
+    step = cost.step_cost(state.total)
+    busy = step.rank_intra_ms + step.rank_inter_ms if by_comm else step.rank_lookup_ms
+    assert busy[0] == busy[1] == busy.max()
+
+    def comm_ms(rows: np.ndarray) -> np.ndarray:
+        _, intra, inter = cost.rank_times(rows)
+        return intra + inter
+
+    for name in ("hot0", "hot1"):
+        if by_comm:
+            layouts = spreads(state, name, step.rank_intra_ms + step.rank_inter_ms, comm_ms)
+        else:
+            layouts = reshapes(state, name, step.rank_load_ms)
+        alone = [state.evaluate([(name, g)]) for g in layouts]
+        assert alone and all(m is None or m.step.step_ms >= step.step_ms for m in alone)
+    improvement = Improvement()
+    improvement.state = state
+    move = improvement._plateau_move(step, by_comm)
+    assert move is not None and {name for name, _, _ in move.changes} == {"hot0", "hot1"}
+    assert move.step.step_ms < 0.9 * step.step_ms
 
 
 # ---- never worse, deterministic -----------------------------------------------------------------

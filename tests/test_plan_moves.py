@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from embark_torchrec.plan import moves
@@ -69,7 +70,7 @@ def test_confinement_puts_a_grid_on_the_fewest_nodes() -> None:
 
 @pytest.mark.parametrize("allowed", [(0, 1, 2), (5, 9)])
 def test_every_move_keeps_the_allowed_ranks_and_their_room(allowed: tuple[int, ...]) -> None:
-    """Cell moves and cuts, re-splits, re-cuts, confinement and the alternatives of a regrouping use
+    """Cell moves and cuts, re-splits, re-cuts, spreads, confinement and the alternatives of a regrouping use
     only the table's allowed ranks, and never cut it into more cells than it has allowed ranks (phase 2
     used to cut past them: one generator now serves every phase)."""
     state = _state({"hot": TableConstraints(ranks=allowed)})
@@ -82,6 +83,7 @@ def test_every_move_keeps_the_allowed_ranks_and_their_room(allowed: tuple[int, .
         *moves.reshapes(state, "hot", rank_ms),
         *moves.recuts(state, "hot", rank_ms),
         *moves.regroup_alternatives(state, "hot", rank_ms),
+        *moves.spreads(state, "hot", rank_ms, state.cost.rank_load_ms),
     ]
     assert tried and set(targets) <= set(allowed)
     for layout in tried:
@@ -98,3 +100,32 @@ def test_the_unique_based_group_closes_on_many_tiny_tables() -> None:
     clusters = {layout.cluster for name, layout in planned.plan.tables.items() if name.startswith("tiny")}
     assert clusters == {"dp"}
     assert planned.stats is not None and planned.cost.step_ms < 0.85 * planned.stats.greedy_step_ms
+
+
+def _comm_ms(cost: CostModel):
+    def comm_ms(rows: np.ndarray) -> np.ndarray:
+        _, intra, inter = cost.rank_times(rows)
+        return intra + inter
+
+    return comm_ms
+
+
+def test_a_spread_splits_a_hot_table_s_sending_over_the_ranks_with_least_communication() -> None:
+    """The hot one-cell table is spread in one move as RB column slices and UB row slices, 2, 3 and 4 of
+    them, each cell on its own rank, the ranks the least loaded by communication without the table; as
+    column slices (each sends a share of every vector) the busiest rank's communication falls."""
+    state = _state()
+    step = state.cost.step_cost(state.total)
+    comm = step.rank_intra_ms + step.rank_inter_ms
+    comm_ms = _comm_ms(state.cost)
+    spread = list(moves.spreads(state, "hot", comm, comm_ms))
+    kinds = {(g.cluster, g.num_row_slices, g.num_col_slices): g for g in spread}
+    assert {("rb", 1, 2), ("rb", 1, 3), ("rb", 1, 4), ("ub", 2, 1), ("ub", 3, 1), ("ub", 4, 1)} <= set(kinds)
+    without = comm - comm_ms(state.load("hot").rows)
+    for (cluster, n_r, n_c), g in kinds.items():
+        assert len(g.used_ranks()) == n_r * n_c
+        assert sorted(g.used_ranks()) == sorted(np.lexsort((np.arange(16), without))[: n_r * n_c].tolist())
+        if (cluster, n_r) == ("rb", 1):
+            moved = state.evaluate([("hot", g)])
+            assert moved is not None
+            assert (moved.step.rank_intra_ms + moved.step.rank_inter_ms).max() < comm.max()

@@ -19,19 +19,24 @@ communication, and the busiest by communication, whose tables are ranked by thei
 
 and the emptying of each sharding group of at most SMALL_DISSOLUTION tables (every table DP,
 table-wise, or UB <-> RB): a group costs its collectives until its last table leaves, which no
-one-table move prices. When those find nothing, every bottleneck table's re-cuts are tried; when
-those find nothing either, the sweep: every group's emptying and all at once, every table's
-re-clustering, every re-split of the tables of several cells (DP tables go back to model-parallel
-this way, split tables are merged), and tables moved into another sharding group together (the
-2, 4, 8, ... that gain most moving there, each by its best move priced alone), which opens a group
-whose collectives several tables' savings pay for and closes one all of whose tables leave.
-Every move keeps the table's constraints (allowed ranks, clusters, cuts, fewest slices, narrowest
-columns, precision), one column width per table on a rank, every rank's memory, and the
-data-parallel tables within dp_memory_fraction of a rank's memory, as clusters.py does; the best
-move is taken only if it lowers the objective, and the best plan seen is what the phase returns, so
-it never makes a plan worse. At a local optimum a seeded random kick (a bottleneck cell moved to a
-random allowed rank) restarts the climb from the best plan while budget is left. The budget counts
-priced candidates (SearchConfig.improve_evaluations), not seconds, so the result is deterministic.
+one-table move prices. When those find nothing, every bottleneck table's re-cuts are tried; then the
+plateau moves: the ranks within SearchConfig.plateau_share of the busiest by communication each have
+their heaviest table by communication spread (re-cut into k column or row slices on the ranks least
+loaded by communication, RB or UB: moves.spreads), all in one move, and those within it of the
+slowest by lookups each have their heaviest table re-split, since while several ranks tie no one
+table's move lowers the step; when those find nothing either, the sweep: every group's emptying and
+all at once, every table's re-clustering, every re-split of the tables of several cells (DP tables
+go back to model-parallel this way, split tables are merged), and tables moved into another sharding
+group together (the 2, 4, 8, ... that gain most moving there, each by its best move priced alone),
+which opens a group whose collectives several tables' savings pay for and closes one all of whose
+tables leave. Every move keeps the table's constraints (allowed ranks, clusters, cuts, fewest
+slices, narrowest columns, precision), one column width per table on a rank, every rank's memory,
+and the data-parallel tables within dp_memory_fraction of a rank's memory, as clusters.py does; the
+best move is taken only if it lowers the objective, and the best plan seen is what the phase
+returns, so it never makes a plan worse. At a local optimum a seeded random kick (a bottleneck cell
+moved to a random allowed rank) restarts the climb from the best plan while budget is left. The
+budget counts priced candidates (SearchConfig.improve_evaluations), not seconds, so the result is
+deterministic.
 """
 
 from __future__ import annotations
@@ -52,11 +57,12 @@ from .moves import (
     regroup_alternatives,
     regroupings,
     reshapes,
+    spreads,
     swaps,
 )
 from .objective import better, objective
 from .report import Progress
-from .search_state import Move, SearchState, better_move
+from .search_state import Changes, Move, SearchState, better_move
 
 _KICK_TRIES = 8
 SMALL_DISSOLUTION = 64  # tables of a sharding group whose dissolution every round of the climb tries
@@ -153,6 +159,64 @@ class Improvement:
             best = better_move(best, s.evaluate(change, decide_hierarchy=False))
         return best
 
+    def _plateau_move(self, step: StepCost, by_comm: bool) -> Move | None:
+        """The ranks on the plateau of the busiest by communication (`by_comm`) or by lookups (within
+        SearchConfig.plateau_share of the busiest's ms, at most SearchConfig.plateau_ranks of them)
+        each have their heaviest table changed, all in one move: by communication, spread
+        (moves.spreads); by lookups, re-split (moves.reshapes). The step counts the busiest rank's
+        communication and the slowest rank's lookups alone, so while two ranks tie no one table's
+        move lowers it, and each one's side traffic (IDs sent to more holders) raises the other's:
+        the climb prices every such move alone as a loss. The tables are chosen in turn, busiest
+        rank first, each change the one that gives the lowest step with the plateau's ranks not yet
+        handled left out of that maximum, on the plan with the changes chosen before it (the ranks
+        reached when the budget runs out); the whole move is priced as any other."""
+        s = self.state
+        cost = s.cost
+
+        def comm_ms(rows: np.ndarray) -> np.ndarray:
+            _, intra, inter = cost.rank_times(rows)
+            return intra + inter
+
+        def busy(step: StepCost) -> tuple[np.ndarray, float]:
+            """The per-rank ms the plateau is of, and the step's term it is the maximum of."""
+            if by_comm:
+                return step.rank_intra_ms + step.rank_inter_ms, step.comm_ms
+            return step.rank_lookup_ms.copy(), step.lookup_ms
+
+        ms_of, _ = busy(step)
+        top = float(ms_of.max())
+        order = np.lexsort((np.arange(len(ms_of)), -ms_of))
+        share = 1.0 - s.config.plateau_share
+        plateau = [int(k) for k in order[: s.config.plateau_ranks] if ms_of[k] >= top * share]
+        changes: Changes = []
+        chosen: Move | None = None
+        for i, k in enumerate(plateau):
+            names = [n for n in heaviest_tables(s, k, comm=by_comm) if all(n != m for m, _ in changes)]
+            if not names:
+                continue
+            rest = plateau[i + 1 :]
+            here = chosen.step if chosen is not None else step
+            if by_comm:
+                layouts = spreads(s, names[0], here.rank_intra_ms + here.rank_inter_ms, comm_ms)
+            else:
+                layouts = reshapes(s, names[0], here.rank_load_ms)
+            best: tuple[float, Move] | None = None
+            for layout in layouts:
+                move = s.evaluate([*changes, (names[0], layout)])
+                if move is None:
+                    continue
+                others, term = busy(move.step)
+                others[rest] = 0.0
+                ms = move.step.step_ms - term + float(others.max())
+                if best is None or ms < best[0]:
+                    best = (ms, move)
+            if best is not None:
+                chosen = best[1]
+                changes = [(name, layout) for name, layout, _ in chosen.changes]
+            if self._spent():
+                break
+        return chosen
+
     def _kick(self) -> bool:
         """Moves a random cell of the most loaded rank's heaviest tables to a random allowed rank
         (a few tries, for one that fits); False when none did."""
@@ -191,6 +255,9 @@ class Improvement:
             move = self._bottleneck_move(step)
             if move is None or not better(move.objective, current):
                 move = better_move(move, self._bottleneck_move(step, deep=True))
+            if move is None or not better(move.objective, current):
+                for by_comm in (True, False):
+                    move = better_move(move, self._plateau_move(step, by_comm))
             if (move is None or not better(move.objective, current)) and not swept:
                 move = better_move(move, self._sweep_move(step))
                 swept = current == best_objective

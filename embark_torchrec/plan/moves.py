@@ -427,3 +427,32 @@ def regroup_alternatives(state: SearchState, name: str, rank_ms: np.ndarray) -> 
                 grid = placed(state, name, cluster, shape, rank_ms, local)
                 if grid is not None:
                     yield grid
+
+
+def spread_counts(state: SearchState) -> list[int]:
+    """How many slices a spread cuts a table into: 2, 3, 4, half a node's ranks, a node's, two nodes'
+    and one per node (a hot table's sending split over that many ranks), within the world."""
+    lws, world = state.local_world_size, state.world_size
+    counts = (2, 3, 4, lws // 2, lws, 2 * lws, world // lws)
+    return sorted(k for k in set(counts) if 2 <= k <= world)
+
+
+def spreads(state: SearchState, name: str, comm: np.ndarray, comm_ms: Measure) -> Iterator[TableLayout]:
+    """The table re-cut into k slices (spread_counts) on the k ranks least loaded by communication
+    (`comm`, per rank by `comm_ms`): RB column slices (each sends 1/k of every vector), UB row slices
+    (each sends its distinct IDs' vectors), and RB row and UB column slices, as the table's clusters
+    and cuts allow. A hot one-cell table's rank sends the table's whole output; a table's re-cuts
+    (recuts) place by lookups and communication together and, run in one cluster, miss the counts and
+    clusters that split its sending evenly over ranks with links to spare."""
+    layout = state.layouts[name]
+    if layout.cluster == "dp":
+        return
+    clusters = allowed_clusters(state.constraints[name])
+    current = (layout.cluster, layout.num_row_slices, layout.num_col_slices)
+    for k in spread_counts(state):
+        for cluster, shape in (("rb", (1, k)), ("ub", (k, 1)), ("rb", (k, 1)), ("ub", (1, k))):
+            if cluster not in clusters or (cluster, *shape) == current or not allows_shape(state, name, shape):
+                continue
+            grid = placed(state, name, cluster, shape, comm, False, comm_ms)
+            if grid is not None:
+                yield grid

@@ -23,11 +23,12 @@ decide which tables the state holds as movable.
 
 Phase 3, improve (improve.py): a hill climb priced exactly, move by move, on the tables that load
 the bottleneck ranks most: cell moves and cuts, swaps of one-cell tables, re-splits (a slice more
-or fewer, twice or half as many, placed again), re-cuts into many more slices at once, confinement
-to the fewest nodes, re-clustering (RB, UB, DP, where the table's constraints allow), emptying whole
-sharding groups and moving tables into another group together (their collectives), the best move
-of each round taken while it lowers the step; at a local optimum,
-seeded random kicks restart the climb from the best plan. It stops when its budget of priced
+or fewer, twice or half as many, placed again), re-cuts into many more slices at once, spreads (and
+re-splits) of the heaviest tables of every rank on the busiest-by-communication (by-lookups)
+plateau in one move, confinement to the fewest nodes, re-clustering (RB, UB, DP, where the
+table's constraints allow), emptying whole sharding groups and moving tables into another group
+together (their collectives), the best move of each round taken while it lowers the step; at a
+local optimum, seeded random kicks restart the climb from the best plan. It stops when its budget of priced
 candidates (SearchConfig.improve_evaluations) is spent, so it never makes the greedy plan worse and
 costs a fixed amount of work whatever the model. The greedy phases fix each table's cluster and
 shape early from estimates; phase 3 undoes what they got wrong (on DCNv2 at 64 GPUs, row splits whose
@@ -83,6 +84,8 @@ class SearchConfig:
     improve_tables: int = 4  # tables of each bottleneck rank whose moves phase 3 tries
     improve_targets: int = 4  # least loaded ranks a cell may move to in phase 3 (and one by lookups, one by comm)
     improve_seed: int = 0  # of phase 3's random kicks
+    plateau_share: float = 0.01  # ranks within this share of the busiest's communication are its plateau
+    plateau_ranks: int = 16  # of the plateau, those whose heaviest tables one move of phase 3 spreads at most
     comm_balance: float = 1.10  # busiest / average rank communication above which phase 4 balances it
     balance_tolerance: float = 0.002  # share of the step phase 4 may spend on balance
     balance_evaluations: int = 1000  # candidates phase 4 prices at most
