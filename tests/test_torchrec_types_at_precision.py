@@ -20,14 +20,8 @@ import pytest
 import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
-from embark_torchrec.plan.groups import (
-    collectives_per_step,
-    group_precision,
-    id_bytes,
-    sharding_type,
-    torchrec_type,
-)
-from embark_torchrec.plan.layout import TableLayout, WirePrecision
+from embark_torchrec.plan.groups import collectives_per_step, id_bytes, sharding_type, torchrec_type
+from embark_torchrec.plan.layout import TableLayout, WirePrecision, split_precision
 from embark_torchrec.plan.wire import TORCHREC_ID_BYTES
 from embark_torchrec.sharding.torchrec_compat import (
     collective_codecs,
@@ -85,7 +79,7 @@ def test_torchrec_layouts_keep_their_type_at_fp16_and_bf16(table: str) -> None:
     assert kind == GROUPS[table]
     base = kind.partition(":")[0]
     assert torchrec_type(kind) == base
-    assert group_precision(kind) == layout.precision
+    assert split_precision(kind)[1] == layout.precision
     assert collectives_per_step(kind) == collectives_per_step(base)
     assert id_bytes(kind) == TORCHREC_ID_BYTES
     for fp8 in (WirePrecision("fp8", "fp8"), WirePrecision("fp16", "fp8"), WirePrecision("fp8", "fp32")):
@@ -129,7 +123,7 @@ def test_compressed_groups_run_on_torchrec_shardings_with_the_plans_codecs(resul
         for kind, (name, codecs) in r["groups"].items():
             assert name == SHARDING_CLASSES[kind], kind
             assert codecs, kind
-            p = group_precision(kind)
+            p = split_precision(kind)[1]
             expected = None if kind == "table_wise" else (p.forward, p.backward)
             assert all(c == expected for c in codecs), (kind, codecs)
 

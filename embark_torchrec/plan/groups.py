@@ -19,9 +19,7 @@ from dataclasses import replace
 from functools import lru_cache
 
 from .layout import (
-    SHARDING_TYPE_PREFIX,
     TableLayout,
-    WirePrecision,
     ceil_row_bounds,
     parse_sharding_type,
     precision_suffix,
@@ -109,14 +107,6 @@ def torchrec_type(kind: str) -> str | None:
     "table_wise"), None for ours."""
     base, _ = split_precision(kind)
     return base if base in _BUILTIN_COLLECTIVES else None
-
-
-def group_precision(kind: str) -> WirePrecision:
-    """The wire precision of a group of this sharding-type string (data-parallel: fp32, its all-reduce's
-    precision is the plan's allreduce_precision)."""
-    if kind.startswith(SHARDING_TYPE_PREFIX):
-        return parse_sharding_type(kind)[2]
-    return split_precision(kind)[1]
 
 
 def id_bytes(kind: str) -> int:
