@@ -33,7 +33,7 @@ from torchrec.distributed.types import (
     QuantizedCommCodecs,
 )
 
-from ..plan.layout import WirePrecision
+from ..plan.layout import WirePrecision, split_precision
 from ..plan.wire import FP8_SCALE_BYTES, rows_bytes
 
 # A message part: `elems` values laid out as rows of `width`; a width given as a tuple is a row of
@@ -253,6 +253,16 @@ def cluster_codecs(
         return wire_codecs(precision)
     codecs = (registry or {}).get(op.name)
     return None if codecs is None else {CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name: codecs}
+
+
+def builtin_codecs(
+    sharding_type: str, registry: Optional[Dict[str, QuantizedCommCodecs]]
+) -> Tuple[str, Optional[Dict[str, QuantizedCommCodecs]]]:
+    """The TorchRec sharding type a group of a built-in type runs as, and the codec registry it takes: a group
+    below fp32 names its precision ("table_wise:fp16-fp16"), whose codecs replace the sharder's (the plan's
+    precision wins, as on our types); else the type and the sharder's registry as given."""
+    builtin, precision = split_precision(sharding_type)
+    return (builtin, registry) if builtin == sharding_type else (builtin, wire_codecs(precision))
 
 
 def active_codec(codec: Optional[QuantizedCommCodec]) -> Optional[QuantizedCommCodec]:

@@ -617,6 +617,12 @@ class BaseGridEmbeddingSharding(BaseTwEmbeddingSharding[C, KeyedJaggedTensor, to
     def uncombined_embedding_dims(self) -> List[int]:
         return self.embedding_dims()
 
+    def dist_group(self) -> dist.ProcessGroup:
+        """The process group our dists run on (TorchRec's sharding keeps it optional; ours always have one)."""
+        pg = sharding_group(self)
+        assert pg is not None
+        return pg
+
     def dist_device(self, device: Optional[torch.device]) -> torch.device:
         """Where a dist's tensors go: the device given, else the sharding's (TorchRec builds input
         dists without one), else the CPU."""
@@ -652,8 +658,7 @@ class GridPooledEmbeddingSharding(BaseGridEmbeddingSharding[EmbeddingShardingCon
         return pooled_lookup(self, device, feature_processor)
 
     def create_input_dist(self, device: Optional[torch.device] = None) -> BaseSparseFeaturesDist[KeyedJaggedTensor]:
-        pg = sharding_group(self)
-        assert pg is not None
+        pg = self.dist_group()
         virtual = [v for names in self.feature_names_per_rank() for v in names]
         return GridSparseFeaturesDist(
             pg,
@@ -670,8 +675,7 @@ class GridPooledEmbeddingSharding(BaseGridEmbeddingSharding[EmbeddingShardingCon
     def create_output_dist(
         self, device: Optional[torch.device] = None
     ) -> BaseEmbeddingDist[EmbeddingShardingContext, torch.Tensor, torch.Tensor]:
-        pg = sharding_group(self)
-        assert pg is not None
+        pg = self.dist_group()
         offsets = [0]
         for d in self._feature_dims:
             offsets.append(offsets[-1] + d)

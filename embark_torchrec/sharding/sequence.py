@@ -354,8 +354,7 @@ class GridSequenceEmbeddingSharding(BaseGridEmbeddingSharding[EmbarkSequenceCont
         return sequence_lookup(self, device)
 
     def create_input_dist(self, device: Optional[torch.device] = None) -> BaseSparseFeaturesDist[KeyedJaggedTensor]:
-        pg = sharding_group(self)
-        assert pg is not None
+        pg = self.dist_group()
         virtual = [v for names in self.feature_names_per_rank() for v in names]
         return GridSequenceFeaturesDist(
             pg,
@@ -372,8 +371,7 @@ class GridSequenceEmbeddingSharding(BaseGridEmbeddingSharding[EmbarkSequenceCont
     def create_output_dist(  # type: ignore[override]
         self, device: Optional[torch.device] = None
     ) -> GridSequenceEmbeddingDist:
-        pg = sharding_group(self)
-        assert pg is not None
+        pg = self.dist_group()
         tables = [
             [self._feature_tables[self._cells[v].feature] for v in names] for names in self.feature_names_per_rank()
         ]
@@ -432,8 +430,7 @@ class UniqueSequenceEmbeddingSharding(BaseUniqueEmbeddingSharding[EmbarkSequence
     def create_output_dist(  # type: ignore[override]
         self, device: Optional[torch.device] = None
     ) -> UniqueSequenceEmbeddingDist:
-        pg = sharding_group(self)
-        assert pg is not None
+        pg = self.dist_group()
         return UniqueSequenceEmbeddingDist(
             pg, self.unique_layout(), self._feature_tables, self.dist_device(device), self.wire_codecs()
         )

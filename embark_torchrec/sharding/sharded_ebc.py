@@ -18,8 +18,8 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, 
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from ..plan.groups import torchrec_type
-from ..plan.layout import SHARDING_TYPE_PREFIX, parse_sharding_type, split_precision
-from .codecs import cluster_codecs, wire_codecs
+from ..plan.layout import SHARDING_TYPE_PREFIX, parse_sharding_type
+from .codecs import builtin_codecs, cluster_codecs
 from .comm_stats import CommStats, CountsComm
 from .grid import BaseGridEmbeddingSharding, GridPooledEmbeddingSharding
 from .input_exchange import CheckedInput, defer_kjt_all_to_alls
@@ -227,10 +227,8 @@ class EmbarkShardedEmbeddingBagCollection(CheckedInput, CountedModule, ShardedEm
     ) -> EmbeddingSharding:
         sharding_type = sharding_infos[0].param_sharding.sharding_type
         if not sharding_type.startswith(SHARDING_TYPE_PREFIX):
-            # TorchRec's sharding; a group of ours below fp32 names its precision, whose codecs are its registry
-            builtin, precision = split_precision(sharding_type)
-            if builtin != sharding_type:
-                qcomm_codecs_registry = wire_codecs(precision)
+            builtin, qcomm_codecs_registry = builtin_codecs(sharding_type, qcomm_codecs_registry)
+            if builtin != sharding_type:  # TorchRec dispatches on the infos' type string
                 sharding_infos = [
                     replace(info, param_sharding=replace(info.param_sharding, sharding_type=builtin))
                     for info in sharding_infos

@@ -21,8 +21,8 @@ from torchrec.distributed.types import Awaitable, ParameterSharding, QuantizedCo
 from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from ..plan.layout import SHARDING_TYPE_PREFIX, parse_sharding_type, split_precision
-from .codecs import cluster_codecs, wire_codecs
+from ..plan.layout import SHARDING_TYPE_PREFIX, parse_sharding_type
+from .codecs import builtin_codecs, cluster_codecs
 from .comm_stats import CommStats, CountsComm
 from .input_exchange import CheckedInput, defer_kjt_all_to_alls
 from .sequence import (
@@ -87,10 +87,7 @@ class EmbarkShardedEmbeddingCollection(CheckedInput, CountedModule, ShardedEmbed
         qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
     ) -> EmbeddingSharding:
         if not sharding_type.startswith(SHARDING_TYPE_PREFIX):
-            # TorchRec's sharding; a group of ours below fp32 names its precision, whose codecs are its registry
-            builtin, precision = split_precision(sharding_type)
-            if builtin != sharding_type:
-                qcomm_codecs_registry = wire_codecs(precision)
+            builtin, qcomm_codecs_registry = builtin_codecs(sharding_type, qcomm_codecs_registry)
             return super().create_embedding_sharding(
                 builtin, sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry
             )

@@ -50,7 +50,7 @@ from .codecs import Segment
 from .collectives import all_to_all
 from .batch_state import BatchStateHandover
 from .comm_stats import CountsComm, Ledger
-from .torchrec_compat import VARIABLE_BATCH_OPTIMIZERS, emb_dims_per_rank, sharding_group, supports_variable_batch
+from .torchrec_compat import VARIABLE_BATCH_OPTIMIZERS, emb_dims_per_rank, supports_variable_batch
 from .grid import BaseGridEmbeddingSharding, CellRoute, _ledger_hook, bag_weights, pooled_lookup
 from .variable_batch import FeatureMajor, RowGather, pad_to_uniform
 
@@ -545,8 +545,7 @@ class BaseUniqueEmbeddingSharding(BaseGridEmbeddingSharding[C]):
         return layout
 
     def create_input_dist(self, device: Optional[torch.device] = None) -> BaseSparseFeaturesDist[KeyedJaggedTensor]:
-        pg = sharding_group(self)
-        assert pg is not None
+        pg = self.dist_group()
         return UniqueSparseFeaturesDist(
             pg, self.unique_layout(), self._weighted, self._feature_mean, self.dist_device(device)
         )
@@ -556,8 +555,7 @@ class BaseUniqueEmbeddingSharding(BaseGridEmbeddingSharding[C]):
     ) -> tuple[KeyedJaggedTensor, np.ndarray]:
         """What this rank's lookup takes, from what its input dist received (unique_lookup_input);
         `mode` as the sharder's unique_lookup."""
-        pg = sharding_group(self)
-        assert pg is not None
+        pg = self.dist_group()
         rank = dist.get_rank(pg)
         variable_batch = getattr(self, "_variable_batch", None)
         if variable_batch is None:
@@ -586,8 +584,7 @@ class UniquePooledEmbeddingSharding(BaseUniqueEmbeddingSharding[UniqueShardingCo
         return pooled_lookup(self, device, feature_processor)
 
     def create_output_dist(self, device: Optional[torch.device] = None) -> UniquePooledEmbeddingDist:  # type: ignore[override]
-        pg = sharding_group(self)
-        assert pg is not None
+        pg = self.dist_group()
         return UniquePooledEmbeddingDist(
             pg, self.unique_layout(), self._feature_tables, self.dist_device(device), self.wire_codecs()
         )
