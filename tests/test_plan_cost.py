@@ -11,12 +11,12 @@ from embark_torchrec.plan.cost import (
     BACKWARD_COMPUTE_MULTIPLIER,
     CostModel,
     OptimizerMemory,
-    vector_bytes,
 )
 from embark_torchrec.plan.layout import Plan, TableLayout, WirePrecision
 from embark_torchrec.plan.spec import ModelSpec, TableSpec
 from embark_torchrec.plan.topology import PRESETS, Topology
 from embark_torchrec.plan.traffic import Message, table_messages
+from embark_torchrec.plan.wire import vector_bytes
 
 
 def _counted(cost: CostModel, msgs: list[Message], hierarchical: bool = False) -> dict[str, np.ndarray]:

@@ -24,7 +24,8 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embark_torchrec.plan.groups import sharding_type
-from embark_torchrec.plan.layout import TableLayout, WirePrecision, ceil_row_bounds
+from embark_torchrec.plan.layout import TableLayout, WirePrecision
+from embark_torchrec.plan.torchrec_types import ceil_row_bounds
 from embark_torchrec.sharding.comm_stats import CommKey, enable_comm_stats
 from embark_torchrec.sharding.sequence import GridSequenceEmbeddingSharding, UniqueSequenceEmbeddingSharding
 from embark_torchrec.sharding.sharded_ec import EmbarkShardedEmbeddingCollection

@@ -6,7 +6,8 @@ planner: sharding/torchrec_plans.py.)
 
 from __future__ import annotations
 
-from .layout import Plan, TableLayout, ceil_row_bounds
+from .layout import Plan, TableLayout
+from .torchrec_types import ceil_row_bounds
 from .spec import ModelSpec
 from .topology import Topology
 

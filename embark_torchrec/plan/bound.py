@@ -20,14 +20,13 @@ cheapest group any table must join.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Mapping
 
 import numpy as np
 
 from .constraints import TableConstraints
 from .cost import BACKWARD_COMPUTE_MULTIPLIER, CostModel, RankLoad
-from .groups import DATA_PARALLEL_COLLECTIVES, FLAT_COLLECTIVES, HIERARCHICAL_COLLECTIVES, UNIQUE_COLLECTIVES
+from .cluster_kinds import DATA_PARALLEL_KIND, REDUCTION_KIND, UNIQUE_KIND, cluster_kind
 from .layout import TableLayout, WirePrecision
 from .report import Progress
 
@@ -42,8 +41,8 @@ def allowed_clusters(constraints: TableConstraints) -> tuple[str, ...]:
         return (constraints.layout.cluster,)
     if constraints.cluster is not None:
         return (constraints.cluster,)
-    dp = ("dp",) if constraints.ranks is None else ()
-    return dp + ("rb",) + (("ub",) if constraints.unique_based else ())
+    dp = (DATA_PARALLEL_KIND.name,) if constraints.ranks is None else ()
+    return dp + (REDUCTION_KIND.name,) + ((UNIQUE_KIND.name,) if constraints.unique_based else ())
 
 
 def _parts_ms(cost: CostModel, loads: list[RankLoad]) -> np.ndarray:
@@ -71,23 +70,21 @@ def _parts_ms(cost: CostModel, loads: list[RankLoad]) -> np.ndarray:
 def _candidates(
     cost: CostModel, name: str, cluster: str, precision: WirePrecision, min_cuts: tuple[int, int]
 ) -> list[TableLayout]:
-    """Layouts whose least cost no layout of the table in this cluster beats: the fewest slices, and
-    for RB two row slices of ours (4-byte IDs), flat and hierarchical, every cell on rank 0."""
-    if cluster == "dp":
-        return [TableLayout.data_parallel(precision)]
+    """Layouts whose least cost no layout of the table in this cluster beats: the fewest slices, and the
+    grids its kind names (ClusterKind.bound_grids), every cell on rank 0."""
+    kind = cluster_kind(cluster)
+    if kind.replicated:
+        return [TableLayout(cluster, precision=precision)]
     t = cost.table(name)
     n_r, n_c = min_cuts
     quads = t.dim // 4
     cols = tuple(4 * round(i * quads / n_c) for i in range(n_c + 1))
     out = []
-    for rows_n in sorted({n_r, max(n_r, 2) if cluster == "rb" else n_r}):
+    for rows_n, hierarchical in kind.bound_grids(n_r):
         if rows_n > t.rows:
             continue
         rows = tuple(round(i * t.rows / rows_n) for i in range(rows_n + 1))
-        grid = TableLayout(cluster, rows, cols, ((0,) * n_c,) * rows_n, precision)
-        out.append(grid)
-        if rows_n > 1 and cluster == "rb":
-            out.append(replace(grid, hierarchical=True))
+        out.append(TableLayout(cluster, rows, cols, ((0,) * n_c,) * rows_n, precision, hierarchical))
     return out
 
 
@@ -144,6 +141,4 @@ def step_lower_bound(
 
 def _least_group_ms(cost: CostModel, clusters: tuple[str, ...]) -> float:
     """The fewest collectives a group of a table in these clusters issues, priced."""
-    fewest = {"ub": UNIQUE_COLLECTIVES, "dp": DATA_PARALLEL_COLLECTIVES}
-    counts = [fewest.get(k, min(FLAT_COLLECTIVES, HIERARCHICAL_COLLECTIVES)) for k in clusters]
-    return min(counts) * cost.topology.hardware.collective_us / 1e3
+    return min(cluster_kind(k).fewest_collectives() for k in clusters) * cost.topology.hardware.collective_us / 1e3

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from .cluster_kinds import DATA_PARALLEL_KIND, REDUCTION_KIND, UNIQUE_KIND, cluster_kind
 from .constraints import TableConstraints
 from .cost import CostModel
 from .groups import sharding_type
@@ -22,6 +23,7 @@ from .report import Progress
 from .spec import TableSpec
 
 _FREE = TableConstraints()
+RB, UB = REDUCTION_KIND.name, UNIQUE_KIND.name  # the model-parallel kinds a free table chooses between
 
 
 def mean_rank_ms(cost: CostModel, name: str, layout: TableLayout) -> float:
@@ -51,7 +53,7 @@ def assign_clusters(
     clusters.update(_model_parallel_clusters(cost, free, own_ms, forced))
     for t in free:  # a table constrained to TorchRec's (reduction-based) sharding types stays RB
         if not constraints.get(t.name, _FREE).unique_based:
-            clusters[t.name] = "rb"
+            clusters[t.name] = RB
     dp_candidates: list[tuple[float, str]] = []
     for i, t in enumerate(free):
         if progress is not None:
@@ -61,10 +63,14 @@ def assign_clusters(
             if dp_ms < own_ms[t.name][clusters[t.name]]:
                 dp_candidates.append((t.rows * cost.row_memory(t.name, t.dim), t.name))
     budget = dp_memory_fraction * cost.topology.hbm_cap_bytes
-    used = sum(cost.table(n).rows * cost.row_memory(n, cost.table(n).dim) for n, c in clusters.items() if c == "dp")
+    used = sum(
+        cost.table(n).rows * cost.row_memory(n, cost.table(n).dim)
+        for n, c in clusters.items()
+        if cluster_kind(c).replicated
+    )
     for memory, name in sorted(dp_candidates):
         if used + memory <= budget:
-            clusters[name] = "dp"
+            clusters[name] = DATA_PARALLEL_KIND.name
             used += memory
     return {t.name: clusters[t.name] for t in cost.spec.tables}
 
@@ -80,7 +86,7 @@ def _table_wise_ms(cost: CostModel, tables: list[TableSpec], progress: Progress 
     for i, t in enumerate(tables):
         if progress is not None:
             progress("clusters", i, len(tables), "")
-        ms[t.name] = {k: mean_rank_ms(cost, t.name, _table_wise(t, k)) for k in ("rb", "ub")}
+        ms[t.name] = {k: mean_rank_ms(cost, t.name, _table_wise(t, k)) for k in (RB, UB)}
     return ms
 
 
@@ -94,7 +100,7 @@ def _model_parallel_clusters(
     sequence = {t.name: t.is_sequence for t in tables}
     group = {
         (k, seq): 0.0 if (k, seq) in forced else _group_ms(cost, [t for t in tables if t.is_sequence == seq], k)
-        for k in ("rb", "ub")
+        for k in (RB, UB)
         for seq in (False, True)
     }
 
@@ -102,8 +108,8 @@ def _model_parallel_clusters(
         used = {(k, sequence[n]) for n, k in choice.items()}
         return sum(ms[n][k] for n, k in choice.items()) + sum(group[g] for g in used)
 
-    own = {n: "ub" if m["ub"] < m["rb"] else "rb" for n, m in ms.items()}
-    options = [own, dict.fromkeys(ms, "rb"), dict.fromkeys(ms, "ub")]
+    own = {n: UB if m[UB] < m[RB] else RB for n, m in ms.items()}
+    options = [own, dict.fromkeys(ms, RB), dict.fromkeys(ms, UB)]
     return min(options, key=total)  # the first on a tie: each table its own choice
 
 

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .fields import FieldError, boolean, choice, integer, integers, reading, shown, texts
-from .layout import CLUSTERS, TableLayout, WirePrecision
+from .cluster_kinds import DATA_PARALLEL_KIND, REDUCTION_KIND, cluster_kind_names
+from .layout import TableLayout, WirePrecision
 from .spec import SpecError
 
 
@@ -43,7 +44,7 @@ class TableConstraints:
     def __post_init__(self) -> None:
         with reading(SpecError):
             if self.cluster is not None:
-                choice(self.cluster, "cluster", CLUSTERS)
+                choice(self.cluster, "cluster", cluster_kind_names())
             for name, kind in (("layout", TableLayout), ("precision", WirePrecision)):
                 value = getattr(self, name)
                 if value is not None and not isinstance(value, kind):
@@ -109,7 +110,7 @@ def from_torchrec(constraints: Mapping[str, Any] | None) -> dict[str, TableConst
             width = integer(raw_width, "min_partition", minimum=1) if raw_width is not None else MIN_COLUMN_WIDTH
         only_dense = bool(kernels) and set(runnable) == {"dense"}
         if set(types) == {"data_parallel"} or only_dense:
-            out[name] = TableConstraints(cluster="dp")
+            out[name] = TableConstraints(cluster=DATA_PARALLEL_KIND.name)
             continue
         if not types:
             if raw_width is not None:
@@ -125,7 +126,7 @@ def from_torchrec(constraints: Mapping[str, Any] | None) -> dict[str, TableConst
         else:
             least = (2, 1) if rows else (1, 2)
         out[name] = TableConstraints(
-            cluster=None if "data_parallel" in types else "rb",
+            cluster=None if "data_parallel" in types else REDUCTION_KIND.name,
             row_cuts=rows,
             column_cuts=cols,
             grid_cuts="grid_shard" in kinds,

@@ -83,15 +83,14 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
+from .constants import BACKWARD_COMPUTE_MULTIPLIER, WEIGHT_BYTES
 from .groups import DENSE_COLLECTIVES, collectives_per_step, id_bytes, module_collectives_per_step, sharding_type
 from .layout import Plan, TableLayout
 from .spec import IdDistribution, ModelSpec, TableSpec
 from .topology import Topology
-from .wire import ELEMENT_BYTES, LENGTH_BYTES, vector_bytes
+from .wire import ELEMENT_BYTES
 
-WEIGHT_BYTES = 4  # an fp32 weight in the table (lookup work, not wire)
 SEQUENCE_GROUP = "sequence/"  # prefixes the sharding groups of sequence tables in RankLoad.groups
-BACKWARD_COMPUTE_MULTIPLIER = 2.0
 _LOAD_CACHE_SIZE = 16384
 _RATIO_CACHE_SIZE = 1 << 17  # tables' unique ratios kept across cost models
 _SUM_ELEMENTS = 1 << 17  # elements of a stack add_in_order sums: 1 MB, in cache (fastest at 256-1,024 ranks)
@@ -309,7 +308,7 @@ class CostModel:
         """Bytes per row of a cell `width` columns wide: weights + optimizer state."""
         return width * (WEIGHT_BYTES + self.optimizer.bytes_per_element) + self.optimizer.bytes_per_row
 
-    def _spread(self, load: RankLoad, to_all: np.ndarray, from_all: np.ndarray) -> None:
+    def spread(self, load: RankLoad, to_all: np.ndarray, from_all: np.ndarray) -> None:
         """Rank k sends to_all[k] bytes to every other rank and receives from_all[k] from each."""
         lws, w = self.topology.local_world_size, self.topology.world_size
         for vec, send_i, recv_i, send_x, recv_x in (
@@ -322,7 +321,7 @@ class CostModel:
             recv_i += node_sum - vec
             recv_x += vec.sum() - node_sum
 
-    def _hierarchical_to_all(self, load: RankLoad, column_holders: list[int], nbytes: float, reverse: bool) -> None:
+    def hierarchical_to_all(self, load: RankLoad, column_holders: list[int], nbytes: float, reverse: bool) -> None:
         """Partial sums of one column slice, held by `column_holders` (one entry per cell), reduced
         to every rank node first: each cell sends its sums for destination j to the rank of its
         node with j's local rank (stage 1, intra-node); each node holding the column sends its sums
@@ -403,77 +402,20 @@ class CostModel:
         """A one-cell table on rank k loads the ranks as the same table on rank 0 does, renumbered
         by shifted_ranks: one gather instead of the whole computation. The search prices thousands
         of such placements."""
-        if layout.cluster == "dp" or layout.num_row_slices * layout.num_col_slices != 1 or layout.ranks[0][0] == 0:
+        if layout.kind.replicated or layout.num_row_slices * layout.num_col_slices != 1 or layout.ranks[0][0] == 0:
             return None
         base = self.table_load(name, layout.with_ranks(((0,),)))
         return RankLoad(base.rows[:, self.shifted_ranks(layout.ranks[0][0])], base.dp_intra, base.dp_inter, base.groups)
 
     def _table_load(self, name: str, layout: TableLayout) -> RankLoad:
+        """A table's load as its cluster kind prices it (cluster_kinds.py), in the sharding group it runs in."""
         self.computed += 1
         t = self._tables[name]
         w = self.topology.world_size
         load = RankLoad.zeros(w)
         kind = sharding_type(layout, t.rows, w, self.topology.local_world_size, t.is_sequence)
         load.groups[SEQUENCE_GROUP + kind if t.is_sequence else kind] = 1
-        feats = len(t.feature_names)
-        b = self.local_batch
-        fwd, bwd = layout.precision.forward, layout.precision.backward
-        lookup_factor = WEIGHT_BYTES * (1.0 + BACKWARD_COMPUTE_MULTIPLIER)
-        if layout.cluster == "dp":
-            load.lookup_bytes += b * feats * t.pooling * t.dim * lookup_factor
-            load.lookup_ids += b * feats * t.pooling
-            load.memory += t.rows * self.row_memory(name, t.dim)
-            load.host_ms += t.rows * t.dim * self.topology.hardware.dp_ns_per_element / 1e6
-            load.dp_intra, load.dp_inter = self.ring_allreduce_bytes(t.rows * vector_bytes(t.dim, bwd))
-            return load
-        rows = layout.row_bounds
-        mass = self.row_mass(name, rows)
-        ub = layout.cluster == "ub"
-        distinct = self.row_distinct(name, rows) if ub else None
-        updates_ms = self.update_ms(name, rows)
-        widths = np.diff(layout.col_bounds)
-        to_all, from_all = np.zeros(w), np.zeros(w)
-        # every rank de-duplicates its IDs and expands the unique vectors back into its bags (UB), or
-        # routes each ID of a sequence table and gathers its returning vector into place (sequence RB)
-        if ub or t.is_sequence:
-            load.lookup_bytes += b * feats * t.pooling * t.dim * lookup_factor
-            load.lookup_ids += b * feats * t.pooling
-            load.host_ms += b * feats * t.pooling * self.topology.hardware.unique_ns_per_id / 1e6
-        for r in range(layout.num_row_slices):
-            n_rows = rows[r + 1] - rows[r]
-            ids = distinct[r] if ub else b * t.pooling * mass[r]
-            # UB: IDs and one count per feature to each distinct holder; RB: IDs and lengths per cell
-            for k in set(layout.ranks[r]) if ub else layout.ranks[r]:
-                from_all[k] += feats * (ids * id_bytes(kind) + (LENGTH_BYTES if ub else b * LENGTH_BYTES))
-            for c, k in enumerate(layout.ranks[r]):
-                width = int(widths[c])
-                load.memory[k] += n_rows * self.row_memory(name, width)
-                load.host_ms[k] += updates_ms[r]
-                if ub:
-                    load.lookup_bytes[k] += w * feats * distinct[r] * width * lookup_factor
-                    load.lookup_ids[k] += w * feats * distinct[r]
-                    to_all[k] += feats * distinct[r] * vector_bytes(width, fwd)
-                    from_all[k] += feats * distinct[r] * vector_bytes(width, bwd)
-                else:
-                    load.lookup_bytes[k] += self.spec.batch_size * feats * t.pooling * mass[r] * width * lookup_factor
-                    load.lookup_ids[k] += self.spec.batch_size * feats * t.pooling * mass[r]
-        if not ub and t.is_sequence:  # one vector per ID, straight back to its sender (flat even if hierarchical)
-            for r in range(layout.num_row_slices):
-                for c, k in enumerate(layout.ranks[r]):
-                    vectors = feats * b * t.pooling * mass[r]
-                    to_all[k] += vectors * vector_bytes(int(widths[c]), fwd)
-                    from_all[k] += vectors * vector_bytes(int(widths[c]), bwd)
-        elif not ub:
-            for c in range(layout.num_col_slices):
-                holders = [layout.ranks[r][c] for r in range(layout.num_row_slices)]
-                width = int(widths[c])
-                for prec, direct, reverse in ((fwd, to_all, False), (bwd, from_all, True)):
-                    nbytes = feats * b * vector_bytes(width, prec)
-                    if layout.hierarchical:
-                        self._hierarchical_to_all(load, holders, nbytes, reverse)
-                    else:
-                        np.add.at(direct, holders, nbytes)
-        self._spread(load, to_all, from_all)
+        layout.kind.add_load(self, name, layout, load, id_bytes(kind))
         return load
 
     def cell_ms(self, name: str, layout: TableLayout) -> np.ndarray:
@@ -485,25 +427,9 @@ class CostModel:
         partial sums from every holder wherever the holders are.
         """
         t = self._tables[name]
-        hw, w, lws = self.topology.hardware, self.topology.world_size, self.topology.local_world_size
-        b, feats = self.local_batch, len(t.feature_names)
-        ub = layout.cluster == "ub"
-        mass = self.row_mass(name, layout.row_bounds)
-        ids = self.row_distinct(name, layout.row_bounds) if ub else b * t.pooling * mass
-        vectors = ids if ub or t.is_sequence else np.full_like(mass, float(b))
-        widths = np.diff(np.asarray(layout.col_bounds))
-        fwd, bwd = layout.precision.forward, layout.precision.backward
-        wire = np.array([vector_bytes(int(x), fwd) + vector_bytes(int(x), bwd) for x in widths])
-        kind = sharding_type(layout, t.rows, w, lws, t.is_sequence)
-        per_peer = (
-            feats * (ids * id_bytes(kind) + (0 if ub else b * LENGTH_BYTES))[:, None] + feats * vectors[:, None] * wire
-        )
-        peers_ms = (lws - 1) / (hw.intra_node_bw_gbps * 1e6) + (w - lws) / (hw.inter_node_bw_gbps * 1e6)
-        looked_up = (w * ids) if ub else (self.spec.batch_size * t.pooling * mass)
-        lookup = feats * looked_up[:, None] * widths[None, :] * WEIGHT_BYTES * (1.0 + BACKWARD_COMPUTE_MULTIPLIER)
-        per_id = feats * looked_up[:, None] * hw.lookup_ns_per_id / 1e6
-        updates = self.update_ms(name, layout.row_bounds)[:, None]
-        return lookup / (hw.hbm_bw_gbps * 1e6) + per_id + updates + per_peer * peers_ms
+        topology = self.topology
+        kind = sharding_type(layout, t.rows, topology.world_size, topology.local_world_size, t.is_sequence)
+        return layout.kind.cell_ms(self, name, layout, id_bytes(kind))
 
     # ---- whole plans ----------------------------------------------------------------------
 

@@ -18,70 +18,24 @@ from collections.abc import Iterable
 from dataclasses import replace
 from functools import lru_cache
 
-from .layout import (
-    TableLayout,
-    ceil_row_bounds,
-    parse_sharding_type,
-    precision_suffix,
-    sharding_type_name,
-    split_precision,
-)
-from .wire import EMBARK_ID_BYTES, ROW_SCALED_PRECISIONS, TORCHREC_ID_BYTES
+from .cluster_kinds import cluster_kind
+from .layout import TableLayout, parse_sharding_type, precision_suffix, sharding_type_name, split_precision
+from .torchrec_types import BUILTIN_COLLECTIVES, DATA_PARALLEL, SEQUENCE_BUILTIN_TYPES
+from .wire import EMBARK_ID_BYTES, TORCHREC_ID_BYTES
 
-DATA_PARALLEL = "data_parallel"
-# collectives per training step of one group, forward and backward: the KJT input dist's tensors
-# (lengths, values: their split sizes travel in the module's split exchange), then the pooled output
-# and its gradient; hierarchical (and TWRW) reductions add an intra-node stage each way; UB sends its
-# de-duplicated IDs through the same KJT all-to-all (its counts are the KJT's lengths), then vectors
-# and their gradients; a data-parallel group has no dists, but TorchRec wraps its lookups in a
-# DistributedDataParallel of their own, whose reducer all-reduces their gradients in the backward
-# (one all-reduce per DDP bucket of 25 MB; priced as one)
-DATA_PARALLEL_COLLECTIVES = 1
-# the dense modules' DDP all-reduces their gradients alike, once per step for any plan
+# the dense modules' DDP all-reduces their gradients once per step for any plan (DDP's all-reduce of the
+# data-parallel tables: torchrec_types.DATA_PARALLEL_COLLECTIVES)
 DENSE_COLLECTIVES = 1
-FLAT_COLLECTIVES = 4
-HIERARCHICAL_COLLECTIVES = 6
-UNIQUE_COLLECTIVES = 4
 # once per sharded module and step, whatever its groups (data-parallel ones only included): the split
 # exchange of every group's split sizes and every rank's input check
 INPUT_EXCHANGE_COLLECTIVES = 1
-# TorchRec's EmbeddingCollection runs these built-in types exactly; every other layout of a sequence
-# table runs as ours (TorchRec's sequence column-wise needs one width for all its tables)
-SEQUENCE_BUILTIN_TYPES = (DATA_PARALLEL, "table_wise", "row_wise")
-_BUILTIN_COLLECTIVES = {
-    DATA_PARALLEL: DATA_PARALLEL_COLLECTIVES,
-    "table_wise": FLAT_COLLECTIVES,
-    "column_wise": FLAT_COLLECTIVES,
-    "row_wise": FLAT_COLLECTIVES,
-    "table_row_wise": HIERARCHICAL_COLLECTIVES,
-}
 
 
 def builtin_sharding_type(layout: TableLayout, rows: int, world_size: int, local_world_size: int) -> str | None:
-    """The torchrec sharding type that runs this layout exactly, or None.
-
-    RW and TWRW only when the row bounds are torchrec's own ceil blocks on the ranks it would use
-    (its bucketizer ignores our bounds), none of them empty (a 0-row shard crashes the CPU TBE).
-    At any element-wise wire precision (fp32, fp16, bf16: the codecs reach TorchRec's dists as a
-    registry per group, see sharding_type); a row-scaled one (fp8) runs on ours (plan/wire.py).
-    """
-    if layout.cluster == "dp":
-        return DATA_PARALLEL
-    if layout.cluster != "rb" or {layout.precision.forward, layout.precision.backward} & ROW_SCALED_PRECISIONS:
-        return None
-    n_r, n_c = layout.num_row_slices, layout.num_col_slices
-    if n_r == 1:
-        return "table_wise" if n_c == 1 else "column_wise"
-    if n_c != 1:
-        return None
-    ranks = [row[0] for row in layout.ranks]
-    if n_r == world_size and ranks == list(range(world_size)) and not layout.hierarchical:
-        return "row_wise" if layout.row_bounds == ceil_row_bounds(rows, world_size) else None
-    first = ranks[0]
-    node_ranks = list(range(first, first + local_world_size))
-    if n_r == local_world_size and first % local_world_size == 0 and ranks == node_ranks and layout.hierarchical:
-        return "table_row_wise" if layout.row_bounds == ceil_row_bounds(rows, local_world_size) else None
-    return None
+    """The torchrec sharding type that runs this layout exactly, or None: its cluster kind's answer
+    (cluster_kinds.py). At an element-wise wire precision the codecs reach TorchRec's dists as a registry
+    per group (see sharding_type)."""
+    return layout.kind.builtin_sharding_type(layout, rows, world_size, local_world_size)
 
 
 def sharding_type(
@@ -106,7 +60,7 @@ def torchrec_type(kind: str) -> str | None:
     """The TorchRec sharding type that runs a group of this sharding-type string ("table_wise:fp16-fp16":
     "table_wise"), None for ours."""
     base, _ = split_precision(kind)
-    return base if base in _BUILTIN_COLLECTIVES else None
+    return base if base in BUILTIN_COLLECTIVES else None
 
 
 def id_bytes(kind: str) -> int:
@@ -120,11 +74,9 @@ def collectives_per_step(kind: str) -> int:
     exchange aside (module_collectives_per_step)."""
     builtin = torchrec_type(kind)
     if builtin is not None:
-        return _BUILTIN_COLLECTIVES[builtin]
+        return BUILTIN_COLLECTIVES[builtin]
     cluster, hierarchical, _ = parse_sharding_type(kind)
-    if cluster == "ub":
-        return UNIQUE_COLLECTIVES
-    return HIERARCHICAL_COLLECTIVES if hierarchical else FLAT_COLLECTIVES
+    return cluster_kind(cluster).collectives_per_step(hierarchical)
 
 
 def module_collectives_per_step(kinds: Iterable[str]) -> int:

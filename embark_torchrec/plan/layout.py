@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
+from .cluster_kinds import DATA_PARALLEL_KIND, REDUCTION_KIND, ClusterKind, cluster_kind, cluster_kind_names
 from .fields import (
     POOLED,
     FieldError,
@@ -27,7 +28,6 @@ from .fields import (
     table_name,
 )
 
-CLUSTERS = ("dp", "rb", "ub")
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
 ALLREDUCE_PRECISIONS = ("fp32", "fp16", "bf16")  # what TorchRec's DefaultDataParallelWrapper runs DDP's all-reduce at
 PLAN_FORMAT = "embark-plan"
@@ -82,11 +82,16 @@ class TableLayout:
 
     @classmethod
     def data_parallel(cls, precision: WirePrecision | None = None) -> "TableLayout":
-        return cls("dp", precision=precision or WirePrecision())
+        return cls(DATA_PARALLEL_KIND.name, precision=precision or WirePrecision())
 
     @classmethod
-    def table_wise(cls, rows: int, dim: int, rank: int, cluster: str = "rb") -> "TableLayout":
+    def table_wise(cls, rows: int, dim: int, rank: int, cluster: str = REDUCTION_KIND.name) -> "TableLayout":
         return cls(cluster, (0, rows), (0, dim), ((rank,),))
+
+    @property
+    def kind(self) -> ClusterKind:
+        """The registered cluster kind this layout's cluster names (cluster_kinds.py)."""
+        return cluster_kind(self.cluster)
 
     @property
     def num_row_slices(self) -> int:
@@ -136,11 +141,11 @@ class TableLayout:
     def validate(self, table: str, rows: int, dim: int, world_size: int) -> None:
         """Exact tiling of rows x dim, column cuts on multiples of 4, ranks in range."""
         where = f"table {table!r}"
-        if self.cluster not in CLUSTERS:
-            raise PlanError(f"{where}: cluster {self.cluster!r} is not one of {CLUSTERS}")
-        if self.cluster == "dp":
+        if self.cluster not in cluster_kind_names():
+            raise PlanError(f"{where}: cluster {self.cluster!r} is not one of {cluster_kind_names()}")
+        if self.kind.replicated:
             if self.row_bounds or self.col_bounds or self.ranks:
-                raise PlanError(f"{where}: a dp table is replicated and has no shards")
+                raise PlanError(f"{where}: a {self.cluster} table is replicated and has no shards")
             return
         for name, bounds, size in (("row", self.row_bounds, rows), ("column", self.col_bounds, dim)):
             if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != size:
@@ -326,14 +331,6 @@ def grid_from_shards(
     return tuple(row_bounds), tuple(col_bounds), tuple(tuple(cell[(r, c)] for c in range(n_c)) for r in range(n_r))
 
 
-def ceil_row_bounds(rows: int, parts: int) -> tuple[int, ...]:
-    """TorchRec's row-wise blocks: `parts` blocks of ceil(rows / parts) rows, the last ones shorter or
-    empty; empty blocks are left out (a plan never holds an empty slice). The one definition of the
-    row split TorchRec's row-wise and table-row-wise run, and of the TWRW baseline."""
-    block = -(-rows // parts)
-    return tuple(range(0, rows, block)) + (rows,)
-
-
 def _layout_from_dict(name: str, entry: Any, world_size: int) -> TableLayout:
     """One table's entry, field by field; the grid is rebuilt from the shard list, refusing shard
     lists that are not an exact grid."""
@@ -341,19 +338,19 @@ def _layout_from_dict(name: str, entry: Any, world_size: int) -> TableLayout:
     with reading(PlanError, where=where):
         m = mapping(entry, "")
         keys(m, "", _LAYOUT_KEYS, required=("cluster",))
-        cluster = choice(m["cluster"], "cluster", CLUSTERS)
+        cluster = choice(m["cluster"], "cluster", cluster_kind_names())
         with reading(PlanError, parent="precision"):
             prec = mapping(m.get("precision", {}), "")
             keys(prec, "", _PRECISION_KEYS)
             precision = WirePrecision(prec.get("forward", "fp32"), prec.get("backward", "fp32"))
         hierarchical = boolean(m.get("hierarchical", False), "hierarchical")
         entries = items(m.get("shards", []), "shards", "a list of shards")
-        if cluster == "dp":
+        if cluster_kind(cluster).replicated:
             if entries:
-                raise FieldError("a dp table is replicated and must have no shards", "shards")
+                raise FieldError(f"a {cluster} table is replicated and must have no shards", "shards")
             if hierarchical:
-                raise FieldError("a dp table is replicated and has no partial sums to reduce", "hierarchical")
-            return TableLayout.data_parallel(precision)
+                raise FieldError(f"a {cluster} table is replicated and has no partial sums to reduce", "hierarchical")
+            return TableLayout(cluster, precision=precision)
         if not entries:
             raise FieldError(f"cluster {cluster!r} needs shards", "shards")
         shards = [_shard_from_dict(s, f"shards[{i}]", world_size) for i, s in enumerate(entries)]
@@ -399,6 +396,6 @@ def parse_sharding_type(name: str) -> tuple[str, bool, WirePrecision]:
         raise PlanError(f"{name!r} is not an embark sharding type")
     body, precision = split_precision(name[len(SHARDING_TYPE_PREFIX) :])
     cluster, _, variant = body.partition("_")
-    if cluster not in ("rb", "ub") or variant not in ("", "hier"):
+    if cluster not in cluster_kind_names() or cluster_kind(cluster).replicated or variant not in ("", "hier"):
         raise PlanError(f"unknown embark sharding type {name!r}")
     return cluster, variant == "hier", precision

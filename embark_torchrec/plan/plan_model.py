@@ -83,7 +83,7 @@ def refusal(t: TableSpec, layout: TableLayout, constraints: TableConstraints, wo
         return f"cluster {layout.cluster} is not allowed"
     if constraints.precision is not None and layout.precision != constraints.precision:
         return f"precision {layout.precision} is not {constraints.precision}"
-    if layout.cluster == "dp":
+    if layout.kind.replicated:
         return None
     try:
         layout.validate(name, t.rows, t.dim, world_size)

@@ -22,7 +22,8 @@ from torchrec.distributed.types import ShardingPlan, ShardingPlanner
 from .constraints import TableConstraints, from_torchrec
 from .cost import CostModel, OptimizerMemory
 from .fields import FieldError, boolean, choice, integer, reading, shown
-from .layout import SHARDING_TYPE_PREFIX, Plan, PlanError, TableLayout, ceil_row_bounds
+from .layout import SHARDING_TYPE_PREFIX, Plan, PlanError, TableLayout
+from .torchrec_types import ceil_row_bounds
 from .report import ScoredPlan, render
 from .plan_model import PlannedModel, plan_model
 from .ranges import MAX_WORLD_SIZE

@@ -91,12 +91,10 @@ class ScoredPlan:
 
 
 def layout_kind(layout: TableLayout) -> str:
-    """dp, tw, cw, rw (row slices only) or grid; UB tables are prefixed with ub-."""
-    if layout.cluster == "dp":
-        return "dp"
+    """dp, tw, cw, rw (row slices only) or grid, as the layout's cluster kind names them (UB: ub-tw, ...)."""
     n_r, n_c = layout.num_row_slices, layout.num_col_slices
-    kind = "tw" if n_r == n_c == 1 else "cw" if n_r == 1 else "rw" if n_c == 1 else "grid"
-    return f"ub-{kind}" if layout.cluster == "ub" else kind
+    shape = "tw" if n_r == n_c == 1 else "cw" if n_r == 1 else "rw" if n_c == 1 else "grid"
+    return layout.kind.shape_name(shape)
 
 
 def summary(scored: ScoredPlan) -> dict[str, Any]:
@@ -110,7 +108,7 @@ def summary(scored: ScoredPlan) -> dict[str, Any]:
         "max_memory_gb": round(float(scored.cost.rank_memory.max()) / 1e9, 3),
         "clusters": dict(sorted(Counter(t.cluster for t in tables).items())),
         "kinds": dict(sorted(Counter(layout_kind(t) for t in tables).items())),
-        "shards": sum(t.num_row_slices * t.num_col_slices for t in tables if t.cluster != "dp"),
+        "shards": sum(t.num_row_slices * t.num_col_slices for t in tables if not t.kind.replicated),
         "hierarchical_tables": sum(t.hierarchical for t in tables),
         "sequence_tables": sum(kind == SEQUENCE for kind in scored.plan.kinds.values()),
     }

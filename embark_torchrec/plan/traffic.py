@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .cost import CostModel
-from .wire import LENGTH_BYTES, split_exchange_bytes, vector_bytes
+from .wire import split_exchange_bytes, vector_bytes
 from .groups import id_bytes, sharding_type
 from .layout import TableLayout
 
@@ -54,16 +54,14 @@ def expected_ids(cost: CostModel, name: str, layout: TableLayout) -> np.ndarray:
     """[W, F, R] the IDs (RB) or distinct IDs (UB) each rank sends per feature and row slice, as
     the cost model expects them."""
     t = cost.table(name)
-    if layout.cluster == "ub":
-        per_slice = cost.row_distinct(name, layout.row_bounds)
-    else:
-        per_slice = cost.local_batch * t.pooling * cost.row_mass(name, layout.row_bounds)
+    per_slice = layout.kind.ids_per_slice(cost, name, layout.row_bounds)
     return np.broadcast_to(per_slice, (cost.topology.world_size, len(t.feature_names), layout.num_row_slices)).copy()
 
 
 def table_messages(cost: CostModel, name: str, layout: TableLayout, ids: np.ndarray | None = None) -> list[Message]:
     """Every message one step of this table sends (none to oneself); `ids` as expected_ids."""
-    if layout.cluster == "dp":
+    kind = layout.kind
+    if kind.replicated:
         return []
     ids = expected_ids(cost, name, layout) if ids is None else np.asarray(ids, dtype=np.float64)
     t = cost.table(name)
@@ -75,17 +73,17 @@ def table_messages(cost: CostModel, name: str, layout: TableLayout, ids: np.ndar
     per_id = id_bytes(sharding_type(layout, t.rows, w, lws, t.is_sequence))
     msgs: list[Message] = []
     cells = [(r, c, layout.ranks[r][c]) for r in range(layout.num_row_slices) for c in range(layout.num_col_slices)]
-    if layout.cluster == "ub":  # one count per feature and the distinct IDs, to each distinct holder
-        inputs = [
-            (r, k, feats * LENGTH_BYTES) for r in range(layout.num_row_slices) for k in sorted(set(layout.ranks[r]))
-        ]
-    else:  # bag lengths and the IDs, to each cell
-        inputs = [(r, k, feats * b * LENGTH_BYTES) for r, _, k in cells]
+    # the IDs and their lengths (or counts) to each receiver of a row slice
+    inputs = [
+        (r, k, feats * kind.count_bytes(b))
+        for r in range(layout.num_row_slices)
+        for k in kind.input_receivers(layout.ranks[r])
+    ]
     for r, k, lengths in inputs:
         for s in range(w):
             msgs.append(Message(s, k, "lengths", lengths))
             msgs.append(Message(s, k, "ids", ids[s, :, r].sum() * per_id))
-    if layout.cluster == "ub" or t.is_sequence:  # one vector per (distinct) ID, straight back to its sender
+    if kind.returns_vectors(t):  # one vector per (distinct) ID, straight back to its sender
         for r, c, k in cells:
             for s in range(w):
                 vectors = ids[s, :, r].sum()

@@ -63,7 +63,7 @@ def data_parallel_wrapper(plan: Plan | str) -> PlanPrecisionDataParallelWrapper:
     if isinstance(plan, Plan):
         precision = plan.allreduce_precision
         for name, layout in plan.tables.items():
-            if layout.cluster == "dp" and layout.precision.backward != precision:
+            if layout.kind.replicated and layout.precision.backward != precision:
                 raise PlanError(
                     f"table {name!r}: data-parallel gradients at {layout.precision.backward}, but DDP all-reduces "
                     f"every data-parallel table and the dense part at the plan's allreduce_precision {precision}"

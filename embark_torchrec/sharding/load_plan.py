@@ -149,7 +149,7 @@ class _RankMemory:
         for cfg in configs:
             element = DATA_TYPE_NUM_BITS[cfg.data_type] / 8
             layout = plan[cfg.name]
-            if layout.cluster == "dp":
+            if layout.kind.replicated:
                 self.replicated[cfg.name] = cfg.num_embeddings * cfg.embedding_dim * element
                 continue
             for s in layout.shards():

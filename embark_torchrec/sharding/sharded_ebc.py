@@ -17,11 +17,13 @@ from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from ..plan.cluster_kinds import cluster_kind
 from ..plan.groups import torchrec_type
 from ..plan.layout import SHARDING_TYPE_PREFIX, parse_sharding_type
+from .cluster_runtimes import cluster_runtime
 from .codecs import builtin_codecs, cluster_codecs
 from .comm_stats import CommStats, CountsComm
-from .grid import BaseGridEmbeddingSharding, GridPooledEmbeddingSharding
+from .grid import BaseGridEmbeddingSharding
 from .input_exchange import CheckedInput, defer_kjt_all_to_alls
 from .torchrec_compat import (
     add_mean_fixup_features,
@@ -242,11 +244,7 @@ class EmbarkShardedEmbeddingBagCollection(CheckedInput, CountedModule, ShardedEm
             )
         cluster, hierarchical, precision = parse_sharding_type(sharding_type)
         codecs = cluster_codecs(precision, qcomm_codecs_registry, CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL)
-        if cluster == "ub":
-            return UniquePooledEmbeddingSharding(sharding_infos, env, device, qcomm_codecs_registry=codecs)
-        return GridPooledEmbeddingSharding(
-            sharding_infos, env, device, qcomm_codecs_registry=codecs, hierarchical=hierarchical
-        )
+        return cluster_runtime(cluster_kind(cluster)).pooled(sharding_infos, env, device, codecs, hierarchical)
 
     def input_dist(
         self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor

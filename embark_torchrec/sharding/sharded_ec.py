@@ -21,7 +21,9 @@ from torchrec.distributed.types import Awaitable, ParameterSharding, QuantizedCo
 from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from ..plan.cluster_kinds import cluster_kind
 from ..plan.layout import SHARDING_TYPE_PREFIX, parse_sharding_type
+from .cluster_runtimes import cluster_runtime
 from .codecs import builtin_codecs, cluster_codecs
 from .comm_stats import CommStats, CountsComm
 from .input_exchange import CheckedInput, defer_kjt_all_to_alls
@@ -93,8 +95,7 @@ class EmbarkShardedEmbeddingCollection(CheckedInput, CountedModule, ShardedEmbed
             )
         cluster, _, precision = parse_sharding_type(sharding_type)
         codecs = cluster_codecs(precision, qcomm_codecs_registry, CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL)
-        sharding = UniqueSequenceEmbeddingSharding if cluster == "ub" else GridSequenceEmbeddingSharding
-        return sharding(sharding_infos, env, device, qcomm_codecs_registry=codecs)
+        return cluster_runtime(cluster_kind(cluster)).sequence(sharding_infos, env, device, codecs, False)
 
     def _embedding_dim_for_sharding_type(self, sharding_type: str) -> int:
         """TorchRec views each lookup's output as rows of this width; our cells may be narrower than

@@ -15,9 +15,11 @@ from torchrec.distributed.planner.types import Topology as TorchrecTopology
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
+from ..plan.cluster_kinds import DATA_PARALLEL_KIND, REDUCTION_KIND
 from ..plan.fields import POOLED, SEQUENCE
 from ..plan.layout import SHARDING_TYPE_PREFIX, Plan, parse_sharding_type, split_precision
 from ..plan.spec import ModelSpec
+from ..plan.torchrec_types import DATA_PARALLEL
 from ..plan.topology import Topology
 
 # torchrec sharding types whose partial sums are reduced inside the node before crossing it.
@@ -35,8 +37,8 @@ def from_sharding_plan(sharding_plan: Any, topology: Topology, module_path: str 
         (module_plan,) = sharding_plan.plan.values()
     tables: dict[str, Any] = {}
     for name, ps in module_plan.items():
-        if ps.sharding_type == "data_parallel":
-            tables[name] = {"cluster": "dp", "shards": []}
+        if ps.sharding_type == DATA_PARALLEL:
+            tables[name] = {"cluster": DATA_PARALLEL_KIND.name, "shards": []}
             continue
         shards = [
             {
@@ -51,7 +53,7 @@ def from_sharding_plan(sharding_plan: Any, topology: Topology, module_path: str 
             cluster, hierarchical, precision = parse_sharding_type(ps.sharding_type)
         else:
             base, precision = split_precision(ps.sharding_type)
-            cluster, hierarchical = "rb", base in _HIERARCHICAL_TYPES
+            cluster, hierarchical = REDUCTION_KIND.name, base in _HIERARCHICAL_TYPES
         entry: dict[str, Any] = {
             "cluster": cluster,
             "shards": shards,

@@ -44,7 +44,8 @@ from torchrec.sparse.jagged_tensor import JaggedTensor
 from embark_torchrec.jobs import Progress, World, exit_after_clean_run, init_distributed, mean_over_ranks
 from embark_torchrec import EmbarkEmbeddingBagCollectionSharder, EmbarkEmbeddingCollectionSharder, EmbarkPlanner
 from embark_torchrec.plan.constraints import TableConstraints
-from embark_torchrec.plan.layout import TableLayout, ceil_row_bounds, sharding_type_name
+from embark_torchrec.plan.layout import TableLayout, sharding_type_name
+from embark_torchrec.plan.torchrec_types import ceil_row_bounds
 from embark_torchrec.plan.profile import profile_features
 from embark_torchrec.plan.spec import ModelSpec
 from embark_torchrec.plan.topology import Topology, hardware_preset
