@@ -66,7 +66,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .plan.cost import BACKWARD_COMPUTE_MULTIPLIER, WEIGHT_BYTES
+from .plan.cluster_kinds import REDUCTION_KIND, UNIQUE_KIND
+from .plan.constants import BACKWARD_COMPUTE_MULTIPLIER, WEIGHT_BYTES
 from .plan.hardware_file import FORMAT, VERSION, HardwareError, hardware_to_dict, resolve_hardware, save_hardware
 from .plan.topology import Hardware
 
@@ -570,7 +571,7 @@ def _reference_estimate_ms(job: Job, s: Settings, hardware: Hardware) -> tuple[f
     from .plan.topology import Topology
 
     model = CostModel(_reference_spec(job, s), Topology(job.world_size, job.local_world_size, hardware))
-    load = model.rank_load(_reference_plan(job, s, "rb"))
+    load = model.rank_load(_reference_plan(job, s, REDUCTION_KIND.name))
     (kind,) = load.groups
     cost = model.step_cost(load)
     return cost.lookup_ms + cost.comm_ms, module_collectives_per_step([kind])
@@ -607,7 +608,8 @@ def _ub_round_times(job: Job, s: Settings, optimizer: str) -> tuple[list[float],
         env = ShardingEnv.from_process_group(dist.group.WORLD)
         return DistributedModelParallel(meta, env=env, plan=plan, sharders=[sharder], device=job.device)
 
-    models = {cluster: build(cluster) for cluster in ("rb", "ub")}
+    rb, ub = REDUCTION_KIND.name, UNIQUE_KIND.name
+    models = {cluster: build(cluster) for cluster in (rb, ub)}
     generator = torch.Generator().manual_seed(job.rank)
     batches = [
         KeyedJaggedTensor(
@@ -624,7 +626,7 @@ def _ub_round_times(job: Job, s: Settings, optimizer: str) -> tuple[list[float],
             out = (out.wait() if hasattr(out, "wait") else out).to_dict()
             torch.cat(list(out.values()), dim=1).sum().backward()
 
-    times: dict[str, list[float]] = {"rb": [], "ub": []}
+    times: dict[str, list[float]] = {rb: [], ub: []}
     for _ in range(s.ub_rounds + 1):
         for cluster, model in models.items():
             dist.barrier()
@@ -635,7 +637,7 @@ def _ub_round_times(job: Job, s: Settings, optimizer: str) -> tuple[list[float],
             elapsed = torch.tensor([time.perf_counter() - start], device=job.device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             times[cluster].append(float(elapsed) / s.ub_steps)
-    return times["rb"][1:], times["ub"][1:]
+    return times[rb][1:], times[ub][1:]
 
 
 def measure_sharded_steps(job: Job, s: Settings, optimizer: str, hardware: Hardware) -> dict[str, dict[str, Any]]:
