@@ -5,8 +5,9 @@ each with `pooling` p IDs per sample; its row slice r holds the fraction m_r of 
 receives m_r of the lookups and U_r = m_r x u x b x p distinct IDs from each rank per feature, u
 being the table's unique ratio (ModelSpec.expected_unique_ratio). e_fwd / e_bwd: wire bytes per embedding element.
 
-Per table and cluster (bytes are counted at the sender and at the receiver; traffic.py lists the
-same traffic message by message, and the runtime's dists send exactly that):
+Per table and cluster (bytes are counted at the sender and at the receiver; each cluster kind's class in
+cluster_kinds.py computes its terms, traffic.py lists the same traffic message by message from the same kind
+methods, and the runtime's dists send exactly that):
 - RB input dist: every rank sends each cell's holder F x (b p m_r x i + b x 4) bytes (IDs of i
   bytes: 8 on TorchRec's sharding types, which send the input's int64 IDs, 4 on ours, which send
   row-local int32 IDs; int32 lengths), once per cell.
