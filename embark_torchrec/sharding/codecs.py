@@ -7,7 +7,10 @@ our dists (collectives.all_to_all) take any such codec: fbgemm's, TorchRec's or 
 fp16 and bf16 are TorchRec's fbgemm codecs (TorchRecCodec), built here directly so that torchrec's CPU
 fallback from bf16 to fp16 does not apply. fp8 is our own codec (Fp8RowwiseCodec): float8 e4m3 with one fp32
 scale per row vector, the bits carried as uint8 because gloo rejects float8 tensors; our messages hold rows of
-several widths, so its QuantizationContext (SegmentContext) carries the message's layout as segments.
+several widths, so its QuantizationContext (SegmentContext) carries the message's layout as segments. Given a row
+width (Fp8RowwiseCodec(row_width), wire_codecs(precision, row_width)), it also serves TorchRec's own dists from
+the sharder's registry, as QCommsConfig's codecs do: their messages are whole rows of that width (table-wise and
+column-wise tables of one width), and TorchRec's own FP8 codec has no CPU kernel.
 
 A codec of TorchRec's protocol that scales rows of its context's row dim (fbgemm's INT8 row-wise, and its FP8
 row-wise, QCommsConfig's fp8_quantize_dim, on GPUs) gets each cell's block of rows on its own, the context's
@@ -60,9 +63,15 @@ FP8_MAX = 448.0  # largest finite float8 e4m3fn
 @dataclass
 class SegmentContext:
     """What Fp8RowwiseCodec needs of one message, besides its values: its parts as (elements, row width)
-    segments, the messages to (or from) each peer in order."""
+    segments, the messages to (or from) each peer in order; or, where TorchRec's dists send (and set no
+    segments), the one width of every row. `padded_dim_sum_per_rank` and `row_dim`: TorchRec's dists read them
+    (padding for fbgemm's row-wise codecs, whose groups need not divide a rank's columns); ours scales whole
+    rows and pads none."""
 
     segments: Sequence[Segment] = ()
+    row_width: int = 0
+    padded_dim_sum_per_rank: Optional[List[int]] = None
+    row_dim: int = -1
 
 
 class Fp8RowwiseCodec(QuantizedCommCodec[SegmentContext]):
@@ -76,15 +85,20 @@ class Fp8RowwiseCodec(QuantizedCommCodec[SegmentContext]):
 
     wire_precision = "fp8"
 
+    def __init__(self, row_width: int = 0) -> None:
+        """`row_width`: the width of every row of the messages of a TorchRec dist this codec serves (0 for ours,
+        which describe each message in its context)."""
+        self.row_width = row_width
+
     @property
     def quantized_dtype(self) -> torch.dtype:
         return torch.uint8
 
     def create_context(self) -> SegmentContext:
-        return SegmentContext()
+        return SegmentContext(row_width=self.row_width)
 
     def calc_quantized_size(self, input_len: int, ctx: Optional[SegmentContext] = None) -> int:
-        segments = _segments_of(ctx)
+        segments = _segments_of(ctx, input_len)
         if sum(e for e, _ in segments) != input_len:
             raise ValueError(
                 f"fp8 codec: the context's segments hold {sum(e for e, _ in segments)} values, not {input_len}"
@@ -124,7 +138,7 @@ class Fp8RowwiseCodec(QuantizedCommCodec[SegmentContext]):
     def encode(self, input_tensor: torch.Tensor, ctx: Optional[SegmentContext] = None) -> torch.Tensor:
         """The wire bytes of the message (best called in inference mode, as our all-to-all does: the payload
         only travels, so its dtype views need no autograd bookkeeping)."""
-        x, segments = input_tensor, _segments_of(ctx)
+        x, segments = input_tensor, _segments_of(ctx, input_tensor.numel())
         if x.numel() == 0:
             return x.new_empty(0, dtype=torch.uint8)
         if x.dtype != torch.float32:  # (in inference mode even a no-op conversion is an op)
@@ -149,7 +163,10 @@ class Fp8RowwiseCodec(QuantizedCommCodec[SegmentContext]):
     def decode(self, input_grad: torch.Tensor, ctx: Optional[SegmentContext] = None) -> torch.Tensor:
         """The values of wire bytes (best an inference tensor, as the exchange allocates it: its dtype views
         then need no autograd bookkeeping); the result is a normal tensor."""
-        y, segments = input_grad, _segments_of(ctx)
+        y, values_len = input_grad, None
+        if isinstance(ctx, SegmentContext) and ctx.row_width:  # a TorchRec dist's message: whole rows of one width
+            values_len = y.numel() // (ctx.row_width + FP8_SCALE_BYTES) * ctx.row_width
+        segments = _segments_of(ctx, values_len)
         if sum(e for e, _ in segments) == 0:
             return y.new_empty(0, dtype=torch.float32)
         width = self._one_width(segments)
@@ -171,10 +188,16 @@ class Fp8RowwiseCodec(QuantizedCommCodec[SegmentContext]):
         return out.view(-1) if width else out
 
 
-def _segments_of(ctx: Optional[SegmentContext]) -> Sequence[Segment]:
+def _segments_of(ctx: Optional[SegmentContext], input_len: Optional[int] = None) -> Sequence[Segment]:
+    """The context's segments; a context of one row width (a TorchRec dist's) describes a message of `input_len`
+    values (a whole number of rows) as one segment."""
     if not isinstance(ctx, SegmentContext):
-        raise ValueError("Fp8RowwiseCodec needs the message's SegmentContext (from create_context, segments set)")
-    return ctx.segments
+        raise ValueError("Fp8RowwiseCodec needs the message's SegmentContext (from create_context)")
+    if ctx.segments or not ctx.row_width:
+        return ctx.segments
+    if input_len is None or input_len % ctx.row_width:
+        raise ValueError(f"fp8 codec: a message of {input_len} values is not rows of {ctx.row_width}")
+    return ((input_len, ctx.row_width),)
 
 
 class TorchRecCodec(QuantizedCommCodec[Any]):
@@ -210,9 +233,9 @@ class TorchRecCodec(QuantizedCommCodec[Any]):
         return self._codec.padded_size(input_tensor, dim_per_rank, my_rank, qcomm_ctx)
 
 
-def _codec(precision: str) -> Optional[QuantizedCommCodec]:
+def _codec(precision: str, row_width: int = 0) -> Optional[QuantizedCommCodec]:
     if precision == "fp8":
-        return Fp8RowwiseCodec()
+        return Fp8RowwiseCodec(row_width)
     if precision == "fp32":
         return None
     return TorchRecCodec(precision)
@@ -228,16 +251,17 @@ _EMBEDDING_COMM_OPS = (
 )
 
 
-def wire_codecs(precision: WirePrecision) -> Optional[Dict[str, QuantizedCommCodecs]]:
+def wire_codecs(precision: WirePrecision, row_width: int = 0) -> Optional[Dict[str, QuantizedCommCodecs]]:
     """One group's codec registry, from the plan's precision (the plan decides a cluster's precision, not
     module-wide qcomms), under every key an embedding group's collectives read, as QCommsConfig's registry
-    is; our dists and TorchRec's take it alike. None: fp32 both ways."""
+    is; our dists and TorchRec's take it alike (`row_width`: of every row a TorchRec dist of the group sends,
+    for a row-scaled codec). None: fp32 both ways."""
     if (precision.forward, precision.backward) == ("fp32", "fp32"):
         return None
     return {
         op.name: QuantizedCommCodecs(
-            forward=_codec(precision.forward) or NoOpQuantizedCommCodec(),
-            backward=_codec(precision.backward) or NoOpQuantizedCommCodec(),
+            forward=_codec(precision.forward, row_width) or NoOpQuantizedCommCodec(),
+            backward=_codec(precision.backward, row_width) or NoOpQuantizedCommCodec(),
         )
         for op in _EMBEDDING_COMM_OPS
     }

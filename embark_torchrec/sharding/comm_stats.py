@@ -241,9 +241,10 @@ class Ledger:
             np.add.at(block[2 * received], member[pick], elems[pick])
             np.add.at(block[2 * received + 1], member[pick], rows[pick])
 
-    def add_columns(self, widths: Dict[str, int], member: int, received: bool, rows: float) -> None:
-        for table, width in widths.items():
-            self.add(table, member, received, rows * width, rows)
+    def add_columns(self, widths: Dict[str, Sequence[int]], member: int, received: bool, samples: float) -> None:
+        """`samples` rows of output, in which each table has one vector of each of its `widths`."""
+        for table, vectors in widths.items():
+            self.add(table, member, received, samples * sum(vectors), samples * len(vectors))
 
     def record(
         self,

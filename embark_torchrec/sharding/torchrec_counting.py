@@ -161,12 +161,12 @@ class _PooledCounter:
         inside TorchRec's autograd function, out of our sight)."""
         sent = [r * local_embs.size(1) for r in rows]
         for backward, codec in ((False, self._codecs[0]), (True, self._codecs[1])):
-            element = (
-                torch.empty(0, dtype=codec.quantized_dtype).element_size()
-                if codec is not None
-                else local_embs.element_size()
-            )
-            ledger.record(codec, backward, element, None if backward else sent)
+            if codec is None:
+                ledger.record(codec, backward, local_embs.element_size(), None if backward else sent)
+                continue
+            element = torch.empty(0, dtype=codec.quantized_dtype).element_size()
+            encoded = [codec.calc_quantized_size(n, codec.create_context()) for n in sent]
+            ledger.record(codec, backward, element, None if backward else encoded)
 
 
 class PooledAllToAllCounter(_PooledCounter):
@@ -178,7 +178,7 @@ class PooledAllToAllCounter(_PooledCounter):
         a2a: PooledEmbeddingsAllToAll,
         stats: CommStats,
         sharding_type: str,
-        table_widths_per_rank: List[Dict[str, int]],
+        table_widths_per_rank: List[Dict[str, List[int]]],
     ) -> None:
         super().__init__(a2a, stats, sharding_type)
         self._widths = table_widths_per_rank
@@ -199,7 +199,7 @@ class ReduceScatterCounter(_PooledCounter):
     def __call__(self, module: PooledEmbeddingsReduceScatter, args: Any, kwargs: Any) -> None:
         local_embs = args[0]
         rows = self._rows(local_embs, kwargs.get("input_splits") or (args[1] if len(args) > 1 else None))
-        columns = {ALL_TABLES: local_embs.size(1)}
+        columns = {ALL_TABLES: [local_embs.size(1)]}
         ledger = Ledger(self._stats, self._sharding_type, self._peers)
         for i in range(len(self._peers)):
             ledger.add_columns(columns, i, False, rows[i])
@@ -207,14 +207,14 @@ class ReduceScatterCounter(_PooledCounter):
         self._record(ledger, local_embs, rows)
 
 
-def table_widths_per_rank(sharding: Any, feature_table: Dict[str, str]) -> List[Dict[str, int]]:
-    """For a table-wise-like sharding: on each rank, the output columns it holds per table."""
-    out: List[Dict[str, int]] = []
+def table_widths_per_rank(sharding: Any, feature_table: Dict[str, str]) -> List[Dict[str, List[int]]]:
+    """For a table-wise-like sharding: on each rank, the width of each output vector (one per feature and column
+    shard) it holds per table."""
+    out: List[Dict[str, List[int]]] = []
     for names, dims in zip(sharding.embedding_names_per_rank(), emb_dims_per_rank(sharding)):
-        widths: Dict[str, int] = {}
+        widths: Dict[str, List[int]] = {}
         for name, width in zip(names, dims):
-            table = feature_table[base_feature(name)]
-            widths[table] = widths.get(table, 0) + int(width)
+            widths.setdefault(feature_table[base_feature(name)], []).append(int(width))
         out.append(widths)
     return out
 
@@ -237,7 +237,7 @@ def count_borrowed_dists(
             if has_emb_dims_per_rank(sharding) and len(group_ranks(collective_group(m))) == stats.world_size:
                 widths = table_widths_per_rank(sharding, feature_table)
             else:  # table-row-wise's cross-node hop: every column of the sharding
-                widths = [{ALL_TABLES: d} for d in pooled_dim_sum_per_rank(m)]
+                widths = [{ALL_TABLES: [d]} for d in pooled_dim_sum_per_rank(m)]
             m.register_forward_pre_hook(PooledAllToAllCounter(m, stats, sharding_type, widths), with_kwargs=True)
         elif isinstance(m, PooledEmbeddingsReduceScatter):
             m.register_forward_pre_hook(ReduceScatterCounter(m, stats, sharding_type), with_kwargs=True)
