@@ -67,6 +67,11 @@ class ClusterKind:
         """Collectives one sharding group of ours of this kind issues per training step."""
         raise NotImplementedError(f"cluster kind {self.name!r} has no sharding of ours")
 
+    def hierarchy_options(self, row_slices: int) -> tuple[bool, ...]:
+        """The values of a layout's hierarchical flag worth trying for this many row slices: only kinds whose row
+        slices' partial sums meet (reduction-based, two or more row slices) may reduce inside each node first."""
+        return (False,)
+
     def fewest_collectives(self) -> int:
         """The fewest collectives any sharding group of this kind issues per step (the lower bound's)."""
         return min(self.collectives_per_step(False), self.collectives_per_step(True))
@@ -253,12 +258,15 @@ class ReductionKind(ClusterKind):
     def collectives_per_step(self, hierarchical: bool) -> int:
         return HIERARCHICAL_COLLECTIVES if hierarchical else FLAT_COLLECTIVES
 
+    def hierarchy_options(self, row_slices: int) -> tuple[bool, ...]:
+        return (False, True) if row_slices > 1 else (False,)
+
     def bound_grids(self, row_slices: int) -> list[tuple[int, bool]]:
         """The fewest row slices and two of ours (4-byte IDs), each flat and hierarchical."""
         return [
             (n, hierarchical)
             for n in sorted({row_slices, max(row_slices, 2)})
-            for hierarchical in ((False, True) if n > 1 else (False,))
+            for hierarchical in self.hierarchy_options(n)
         ]
 
     def shape_name(self, shape: str) -> str:

@@ -17,10 +17,13 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from .bound import allowed_clusters
+from .cluster_kinds import DATA_PARALLEL_KIND, REDUCTION_KIND, UNIQUE_KIND, cluster_kind
 from .cost import SEQUENCE_GROUP
 from .groups import sharding_type
 from .layout import TableLayout
 from .search_state import Changes, SearchState
+
+DP, RB, UB = DATA_PARALLEL_KIND.name, REDUCTION_KIND.name, UNIQUE_KIND.name
 
 Shape = tuple[int, int]  # (row slices, column slices)
 Measure = Callable[[np.ndarray], np.ndarray]  # per-rank ms of RankLoad rows (CostModel.rank_load_ms)
@@ -180,7 +183,7 @@ def reshapes(
     row-split RB, node by node."""
     layout = state.layouts[name]
     for shape in shapes_near(state, name, layout):
-        for local in (False, True) if layout.cluster == "rb" and shape[0] > 1 else (False,):
+        for local in layout.kind.hierarchy_options(shape[0]):
             grid = placed(state, name, layout.cluster, shape, rank_ms, local, measure)
             if grid is not None:
                 yield grid
@@ -194,9 +197,9 @@ def reclusters(state: SearchState, name: str, rank_ms: np.ndarray) -> Iterator[T
     for cluster in allowed_clusters(con):
         if cluster == layout.cluster:
             continue
-        if cluster == "dp":
-            yield TableLayout.data_parallel(state.precision(name, "dp"))
-        elif layout.cluster == "dp":
+        if cluster_kind(cluster).replicated:
+            yield TableLayout(cluster, precision=state.precision(name, cluster))
+        elif layout.kind.replicated:
             grid = placed(state, name, cluster, con.min_cuts, rank_ms)
             if grid is not None:
                 yield grid
@@ -251,7 +254,7 @@ def table_wise(state: SearchState, names: list[str], rank_ms: np.ndarray) -> Cha
         ms -= own[name]
     out = []
     for name in sorted(names, key=lambda n: (-own[n].sum(), state.order[n])):
-        grid = placed(state, name, "rb", (1, 1), ms + own[name])
+        grid = placed(state, name, RB, (1, 1), ms + own[name])
         if grid is None:
             return None
         ms += cost.rank_load_ms(cost.table_load(name, grid).rows)
@@ -276,13 +279,13 @@ def dissolutions(state: SearchState, rank_ms: np.ndarray, most: int | None = Non
             continue
         clusters = {state.layouts[n].cluster for n in names}
         allowed = [allowed_clusters(state.constraints[n]) for n in names]
-        if clusters != {"dp"} and all("dp" in a for a in allowed):
-            yield [(n, TableLayout.data_parallel(state.precision(n, "dp"))) for n in names]
-        if all("rb" in a and state.constraints[n].min_cuts == (1, 1) for n, a in zip(names, allowed)):
+        if clusters != {DP} and all(DP in a for a in allowed):
+            yield [(n, TableLayout(DP, precision=state.precision(n, DP))) for n in names]
+        if all(RB in a and state.constraints[n].min_cuts == (1, 1) for n, a in zip(names, allowed)):
             whole = table_wise(state, names, rank_ms)
             if whole is not None and any(state.layouts[n] != layout for n, layout in whole):
                 yield whole
-        for source, target in (("ub", "rb"), ("rb", "ub")):
+        for source, target in ((UB, RB), (RB, UB)):
             if clusters == {source} and all(target in a for a in allowed):
                 yield [
                     (n, replace(state.layouts[n], cluster=target, precision=state.precision(n, target))) for n in names
@@ -312,7 +315,7 @@ def recuts(state: SearchState, name: str, rank_ms: np.ndarray, measure: Measure 
     on the fewest least loaded nodes that hold it (a row split then reduces inside them first) and,
     for cuts over several nodes, anywhere."""
     layout = state.layouts[name]
-    if layout.cluster == "dp":
+    if layout.kind.replicated:
         return
     for shape in recut_shapes(state, name, layout):
         for local in (True, False) if shape[0] * shape[1] > state.local_world_size else (True,):
@@ -329,7 +332,7 @@ def confinement(state: SearchState, name: str, rank_ms: np.ndarray) -> TableLayo
     layout = state.layouts[name]
     lws = state.local_world_size
     cells = layout.num_row_slices * layout.num_col_slices
-    if layout.cluster == "dp" or cells == 1 or len({k // lws for k in layout.used_ranks()}) <= -(-cells // lws):
+    if layout.kind.replicated or cells == 1 or len({k // lws for k in layout.used_ranks()}) <= -(-cells // lws):
         return None
     return placed(state, name, layout.cluster, (layout.num_row_slices, layout.num_col_slices), rank_ms, True)
 
@@ -352,10 +355,10 @@ def regroupings(
     lws = state.local_world_size
     for gain, name, layout, kind in options:
         variants = [(layout, kind)]
-        if layout.cluster == "rb" and layout.num_row_slices > 1 and not state.cost.table(name).is_sequence:
+        if len(layout.kind.hierarchy_options(layout.num_row_slices)) > 1 and not state.cost.table(name).is_sequence:
             other = replace(layout, hierarchical=not layout.hierarchical)  # the group a hierarchy() alone declined
             variants.append((other, group_kind(state, name, other)))
-        one_node = layout.cluster != "dp" and len({k // lws for k in layout.used_ranks()}) == 1
+        one_node = not layout.kind.replicated and len({k // lws for k in layout.used_ranks()}) == 1
         for variant, group in variants:
             if group == group_kind(state, name, state.layouts[name]):
                 continue
@@ -391,7 +394,7 @@ def placed_together(state: SearchState, changes: Changes, rank_ms: np.ndarray) -
     out = []
     for name, layout in sorted(changes, key=lambda c: (-own[c[0]].sum(), state.order[c[0]])):
         old = state.layouts[name]
-        kept = layout.cluster == "dp" or (layout.row_bounds, layout.col_bounds, layout.ranks) == (
+        kept = layout.kind.replicated or (layout.row_bounds, layout.col_bounds, layout.ranks) == (
             old.row_bounds,
             old.col_bounds,
             old.ranks,
@@ -414,16 +417,16 @@ def regroup_alternatives(state: SearchState, name: str, rank_ms: np.ndarray) -> 
     cluster, the shapes near its own), placed: what closing its group into another takes when its
     grid does not run there (reclusters keeps the grid, reshapes the cluster)."""
     layout = state.layouts[name]
-    if layout.cluster == "dp":
+    if layout.kind.replicated:
         return
     for cluster in allowed_clusters(state.constraints[name]):
-        if cluster == "dp":
+        if cluster_kind(cluster).replicated:
             continue
         shapes = [*recut_shapes(state, name, layout)]
         if cluster != layout.cluster:
             shapes = [*shapes_near(state, name, layout), *shapes]
         for shape in dict.fromkeys(shapes):
-            for local in (False, True) if cluster == "rb" and shape[0] > 1 else (False,):
+            for local in cluster_kind(cluster).hierarchy_options(shape[0]):
                 grid = placed(state, name, cluster, shape, rank_ms, local)
                 if grid is not None:
                     yield grid
@@ -445,12 +448,12 @@ def spreads(state: SearchState, name: str, comm: np.ndarray, comm_ms: Measure) -
     (recuts) place by lookups and communication together and, run in one cluster, miss the counts and
     clusters that split its sending evenly over ranks with links to spare."""
     layout = state.layouts[name]
-    if layout.cluster == "dp":
+    if layout.kind.replicated:
         return
     clusters = allowed_clusters(state.constraints[name])
     current = (layout.cluster, layout.num_row_slices, layout.num_col_slices)
     for k in spread_counts(state):
-        for cluster, shape in (("rb", (1, k)), ("ub", (k, 1)), ("rb", (k, 1)), ("ub", (1, k))):
+        for cluster, shape in ((RB, (1, k)), (UB, (k, 1)), (RB, (k, 1)), (UB, (1, k))):
             if cluster not in clusters or (cluster, *shape) == current or not allows_shape(state, name, shape):
                 continue
             grid = placed(state, name, cluster, shape, comm, False, comm_ms)

@@ -58,6 +58,7 @@ from typing import Iterator, Mapping
 
 import numpy as np
 
+from .cluster_kinds import DATA_PARALLEL_KIND
 from .constraints import TableConstraints
 from .balance import CommBalance
 from .cost import CostModel, RankLoad
@@ -600,5 +601,7 @@ class GreedySearch:
         self.stats.balance_evaluations = balance.evaluations
         topo = self.cost.topology
         order = [t.name for t in self.cost.spec.tables]
-        allreduce = self.config.precision.get("dp", WirePrecision()).backward  # DDP's, dense gradients included
+        allreduce = self.config.precision.get(
+            DATA_PARALLEL_KIND.name, WirePrecision()
+        ).backward  # DDP's, dense gradients included
         return Plan(topo.world_size, topo.local_world_size, {n: state.layouts[n] for n in order}, {}, allreduce)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Mapping, Protocol
 
 import numpy as np
 
+from .cluster_kinds import cluster_kind
 from .constraints import TableConstraints
 from .cost import CostModel, RankLoad, StepCost
 from .layout import TableLayout, WirePrecision
@@ -85,8 +86,10 @@ class SearchState:
             c = self.constraints[t.name]
             if c.layout is not None:
                 self.fixed[t.name] = c.layout
-            elif self.clusters[t.name] == "dp":
-                self.fixed[t.name] = TableLayout.data_parallel(self.precision(t.name, "dp"))
+            elif cluster_kind(self.clusters[t.name]).replicated:
+                self.fixed[t.name] = TableLayout(
+                    self.clusters[t.name], precision=self.precision(t.name, self.clusters[t.name])
+                )
             else:
                 self.movable.append(t.name)
         free_dp = [n for n in self.fixed if self.constraints[n].layout is None and self.constraints[n].cluster is None]
@@ -129,7 +132,7 @@ class SearchState:
     def hierarchy(self, name: str, layout: TableLayout) -> TableLayout:
         """Row-split RB tables reduce inside the node first when that lowers the table's own
         communication bottleneck, counting the extra collectives of the two-stage reduction."""
-        if layout.cluster != "rb" or layout.num_row_slices < 2:
+        if len(layout.kind.hierarchy_options(layout.num_row_slices)) < 2:
             return layout
         if layout not in self._hier_cache:
             flat, hier = (replace(layout, hierarchical=h) for h in (False, True))
@@ -148,7 +151,7 @@ class SearchState:
         self.holders = {k: set() for k in range(self.world_size)}
         for name in self.names:
             self.hold(name, layouts[name], True)
-        self.dp_used = sum(self.dp_weights(n) for n, layout in layouts.items() if layout.cluster == "dp")
+        self.dp_used = sum(self.dp_weights(n) for n, layout in layouts.items() if layout.kind.replicated)
 
     def load(self, name: str) -> RankLoad:
         """The table's load in its current layout (the cost model's, not to be modified)."""
@@ -159,7 +162,7 @@ class SearchState:
 
     def hold(self, name: str, layout: TableLayout, holds: bool) -> None:
         """Records (or forgets) the ranks the table has cells on: a bottleneck rank's tables are looked up there."""
-        if layout.cluster != "dp":
+        if not layout.kind.replicated:
             for k in layout.used_ranks():
                 (self.holders[k].add if holds else self.holders[k].discard)(name)
 
@@ -167,7 +170,7 @@ class SearchState:
         """The plan with these tables' layouts changed (row-split RB ones as hierarchy() reduces them,
         unless `decide_hierarchy` is False: then as their layouts say); None when a rank's memory, the
         one column width per table on a rank or the DP memory budget would be broken."""
-        if any(layout.cluster != "dp" and layout.mixed_width_rank() is not None for _, layout in changes):
+        if any(not layout.kind.replicated and layout.mixed_width_rank() is not None for _, layout in changes):
             return None
         total = self.total.copy()
         out = []
@@ -175,7 +178,7 @@ class SearchState:
         for name, layout in changes:
             if decide_hierarchy:
                 layout = self.hierarchy(name, layout)
-            dp_used += self.dp_weights(name) * ((layout.cluster == "dp") - (self.layouts[name].cluster == "dp"))
+            dp_used += self.dp_weights(name) * (layout.kind.replicated - self.layouts[name].kind.replicated)
             new = self.cost.table_load(name, layout)
             total.add(self.load(name), -1.0)
             total.add(new)
@@ -189,7 +192,7 @@ class SearchState:
     def apply(self, move: Move) -> None:
         for name, layout, load in move.changes:
             old = self.layouts[name]
-            self.dp_used += self.dp_weights(name) * ((layout.cluster == "dp") - (old.cluster == "dp"))
+            self.dp_used += self.dp_weights(name) * (layout.kind.replicated - old.kind.replicated)
             self.hold(name, old, False)
             self.hold(name, layout, True)
             self.layouts[name] = layout
