@@ -10,6 +10,9 @@ Checks (each in its own try/except and time budget, so one failure hides no othe
     fp8 on the wire, DistributedModelParallel shards a 2-table model (one SUM table, one MEAN table with two
     features) onto cuda; 3 training steps (fused exact SGD) against the unsharded EmbeddingBagCollection on cuda
     (torch SGD): outputs at every step and weights after the last, max |error| against a per-precision tolerance.
+    Also the sharder's codecs with the plan at fp32 (QCommsConfig's way): fbgemm's FP8 row-wise codec
+    (fp8_quantize_dim = the width) on our embark_rb and embark_ub ("embark_rb:fbgemm-fp8"; CUDA only, fbgemm has
+    no CPU kernel). Below fp32 an error of exactly zero fails too: the codec did not run.
 (b) fake4  -- world size 4 (2 nodes x 2) seen as rank 0 of torch's "fake" process group, tensors on cuda: the
     multi-rank code paths (bucketizing, grid cells, hierarchical intra/cross stages, unique IDs) run their kernels on
     the device; 2 forward+backward steps per type (TorchRec's table_row_wise too). The fake collectives are wrapped so
@@ -52,7 +55,12 @@ MARK = "@@gpu_check "  # worker protocol: lines "@@gpu_check start <kind>" and "
 BUILTIN = ("table_wise", "row_wise", "column_wise")
 OURS = ("embark_rb", "embark_rb_hier", "embark_ub")
 PRECISIONS = ("fp32", "fp16", "fp8")
-KINDS_A = list(BUILTIN) + [f"{k}:{p}" for k in OURS for p in PRECISIONS]
+# the sharder's codecs at fp8, the plan at fp32: fbgemm's on our dists (see the docstring)
+SHARDER_CODECS = {"embark_rb": "fbgemm-fp8", "embark_ub": "fbgemm-fp8"}
+CUDA_ONLY_CODECS = ("fbgemm-fp8",)
+KINDS_A = (
+    list(BUILTIN) + [f"{k}:{p}" for k in OURS for p in PRECISIONS] + [f"{k}:{c}" for k, c in SHARDER_CODECS.items()]
+)
 KINDS_B = list(BUILTIN) + ["table_row_wise"] + [f"{k}:{p}" for k in OURS for p in PRECISIONS]
 # max |sharded - unsharded| allowed, relative to the largest reference magnitude of the compared tensor
 # (fp32: summation order only; fp16 / fp8: a few roundings of 2^-11 / 2^-4 relative, see sharding/codecs.py)
@@ -123,6 +131,7 @@ def _module_plan(kind: str, module: Any, sharder: Any, world_size: int, local_wo
     from embark_torchrec.plan.spec import ModelSpec
 
     base, _, precision = kind.partition(":")
+    precision = _plan_precision(precision)
     expected = base if precision in ("", "fp32") else f"{base}:{precision}-{precision}"
     if base in OURS:
         layouts = _our_layouts(base, precision, world_size)
@@ -176,7 +185,8 @@ def _sharded(kind: str, tables: list[Any], world_size: int, local_world_size: in
     from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 
     sharder = EmbarkEmbeddingBagCollectionSharder(
-        fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR}
+        fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR},
+        qcomm_codecs_registry=_sharder_codecs(kind.partition(":")[2], tables),
     )
     meta = _arch(tables, torch.device("meta"))
     params = _module_plan(kind, meta.ebc, sharder, world_size, local_world_size, device.type)
@@ -186,6 +196,24 @@ def _sharded(kind: str, tables: list[Any], world_size: int, local_world_size: in
         plan=ShardingPlan({"ebc": params}),
         sharders=[sharder],
         device=device,
+    )
+
+
+def _plan_precision(suffix: str) -> str:
+    """A kind's precision in the plan: fp32 where the sharder's codecs compress instead."""
+    return "fp32" if suffix in SHARDER_CODECS.values() else suffix
+
+
+def _sharder_codecs(suffix: str, tables: list[Any]) -> Any:
+    """The sharder's qcomm_codecs_registry a kind names, None for the plan's own precision."""
+    if suffix not in SHARDER_CODECS.values():
+        return None
+    from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs_registry
+
+    (width,) = {t.embedding_dim for t in tables}
+    p = CommType.FP8
+    return get_qcomm_codecs_registry(
+        QCommsConfig(forward_precision=p, backward_precision=p, fp8_quantize_dim=width, fp8_quantize_dim_bwd=width)
     )
 
 
@@ -208,7 +236,8 @@ def check_exact(kind: str, device: Any) -> dict[str, Any]:
 
     from embark_torchrec.testing import copy_global_weights, global_kjt_batch
 
-    precision = kind.partition(":")[2] or "fp32"
+    suffix = kind.partition(":")[2]
+    precision = "fp8" if suffix in SHARDER_CODECS.values() else suffix or "fp32"
     tables = _tables()
     torch.manual_seed(0)
     reference = _arch(tables, device)
@@ -252,6 +281,7 @@ def check_exact(kind: str, device: Any) -> dict[str, Any]:
         torch.cuda.synchronize()
     tolerance = TOLERANCE[precision]
     ok = all(math.isfinite(v) and v <= tolerance for v in worst.values()) and set(worst) == {"outputs", "weights"}
+    ok = ok and (precision == "fp32" or worst["outputs"] > 0.0)  # a codec below fp32 must change something
     detail = (
         f"max rel err outputs {worst.get('outputs', float('nan')):.2e} "
         f"weights {worst.get('weights', float('nan')):.2e} (tol {tolerance:.0e})"
@@ -714,6 +744,8 @@ def main(argv: list[str] | None = None) -> int:
         if part not in parts:
             continue
         kinds = [k for k in kinds if wanted is None or k in wanted or k.partition(":")[0] in wanted]
+        if args.dry_run_cpu:  # fbgemm's FP8 row-wise kernel exists only on CUDA
+            kinds = [k for k in kinds if k.partition(":")[2] not in CUDA_ONLY_CODECS]
         if not kinds:
             continue
         print(
