@@ -24,6 +24,7 @@ from embark_torchrec.sharding.comm_stats import enable_comm_stats
 from embark_torchrec.sharding.parameter_sharding import module_sharding_plan
 from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 from embark_torchrec.testing import global_kjt_batch, run_ranks
+from embark_torchrec.testing.host_work import HostWorkCounter
 from embark_torchrec.testing.training import SparseArch
 
 DIM = 8
@@ -213,3 +214,50 @@ def test_a_row_dim_codec_gets_each_width_of_a_message_as_rows_of_it(kind: str) -
     y = decode(codec, wire, peers)
     for got, ref in ((y[: small.numel()].view(6, 4), small), (y[small.numel() :].view(5, 8), large)):
         assert bool(((got - ref).abs() <= ROW_UNIT[kind] * ref.abs().amax(dim=1, keepdim=True)).all())
+
+
+def _mixed_message(cells: int) -> tuple[torch.Tensor, list[list[tuple[int, Any]]]]:
+    """Two peers' messages of `cells` cells each, alternately rows of width 4 and 8, one cell a block pair."""
+    gen = torch.Generator().manual_seed(cells)
+    peers: list[list[tuple[int, Any]]] = [[], []]
+    for peer in peers:
+        for c in range(cells):
+            peer.append((3 * 4, 4) if c % 2 else (2 * 8, 8))
+        peer.append((2 * 12, (4, 8)))  # two cells side by side: rows of blocks 4 and 8
+    x = torch.randn(sum(e for peer in peers for e, _ in peer), generator=gen)
+    return x, peers
+
+
+@pytest.mark.parametrize("kind", ROW_WISE)
+def test_a_row_wise_codec_takes_the_same_ops_for_3_cells_or_30(kind: str) -> None:
+    """A row-wise codec of TorchRec's protocol encodes and decodes the vectors of each width at once: the same aten
+    ops for a message of 3 cells as for one of 30 (host work per width, not per cell), its size the sum of its
+    vectors' rows, and every vector within the row-wise bound."""
+    codec = _fbgemm(kind)[CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name].forward
+    ops = []
+    for cells in (3, 30):
+        x, peers = _mixed_message(cells)
+        with torch.inference_mode():
+            encode(codec, x, peers)  # the first step of a layout builds its indices
+            with HostWorkCounter() as counter:
+                wire = encode(codec, x, peers)
+                y = decode(codec, wire, peers)
+        ops.append(counter.summary()["aten_ops"])
+        rows = {4: 0, 8: 0}
+        for peer in peers:
+            for e, w in peer:
+                for b in w if isinstance(w, tuple) else (w,):
+                    rows[b] += e // (sum(w) if isinstance(w, tuple) else w)
+        assert wire.numel() == sum(encoded_size(codec, p) for p in peers) == rows[4] * (4 + 8) + rows[8] * (8 + 8)
+        start = 0
+        for peer in peers:
+            for e, w in peer:
+                widths = w if isinstance(w, tuple) else (w,)
+                got, ref = y[start : start + e].view(-1, sum(widths)), x[start : start + e].view(-1, sum(widths))
+                col = 0
+                for b in widths:
+                    g, r = got[:, col : col + b], ref[:, col : col + b]
+                    assert bool(((g - r).abs() <= ROW_UNIT[kind] * r.abs().amax(dim=1, keepdim=True)).all())
+                    col += b
+                start += e
+    assert ops[0] == ops[1], ops

@@ -13,10 +13,11 @@ the sharder's registry, as QCommsConfig's codecs do: their messages are whole ro
 column-wise tables of one width), and TorchRec's own FP8 codec has no CPU kernel.
 
 A codec of TorchRec's protocol that scales rows of its context's row dim (fbgemm's INT8 row-wise, and its FP8
-row-wise, QCommsConfig's fp8_quantize_dim, on GPUs) gets each cell's block of rows on its own, the context's
-row dim set to its width, so that each cell's vector has its own scale (as plan/wire.py prices our fp8): a few
-ops per block, for such codecs only. Any other codec (fp16, bf16, a user's element-wise one) takes the whole
-message at once.
+row-wise, QCommsConfig's fp8_quantize_dim, on GPUs) gets the message's vectors of each width at once, gathered,
+the context's row dim set to that width, so that each cell's vector has its own scale (as plan/wire.py prices our
+fp8): a fixed number of ops per distinct width, whatever the number of cells (the gather and scatter indices are
+built once per message layout). Any other codec (fp16, bf16, a user's element-wise one) takes the whole message
+at once.
 
 Per-element error bounds (round to nearest; |x| the element, a its row's largest magnitude):
 fp16 |e| <= 2^-11 |x| (|x| >= 2^-14), bf16 |e| <= 2^-8 |x|, fp8 |e| <= 2^-4 |x| + 2^-10 a / 448.
@@ -310,26 +311,74 @@ def _row_context(codec: QuantizedCommCodec, width: int) -> Optional[Any]:
     return ctx
 
 
-def _row_blocks(codec: QuantizedCommCodec, segments: Sequence[Segment]) -> Optional[List[Tuple[int, int, Any]]]:
-    """For a row-wise codec of TorchRec's protocol, the message as blocks each of rows of one width: per
-    non-empty segment, per block of its rows (a cell's vectors), (rows, width, context), so that each cell's
-    vector gets its own scale as the cost model prices it; None for our fp8 codec and element-wise codecs,
-    which take the whole message."""
+@dataclass(frozen=True)
+class _RowWidth:
+    """The vectors of one width in a message, for a row-wise codec of TorchRec's protocol: how many, the
+    context that makes the codec scale rows of that width, and the bytes (codec elements) one row takes."""
+
+    width: int
+    rows: int
+    ctx: Any
+    row_size: int
+
+
+def _row_widths(codec: QuantizedCommCodec, segments: Sequence[Segment]) -> Optional[List[_RowWidth]]:
+    """For a row-wise codec of TorchRec's protocol, the message's vectors (each cell's row of one width) grouped by
+    width, so that each vector gets its own scale as the cost model prices it, in one encode per width; None for
+    our fp8 codec and element-wise codecs, which take the whole message."""
     if isinstance(codec, Fp8RowwiseCodec):
         return None
-    out: List[Tuple[int, int, Any]] = []
-    contexts: Dict[int, Any] = {}
+    rows: Dict[int, int] = {}
     for elems, width in segments:
-        if not elems:
-            continue
-        blocks = _blocks(width)
-        rows = elems // sum(blocks)
-        for w in blocks:
-            if w not in contexts:
-                contexts[w] = _row_context(codec, w)
-            if contexts[w] is None:
-                return None
-            out.append((rows, w, contexts[w]))
+        if elems:
+            blocks = _blocks(width)
+            for w in blocks:
+                rows[w] = rows.get(w, 0) + elems // sum(blocks)
+    out = []
+    for w, n in rows.items():
+        ctx = _row_context(codec, w)
+        if ctx is None:
+            return None
+        out.append(_RowWidth(w, n, ctx, codec.calc_quantized_size(w, ctx)))
+    return out
+
+
+def _vector_widths(segments: Sequence[Segment]) -> np.ndarray:
+    """Each vector's width, in message order (a segment's rows one after another, each row its blocks)."""
+    parts = [np.tile(_blocks(w), e // sum(_blocks(w))) for e, w in segments if e]
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+
+
+_ROW_INDEX_CACHE: Dict[Any, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
+_ROW_INDEX_CACHE_SIZE = 64
+
+
+def _row_indices(
+    segments: Sequence[Segment], widths: Sequence[_RowWidth], device: torch.device
+) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """Per width (as `widths`): where its vectors' values sit in the message, and where their codes go on the
+    wire (the vectors' codes in message order). Built once per message layout and device (a training step
+    repeats its layouts), so that a step takes a fixed number of ops per width."""
+    key = (tuple(segments), tuple((w.width, w.row_size) for w in widths), device)
+    cached = _ROW_INDEX_CACHE.get(key)
+    if cached is not None:
+        return cached
+    vector = _vector_widths(segments)
+    row_size = np.zeros(max(w.width for w in widths) + 1, dtype=np.int64)
+    for w in widths:
+        row_size[w.width] = w.row_size
+    codes = row_size[vector]
+    value_start = np.cumsum(vector) - vector
+    code_start = np.cumsum(codes) - codes
+    out = []
+    for w in widths:
+        mine = np.flatnonzero(vector == w.width)
+        values = (value_start[mine][:, None] + np.arange(w.width)).reshape(-1)
+        wire = (code_start[mine][:, None] + np.arange(w.row_size)).reshape(-1)
+        out.append((torch.as_tensor(values, device=device), torch.as_tensor(wire, device=device)))
+    if len(_ROW_INDEX_CACHE) >= _ROW_INDEX_CACHE_SIZE:
+        _ROW_INDEX_CACHE.pop(next(iter(_ROW_INDEX_CACHE)))
+    _ROW_INDEX_CACHE[key] = out
     return out
 
 
@@ -355,35 +404,31 @@ def encoded_size(codec: Optional[QuantizedCommCodec], segments: Sequence[Segment
     elems = sum(e for e, _ in segments)
     if codec is None:
         return elems
-    blocks = _row_blocks(codec, segments)
-    if blocks is None:
+    widths = _row_widths(codec, segments)
+    if widths is None:
         return codec.calc_quantized_size(elems, _message_context(codec, segments))
-    return sum(codec.calc_quantized_size(rows * w, ctx) for rows, w, ctx in blocks)
+    return sum(w.rows * w.row_size for w in widths)
 
 
 def encode(codec: Optional[QuantizedCommCodec], x: torch.Tensor, peers: Sequence[Sequence[Segment]]) -> torch.Tensor:
     """x (1-D, the messages to each peer in order, described by `peers`) in the codec's wire format;
     call it in inference mode where a codec is given (see all_to_all). A row-wise codec of TorchRec's
-    protocol encodes each cell's block of rows on its own (a few ops per block: only such codecs)."""
+    protocol encodes the vectors of each width at once (a fixed number of ops per distinct width)."""
     codec = active_codec(codec)
     if codec is None:
         return x
     segments = _flat(peers)
-    blocks = _row_blocks(codec, segments)
-    if blocks is None:
+    widths = _row_widths(codec, segments)
+    if widths is None:
         return _flat_tensor(codec.encode(x, _message_context(codec, segments)))
-    out, start, k = [], 0, 0
-    for elems, width in segments:
-        if not elems:
-            continue
-        widths = _blocks(width)
-        rows = x[start : start + elems].view(-1, sum(widths))
-        start += elems
-        column = 0
-        for w in widths:
-            out.append(_flat_tensor(codec.encode(rows[:, column : column + w].reshape(-1), blocks[k][2])))
-            column, k = column + w, k + 1
-    return torch.cat(out) if out else x.new_empty(0, dtype=codec.quantized_dtype)
+    if not widths:  # an empty message
+        return x.new_empty(0, dtype=codec.quantized_dtype)
+    if len(widths) == 1:  # every vector of one width: the message is its rows, in order
+        return _flat_tensor(codec.encode(x, widths[0].ctx))
+    out = x.new_empty(sum(w.rows * w.row_size for w in widths), dtype=codec.quantized_dtype)
+    for w, (values, wire) in zip(widths, _row_indices(segments, widths, x.device)):
+        out[wire] = _flat_tensor(codec.encode(x[values], w.ctx))
+    return out
 
 
 def decode(codec: Optional[QuantizedCommCodec], y: torch.Tensor, peers: Sequence[Sequence[Segment]]) -> torch.Tensor:
@@ -392,18 +437,14 @@ def decode(codec: Optional[QuantizedCommCodec], y: torch.Tensor, peers: Sequence
     if codec is None:
         return y
     segments = _flat(peers)
-    blocks = _row_blocks(codec, segments)
-    if blocks is None:
+    widths = _row_widths(codec, segments)
+    if widths is None:
         return _flat_tensor(codec.decode(y, _message_context(codec, segments)))
-    out, start, k = [], 0, 0
-    for elems, width in segments:
-        if not elems:
-            continue
-        parts = []
-        for _ in _blocks(width):
-            rows, w, ctx = blocks[k]
-            size = codec.calc_quantized_size(rows * w, ctx)
-            parts.append(codec.decode(y[start : start + size], ctx).view(rows, w).float())
-            start, k = start + size, k + 1
-        out.append(torch.cat(parts, dim=1).reshape(-1))
-    return torch.cat(out) if out else y.new_empty(0, dtype=torch.float32)
+    if not widths:
+        return y.new_empty(0, dtype=torch.float32)
+    if len(widths) == 1:
+        return _flat_tensor(codec.decode(y, widths[0].ctx)).float()
+    out = y.new_empty(sum(w.rows * w.width for w in widths), dtype=torch.float32)
+    for w, (values, wire) in zip(widths, _row_indices(segments, widths, y.device)):
+        out[values] = _flat_tensor(codec.decode(y[wire], w.ctx)).float()
+    return out
