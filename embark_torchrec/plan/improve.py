@@ -258,9 +258,10 @@ class Improvement:
 
     # ---- the climb -------------------------------------------------------------------------------
 
-    def _climb(self, budget: int) -> tuple[Snapshot, Objective]:
+    def _climb(self, budget: int, kick: bool = True) -> tuple[Snapshot, Objective]:
         """Climbs from the plan in the state until `budget` more candidates are priced, kicking at
-        each local optimum; the best plan seen and its objective (the state is left anywhere)."""
+        each local optimum (`kick`; else stopping at the first); the best plan seen and its
+        objective (the state is left anywhere)."""
         s = self.state
         self._start, self._budget = s.priced, budget
         current = objective(s.cost.step_cost(s.total))
@@ -289,7 +290,7 @@ class Improvement:
                     swept = False
                 continue
             s.restore(best)  # a local optimum: kick the best plan seen, and climb again
-            if not self._kick():
+            if not kick or not self._kick():
                 break
             current = objective(s.cost.step_cost(s.total))
         return best, best_objective
@@ -297,8 +298,9 @@ class Improvement:
     def run(self, state: SearchState) -> None:
         """Improves the plan in place: a climb within SearchConfig.improve_evaluations, then, from
         the best plan, each of SearchConfig.dp_batch_sizes smallest tables made data-parallel at once
-        (moves.dp_batch) and a climb again within SearchConfig.dp_batch_share of that budget, the
-        best plan of them all kept. The batch leaves the climb's optimum for a worse plan the
+        (moves.dp_batch) and a climb again within SearchConfig.dp_batch_share of that budget (less
+        over more ranks than SearchConfig.dp_batch_ranks, in proportion), the best plan of them all
+        kept. The batch leaves the climb's optimum for a worse plan the
         single moves climb from to a better one: on T180 at 128 GPUs the slowest ranks by lookups
         tie 22-fold, each holding cells no single move can place elsewhere. Batches stop at the
         first whose DP all-reduce is no longer hidden by the backward (or that does not fit), as any
@@ -307,7 +309,9 @@ class Improvement:
         self.rng = np.random.default_rng(s.config.improve_seed)
         start = s.priced
         best, best_objective = self._climb(s.config.improve_evaluations)
-        budget = int(s.config.improve_evaluations * s.config.dp_batch_share)
+        budget = int(
+            s.config.improve_evaluations * s.config.dp_batch_share * min(1.0, s.config.dp_batch_ranks / s.world_size)
+        )
         for size in s.config.dp_batch_sizes if budget > 0 else ():
             s.restore(best)
             step = s.cost.step_cost(s.total)
@@ -317,7 +321,7 @@ class Improvement:
                 break
             s.apply(move)
             self.batches += 1
-            plan, reached = self._climb(budget)
+            plan, reached = self._climb(budget, kick=False)
             if better(reached, best_objective):
                 best, best_objective = plan, reached
             if len(batch) < size:  # every table that may go made DP: a larger batch is this one

@@ -87,6 +87,9 @@ class SearchConfig:
     improve_seed: int = 0  # of phase 3's random kicks
     dp_batch_sizes: tuple[int, ...] = (4, 8, 16, 32)  # smallest tables phase 3 makes data-parallel at once, then climbs
     dp_batch_share: float = 1 / 3  # of improve_evaluations, each climb from a DP batch prices at most
+    # ranks above which that share shrinks in proportion: a candidate's pricing grows with the ranks, and
+    # the batches' climbs would otherwise double the planning time of 1,000 tables on 1,024 ranks
+    dp_batch_ranks: int = 128
     plateau_share: float = 0.01  # ranks within this share of the busiest's communication are its plateau
     plateau_ranks: int = 16  # of the plateau, those whose heaviest tables one move of phase 3 spreads at most
     comm_balance: float = 1.10  # busiest / average rank communication above which phase 4 balances it
@@ -97,7 +100,7 @@ class SearchConfig:
 
     @property
     def improve_budget(self) -> int:
-        """The most candidates phase 3 prices: its climb's, and each DP batch's climb's."""
+        """The most candidates phase 3 prices: its climb's, and each DP batch's climb's (at most ranks)."""
         batch = int(self.improve_evaluations * self.dp_batch_share)
         return self.improve_evaluations + len(self.dp_batch_sizes) * batch
 
