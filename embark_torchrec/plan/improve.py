@@ -260,13 +260,14 @@ class Improvement:
 
     def _climb(self, budget: int, kick: bool = True) -> tuple[Snapshot, Objective]:
         """Climbs from the plan in the state until `budget` more candidates are priced, kicking at
-        each local optimum (`kick`; else stopping at the first); the best plan seen and its
-        objective (the state is left anywhere)."""
+        each local optimum; the best plan seen and its objective (the state is left anywhere).
+        `kick` False (a DP batch's climb, which re-places cells after the first climb swept every
+        table): no sweep, and a stop at the first local optimum."""
         s = self.state
         self._start, self._budget = s.priced, budget
         current = objective(s.cost.step_cost(s.total))
         best, best_objective = s.snapshot(), current
-        swept = False  # whether the best plan has been swept (every table re-clustered and re-split) as the best
+        swept = not kick  # whether the best plan has been swept (every table re-clustered and re-split) as the best
         while not self._spent():
             if self.progress is not None:
                 note = f"best {best_objective[0]:.3f} ms"
