@@ -18,7 +18,7 @@ from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.fields import SEQUENCE
 from embark_torchrec.plan.improve import Improvement
 from embark_torchrec.plan.layout import Plan, TableLayout, WirePrecision
-from embark_torchrec.plan.moves import reshapes, spreads
+from embark_torchrec.plan.moves import dp_batch, reshapes, spreads
 from embark_torchrec.plan.plan_model import PlannedModel, plan_model
 from embark_torchrec.plan.report import ScoredPlan, render
 from embark_torchrec.plan.search import GreedySearch, SearchConfig
@@ -97,6 +97,44 @@ def test_a_plateau_of_busiest_ranks_comes_down_in_one_move(by_comm: bool) -> Non
     assert move.step.step_ms < 0.9 * step.step_ms
 
 
+def test_small_tables_made_data_parallel_together_leave_the_climbs_optimum() -> None:
+    """On T180 at 8 GPUs (4 per node) the climb stops where each of the tables the DP batches end up
+    making data-parallel is a loss made DP alone (its lookups added to every rank, its cell taken off
+    one), and so are all of them at once; the climbs from the batches reach a plan the climb alone does
+    not, by more than 0.5%."""
+    spec, topology = builtin_model("t180").with_batch_size(65536), Topology(8, 4, H100)
+    alone = plan_model(spec, topology, config=SearchConfig(dp_batch_sizes=()), progress=False)
+    batched = plan_model(spec, topology, progress=False)
+    assert batched.stats.improve_batches > 0
+    assert batched.cost.step_ms < 0.995 * alone.cost.step_ms
+    dp_tables = [{n for n, layout in p.plan.tables.items() if layout.cluster == "dp"} for p in (alone, batched)]
+    made = sorted(dp_tables[1] - dp_tables[0])
+    cost = CostModel(spec, topology)
+    state = SearchState(cost, {n: layout.cluster for n, layout in alone.plan.tables.items()}, {}, SearchConfig())
+    state.set_plan(dict(alone.plan.tables), cost.rank_load(alone.plan))
+    dp = {n: TableLayout.data_parallel(state.precision(n, "dp")) for n in made}
+    assert len(made) > 1
+    for change in [*([(n, dp[n])] for n in made), list(dp.items())]:
+        move = state.evaluate(change)
+        assert move is None or move.step.step_ms > alone.cost.step_ms
+
+
+def test_a_dp_batch_takes_the_smallest_tables_within_the_dp_budget() -> None:
+    """The batch is the model-parallel tables with the fewest weight bytes first, as many as asked and
+    as the DP memory budget left holds; tables that may not go data-parallel stay out."""
+    tables = (TableSpec("big", 4_000_000, 128, 4.0), *(TableSpec(f"t{i}", 1000 * (i + 1), 64, 4.0) for i in range(4)))
+    spec = ModelSpec("sizes", 8192, tables, IdDistribution("zipf", 1.1))
+    cost = CostModel(spec, Topology(8, 4, H100))
+    layouts = {t.name: TableLayout.table_wise(t.rows, t.dim, i) for i, t in enumerate(spec.tables)}
+    constraints = {"t0": TableConstraints(cluster="rb")}
+    state = SearchState(cost, {n: "rb" for n in layouts}, constraints, SearchConfig())
+    state.set_plan(layouts, cost.rank_load(layouts))
+    assert [n for n, _ in dp_batch(state, 2)] == ["t1", "t2"]
+    assert all(layout.cluster == "dp" for _, layout in dp_batch(state, 2))
+    state.dp_budget = state.dp_weights("t1") + state.dp_weights("t2") + state.dp_weights("t3")
+    assert [n for n, _ in dp_batch(state, 8)] == ["t1", "t2", "t3"]
+
+
 # ---- never worse, deterministic -----------------------------------------------------------------
 
 CASES = [(0, 12, 8, 4), (1, 20, 16, 8), (2, 8, 4, 2)]
@@ -133,7 +171,7 @@ def test_improvement_is_deterministic() -> None:
     first, again = (plan_model(spec, topology, progress=False) for _ in range(2))
     assert first.plan.to_dict() == again.plan.to_dict()
     assert first.stats.improve_kicks == again.stats.improve_kicks
-    assert first.stats.improve_evaluations <= SearchConfig().improve_evaluations + 200
+    assert first.stats.improve_evaluations <= SearchConfig().improve_budget + 200
 
 
 # ---- constraints and memory -------------------------------------------------------------------

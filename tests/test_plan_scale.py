@@ -33,7 +33,7 @@ WORK_PER_TABLE_AND_PLACEMENT = 5.0
 # ranks per cell, ones it already holds: 1.7x from 8 to 128 ranks with dgx-h100's priced collectives; 16x if a
 # placement scanned every rank)
 NEAR_LINEAR = 2.0
-IMPROVE_SLACK = 200  # candidates of the last table phase 3 looks at once its budget is spent
+IMPROVE_SLACK = 200  # candidates of the last table each climb of phase 3 looks at once its budget is spent
 
 
 @lru_cache(maxsize=None)
@@ -88,7 +88,10 @@ def test_improvement_work_is_its_budget(tables: int, ranks: int) -> None:
     computing at most a few table loads in full (a re-split prices flat and hierarchical, a swap
     two tables), besides one load per table to start: fixed work, whatever the model."""
     s = _planned(tables, ranks).stats
-    assert s.improve_evaluations <= SearchConfig().improve_evaluations + IMPROVE_SLACK
+    assert (
+        s.improve_evaluations
+        <= SearchConfig().improve_budget + (1 + len(SearchConfig().dp_batch_sizes)) * IMPROVE_SLACK
+    )
     assert s.improve_loads_computed <= 4 * s.improve_evaluations + tables
 
 

@@ -459,3 +459,26 @@ def spreads(state: SearchState, name: str, comm: np.ndarray, comm_ms: Measure) -
             grid = placed(state, name, cluster, shape, comm, False, comm_ms)
             if grid is not None:
                 yield grid
+
+
+def dp_batch(state: SearchState, size: int) -> Changes:
+    """The `size` model-parallel tables with the fewest weight bytes (ties in table order) that may
+    go data-parallel within the DP memory budget left, all made data-parallel: a DP table's lookups
+    fall evenly on every rank and its all-reduce, the smaller the table the cheaper, runs hidden by
+    the backward while that has room, so a batch of them turns coarse cells that tie the slowest
+    ranks into load spread thin. Each table's move alone adds its lookups / world to every rank and
+    takes its cell off one of the tied ranks only, a loss the climb never takes; fewer tables where
+    fewer may go."""
+    left = max(state.dp_budget - state.dp_used, 0.0)
+    options = sorted(
+        (state.dp_weights(n), state.order[n], n)
+        for n in state.names
+        if state.layouts[n].cluster != "dp" and "dp" in allowed_clusters(state.constraints[n])
+    )
+    out: Changes = []
+    for weights, _, name in options:
+        if len(out) == size or weights > left:
+            break
+        left -= weights
+        out.append((name, TableLayout.data_parallel(state.precision(name, "dp"))))
+    return out
