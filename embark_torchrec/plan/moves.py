@@ -473,12 +473,12 @@ def dp_batch(state: SearchState, size: int) -> Changes:
     options = sorted(
         (state.dp_weights(n), state.order[n], n)
         for n in state.names
-        if state.layouts[n].cluster != "dp" and "dp" in allowed_clusters(state.constraints[n])
+        if not state.layouts[n].kind.replicated and DP in allowed_clusters(state.constraints[n])
     )
     out: Changes = []
     for weights, _, name in options:
         if len(out) == size or weights > left:
             break
         left -= weights
-        out.append((name, TableLayout.data_parallel(state.precision(name, "dp"))))
+        out.append((name, TableLayout(DP, precision=state.precision(name, DP))))
     return out
