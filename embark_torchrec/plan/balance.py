@@ -41,7 +41,7 @@ and its tolerance is wider than the first stage's.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -114,12 +114,13 @@ class CommBalance:
             changes += swaps(state, name, k, targets)
         return changes
 
-    def _exchanges(self, state: SearchState, step: StepCost) -> list[Changes]:
+    def _exchanges(self, state: SearchState, step: StepCost) -> Iterator[Changes]:
         """The column slices of the nodes with the busiest ranks sent to other nodes (moves.node_exchanges)."""
         lws = state.local_world_size
         node_ms = (step.rank_intra_ms + step.rank_inter_ms).reshape(-1, lws).max(axis=1)
         nodes = np.lexsort((np.arange(len(node_ms)), -node_ms))[: state.config.exchange_nodes]
-        return [change for n in nodes.tolist() for change in node_exchanges(state, n, node_ms, step.rank_load_ms)]
+        for n in nodes.tolist():
+            yield from node_exchanges(state, n, node_ms, step.rank_load_ms)
 
     def run(self, state: SearchState) -> None:
         config = state.config
@@ -145,11 +146,12 @@ class CommBalance:
         step: StepCost,
         limit: float,
         budget: int,
-        candidates: Callable[[SearchState, StepCost], list[Changes]],
+        candidates: Callable[[SearchState, StepCost], Iterable[Changes]],
         measure: Callable[[StepCost], Objective],
     ) -> StepCost:
         """One stage: the best candidate by `measure` (within the step limit) taken while it lowers that,
-        the ratio is over and `budget` candidates are not yet priced; the plan's step at the end."""
+        the ratio is over and `budget` candidates are not yet priced (a round ends where it runs out: a
+        node's column slices times the other nodes' grow with the tables); the plan's step at the end."""
         start = state.priced
         current = measure(step)
         while state.priced - start < budget and comm_imbalance(step) > state.config.comm_balance:
@@ -158,6 +160,8 @@ class CommBalance:
                 self.progress("balancing", state.priced - start, budget, note)
             best: tuple[Objective, Move] | None = None
             for change in candidates(state, step):
+                if state.priced - start >= budget:
+                    break
                 move = state.evaluate(change)
                 if move is None or move.step.step_ms > limit:
                     continue
