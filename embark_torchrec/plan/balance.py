@@ -13,7 +13,7 @@ loaded by communication or by load, swaps, re-splits, re-cuts into many more sli
 fewer nodes) and takes the one that lowers the busiest rank's communication most (on a tie, the sum
 of squared per-rank communication, so that a plateau of equally busy ranks comes down one rank at a
 time), as long as the step stays within SearchConfig.balance_tolerance of the climb's plan. The
-tolerance keeps the trade small: the phase spends at most that share of the step on balance, and
+tolerance keeps the trade small: this stage spends at most that share of the step on balance, and
 never trades more. It stops when the ratio is met, when no move lowers the busiest rank's
 communication, or when its budget of priced candidates (SearchConfig.balance_evaluations) is spent;
 a plan already within the ratio is left as it is, unpriced.
@@ -23,8 +23,8 @@ row split's column slice sends its stage 2 (the column's sums reduced in a node,
 node) from every rank of each node holding a cell of it, so all of a node's ranks send for every
 column any of them holds, and no move of one table's cells on the busiest rank lowers that while
 another of its node's ranks keeps a cell of the column (on skewed DCNv2 at 128 GPUs: six nodes, each
-with a cold 2 x 2 table and two cells of a hot table's middle column, send for 168 columns of width,
-the nodes full of hot cells for 40 to 88; the hot cells cannot go to ranks holding hot cells, whose
+with a cold 2 x 2 or 2 x 3 table and cells of another table's middle column, send for 168 columns of
+width, the nodes full of hot cells for 40 to 88; the hot cells cannot go to ranks holding hot cells, whose
 lookups would then set the step). So the stage sends each column slice's cells on the
 SearchConfig.exchange_nodes nodes with the busiest ranks to another node (moves.node_exchanges): their
 ranks' contents exchanged whole with as many ranks there (each rank's lookups and memory go with its

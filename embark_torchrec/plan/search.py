@@ -98,7 +98,7 @@ class SearchConfig:
     balance_tolerance: float = 0.002  # share of the step phase 4's moves of the busiest rank's tables may spend
     balance_evaluations: int = 1000  # candidates those price at most
     # phase 4's exchanges between nodes: the share of the step they may spend, kept only when they bring the
-    # ratio within comm_balance; the candidates they price at most; the nodes of the busiest ranks they empty
+    # ratio within comm_balance; the candidates they price at most; the nodes (of the busiest ranks) they send from
     exchange_tolerance: float = 0.005
     exchange_evaluations: int = 1500
     exchange_nodes: int = 4
