@@ -482,3 +482,67 @@ def dp_batch(state: SearchState, size: int) -> Changes:
         left -= weights
         out.append((name, TableLayout(DP, precision=state.precision(name, DP))))
     return out
+
+
+def exchanged(state: SearchState, pairs: Sequence[tuple[int, int]]) -> Changes | None:
+    """Every model-parallel cell on each pair's first rank moved to its second and back: the ranks'
+    contents exchanged whole, so each rank's lookups and memory go with them and only where the
+    traffic crosses nodes changes; None when a table may not go to its new rank."""
+    perm = {a: b for a, b in pairs} | {b: a for a, b in pairs}
+    names = sorted({n for k in perm for n in state.holders[k]}, key=state.order.__getitem__)
+    out: Changes = []
+    for name in names:
+        allowed = state.allowed_set[name]
+        layout = state.layouts[name]
+        ranks = tuple(tuple(perm.get(k, k) for k in row) for row in layout.ranks)
+        if allowed is not None and any(k not in allowed for row in ranks for k in row):
+            return None
+        out.append((name, layout.with_ranks(ranks)))
+    return out
+
+
+def column_groups(state: SearchState, node: int) -> dict[tuple[str, int], list[int]]:
+    """Per (table, column slice) of a hierarchical table with cells on `node`, the ranks of `node`
+    holding them: the column's stage 2 leaves the node from all its ranks while any one holds a cell."""
+    lws = state.local_world_size
+    groups: dict[tuple[str, int], list[int]] = {}
+    for k in range(node * lws, (node + 1) * lws):
+        for name in sorted(state.holders[k], key=state.order.__getitem__):
+            layout = state.layouts[name]
+            if layout.hierarchical:
+                for _, c in cells_on(layout, k):
+                    groups.setdefault((name, c), []).append(k)
+    return groups
+
+
+def node_exchanges(state: SearchState, node: int, node_ms: np.ndarray, rank_ms: np.ndarray) -> Iterator[Changes]:
+    """Each hierarchical column slice's cells on `node` sent to another node: their ranks exchanged
+    whole (exchanged) with as many ranks there, those of one of its column slices (the two nodes swap
+    which columns' stage 2 they send) or those with the fewest cells; or the cells moved alone onto
+    the ranks there least loaded by `rank_ms` that hold none of the table. The other nodes: those that
+    hold the column already (it then leaves `node` and no node starts sending it), and the
+    SearchConfig.improve_targets nodes least loaded by `node_ms`."""
+    lws = state.local_world_size
+    nodes = np.arange(len(node_ms))
+    light = [int(n) for n in nodes[np.lexsort((nodes, node_ms))] if n != node][: state.config.improve_targets]
+    for (name, c), mine in column_groups(state, node).items():
+        layout = state.layouts[name]
+        allowed = state.allowed_set[name]
+        holding = {layout.ranks[r][c] // lws for r in range(layout.num_row_slices)} - {node}
+        for other in dict.fromkeys([*sorted(holding), *light]):
+            ranks = np.arange(other * lws, (other + 1) * lws)
+            fewest = sorted(ranks.tolist(), key=lambda k: (len(state.holders[k]), k))
+            groups = [g for g in column_groups(state, other).values() if len(g) >= len(mine)]
+            for group in [*groups, fewest]:
+                change = exchanged(state, list(zip(mine, [*group, *(k for k in fewest if k not in group)])))
+                if change is not None:
+                    yield change
+            free = [
+                k
+                for k in ranks[np.lexsort((ranks, rank_ms[ranks]))].tolist()
+                if name not in state.holders[k] and (allowed is None or k in allowed)
+            ]
+            if len(free) >= len(mine):
+                to = dict(zip(mine, free))
+                grid = tuple(tuple(to.get(k, k) if j == c else k for j, k in enumerate(row)) for row in layout.ranks)
+                yield [(name, layout.with_ranks(grid))]

@@ -35,8 +35,9 @@ costs a fixed amount of work whatever the model. The greedy phases fix each tabl
 shape early from estimates; phase 3 undoes what they got wrong (on DCNv2 at 64 GPUs, row splits whose
 partial sums cost more than they balance: about 15% of the step). Phase 4, balance (balance.py): where the
 busiest rank's communication is over SearchConfig.comm_balance times the average rank's, moves of that
-rank's tables that lower it, within SearchConfig.balance_tolerance of phase 3's step. bound.py gives a lower bound on
-the step of any plan, which the report compares the plan with.
+rank's tables that lower it, within SearchConfig.balance_tolerance of phase 3's step; if the ratio is
+still over, hierarchical tables' column slices sent from the busiest nodes to others, kept when they
+reach it. bound.py gives a lower bound on the step of any plan, which the report compares the plan with.
 
 Ties on step time are broken by the sum of squared per-rank loads (objective.py). Every loop runs in
 a fixed order and phase 3's kicks draw from a seeded generator, so the result is deterministic.
@@ -94,8 +95,13 @@ class SearchConfig:
     plateau_share: float = 0.01  # ranks within this share of the busiest's communication are its plateau
     plateau_ranks: int = 16  # of the plateau, those whose heaviest tables one move of phase 3 spreads at most
     comm_balance: float = 1.10  # busiest / average rank communication above which phase 4 balances it
-    balance_tolerance: float = 0.002  # share of the step phase 4 may spend on balance
-    balance_evaluations: int = 1000  # candidates phase 4 prices at most
+    balance_tolerance: float = 0.002  # share of the step phase 4's moves of the busiest rank's tables may spend
+    balance_evaluations: int = 1000  # candidates those price at most
+    # phase 4's exchanges between nodes: the share of the step they may spend, kept only when they bring the
+    # ratio within comm_balance; the candidates they price at most; the nodes (of the busiest ranks) they send from
+    exchange_tolerance: float = 0.005
+    exchange_evaluations: int = 1500
+    exchange_nodes: int = 4
     dp_memory_fraction: float = 0.05
     precision: Mapping[str, WirePrecision] = field(default_factory=dict)  # per cluster; default fp32
 
