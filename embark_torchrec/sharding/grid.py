@@ -56,7 +56,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from ..plan.layout import Shard, grid_from_shards
 from ..plan.topology import Topology
 from ..plan.wire import MAX_SLICE_ROWS
-from .codecs import active_codec
+from .codecs import active_codec, intra_node_codecs
 from .collectives import all_to_all
 from .comm_stats import CountsComm, Ledger, group_ranks
 from .torchrec_compat import (
@@ -350,7 +350,9 @@ class HierarchicalPooledEmbeddingDist(
     Stage 1, intra-node all-to-all: for destination j, every rank sends its partial sums to the rank
     of its node whose local rank is j's, which sums them per (feature, column). Stage 2, cross-node
     all-to-all among ranks of equal local rank: each such aggregator sends j its node's sums, for
-    the columns its node holds only; j adds the nodes' sums up. Stage 1 is waited at once (as
+    the columns its node holds only; j adds the nodes' sums up. Stage 1 runs at the precision
+    wire.intra_node_reduction_precision gives (fp32 partial sums for an fp8 layout: codecs.intra_node_codecs),
+    stage 2 at the layout's. Stage 1 is waited at once (as
     TorchRec's table-row-wise waits its intra-node reduce-scatter); stage 2 where the module's
     output is waited.
     """
@@ -365,7 +367,7 @@ class HierarchicalPooledEmbeddingDist(
         codecs: Optional[QuantizedCommCodecs] = None,
     ) -> None:
         super().__init__()
-        self._codecs, self._device = codecs, device
+        self._codecs, self._intra_codecs, self._device = codecs, intra_node_codecs(codecs), device
         out_dim = sum(feature_dims)
         self._feature_major = FeatureMajor(feature_dims, device)
         self._world_size = dist.get_world_size(pg)
@@ -454,9 +456,9 @@ class HierarchicalPooledEmbeddingDist(
             [[(size, pattern)] for size in send_sizes],
             [[(size, r.pattern)] for size, r in zip(recv_sizes, members)],
             self._intra,
-            self._codecs,
+            self._intra_codecs,
             self._world_size,
-            _ledger_hook(intra_ledger, self._codecs),
+            _ledger_hook(intra_ledger, self._intra_codecs),
         ).wait()
         width, node_pattern = self._node_widths[node], self._node_runs[node].pattern
         blocks = [block.view(sum(mine), d) for block, d in zip(torch.split(received, recv_sizes), member_dims) if d]
