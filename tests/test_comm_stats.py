@@ -20,6 +20,7 @@ test_sharding_pipeline's model trained under TrainPipelineSparseDist.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
@@ -37,6 +38,7 @@ from embark_torchrec.plan.layout import TableLayout, WirePrecision
 from embark_torchrec.plan.spec import ModelSpec, TableSpec
 from embark_torchrec.plan.topology import Topology
 from embark_torchrec.plan.traffic import Message, split_exchange_messages, table_messages
+from embark_torchrec.plan.wire import intra_node_reduction_precision
 from embark_torchrec.sharding import input_exchange
 from embark_torchrec.sharding.comm_stats import INPUT_EXCHANGE, CommKey, CommStats, enable_comm_stats, group_ranks
 from embark_torchrec.sharding.torchrec_counting import ALL_TABLES
@@ -245,15 +247,16 @@ def test_split_exchange_counted_equals_predicted_and_passed(results: list[dict[s
     assert predicted.sum() > 0
 
 
-def _predicted(table: EmbeddingBagConfig) -> dict[str, np.ndarray]:
-    """Per kind: [W, 2, W] bytes each rank sends to / receives from each peer, from the message model."""
+def _predicted(table: EmbeddingBagConfig, layout: TableLayout | None = None) -> dict[str, np.ndarray]:
+    """Per kind: [W, 2, W] bytes each rank sends to / receives from each peer, from the message model, of the
+    table's layout (or `layout`)."""
     spec = ModelSpec(
         "m",
         WS * BATCH,
         tuple(TableSpec(t.name, t.num_embeddings, t.embedding_dim, 1.0, tuple(t.feature_names)) for t in TABLES),
     )
     cost = CostModel(spec, Topology(WS, LWS))
-    layout = LAYOUTS[table.name]
+    layout = LAYOUTS[table.name] if layout is None else layout
     ids = None
     if layout.cluster != "dp":
         ids = ids_per_row_slice(_batches(), table.feature_names, layout.row_bounds, layout.cluster == "ub")
@@ -271,6 +274,24 @@ def test_counted_bytes_equal_predicted_bytes(results: list[dict[str, Any]], tabl
             np.testing.assert_array_equal(counted, predicted[kind][rank], err_msg=f"{table.name} {kind} rank {rank}")
     if table.name != "dp":  # not vacuous: the table moved bytes of every kind
         assert all(predicted[kind].sum() > 0 for kind in KINDS), table.name
+
+
+def test_hierarchical_fp8_reduces_inside_nodes_at_fp32(results: list[dict[str, Any]]) -> None:
+    """Stage 1 of a hierarchical fp8 layout sends its partial sums at fp32 (wire.intra_node_reduction_precision): per
+    rank, the embeddings and gradients it counts with its own node's ranks are the same layout's bytes at fp32,
+    those with other nodes its bytes at fp8."""
+    assert intra_node_reduction_precision("fp8") == "fp32"
+    table = next(t for t in TABLES if t.name == "rb_fp8")
+    layout = LAYOUTS["rb_fp8"]
+    at_fp8, at_fp32 = _predicted(table), _predicted(table, dataclasses.replace(layout, precision=WirePrecision()))
+    node = np.arange(WS) // LWS
+    for kind in ("embeddings", "gradients"):
+        for rank, r in enumerate(results):
+            counted, here = r["counted"][(table.name, kind)], node == node[rank]
+            np.testing.assert_array_equal(counted[:, here], at_fp32[kind][rank][:, here], err_msg=f"{kind} {rank}")
+            np.testing.assert_array_equal(counted[:, ~here], at_fp8[kind][rank][:, ~here], err_msg=f"{kind} {rank}")
+        intra = sum(r["counted"][(table.name, kind)][:, node == node[rank]].sum() for rank, r in enumerate(results))
+        assert intra > 0 and not np.array_equal(at_fp8[kind], at_fp32[kind]), kind  # not vacuous
 
 
 def test_every_cluster_is_counted_and_printable(results: list[dict[str, Any]]) -> None:

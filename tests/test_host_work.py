@@ -42,8 +42,6 @@ OPS_RATIO = 2.0  # our aten ops <= TorchRec table-wise's x ratio
 TORCHREC_AT_FP16 = ("table_wise:fp16", "row_wise:fp16")
 QCOMMS = ":qcomms"
 FP16_QCOMMS = QCommsConfig(forward_precision=CommType.FP16, backward_precision=CommType.FP16)
-# the hierarchical grid's fp8 encodes and decodes on both of its hops (8 codec calls a step, ~9 ops each)
-OVER_OPS_RATIO = {"embark_rb_hier:fp8"}
 
 
 def _layout(kind: str, i: int, precision: str) -> TableLayout:
@@ -209,15 +207,7 @@ def test_syncs_at_most_torchrec_table_wise(counts: list[dict[str, dict[str, Any]
         )
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(c, marks=pytest.mark.xfail(strict=True, reason="codec calls on both hops"))
-        if c in OVER_OPS_RATIO
-        else c
-        for c in OUR_CASES
-    ],
-)
+@pytest.mark.parametrize("case", OUR_CASES)
 def test_aten_ops_at_most_twice_torchrec_table_wise(counts: list[dict[str, dict[str, Any]]], case: str) -> None:
     """A step of ours dispatches at most twice the aten ops of TorchRec's table-wise step, at every wire
     precision (rank 0)."""

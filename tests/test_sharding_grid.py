@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,7 +22,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
 from embark_torchrec.plan.layout import TableLayout
-from embark_torchrec.sharding.grid import GridPooledEmbeddingSharding
+from embark_torchrec.sharding.grid import BlockGather, ColumnFold, GridPooledEmbeddingSharding
 from embark_torchrec.sharding.unique import UniquePooledEmbeddingSharding
 from embark_torchrec.sharding.sharded_ebc import EmbarkShardedEmbeddingBagCollection
 from embark_torchrec.testing import copy_global_weights, global_kjt_batch, run_ranks
@@ -534,3 +535,35 @@ def test_load_state_dict_with_unequal_column_widths(runs: Any) -> None:
 def test_load_state_dict_with_several_cells_on_a_rank(runs: Any) -> None:
     """The same for the plan where one rank holds three cells of a table (equal widths): every weight exact."""
     _load_state_dict_check("multi_cell", runs)
+
+
+@pytest.mark.parametrize(
+    "targets, width",
+    [
+        ([[4, 5, 6, 7, 12, 13, 14, 15], [0, 1, 2, 3, 8, 9, 10, 11]], 16),  # cells interleaved: chunks of 4
+        ([[0, 1, 2], [3, 4, 5, 6, 7]], 8),  # in order, unequal widths
+        ([[5, 0, 3], [1, 4, 2]], 6),  # single columns
+        ([[2, 3, 0, 1]], 4),  # one block
+    ],
+)
+def test_block_gather_equals_split_and_column_fold(targets: list[list[int]], width: int) -> None:
+    """Where every output column comes from one block, BlockGather gives what splitting the flat message, viewing
+    its blocks and ColumnFold give, forward and backward, for any batch size."""
+    arrays = [np.asarray(t) for t in targets]
+    gather, fold = BlockGather(arrays, width, torch.device("cpu")), ColumnFold(arrays, width, torch.device("cpu"))
+    assert gather.applies
+    widths = [len(t) for t in targets]
+    for rows in (3, 0, 5):
+        flat = torch.randn(rows * sum(widths), requires_grad=True)
+        split = [b.view(rows, w) for b, w in zip(torch.split(flat, [rows * w for w in widths]), widths)]
+        expected, got = fold(split), gather(flat, rows)
+        assert torch.equal(got, expected)
+        grad = torch.randn(rows, width)
+        assert torch.equal(*(torch.autograd.grad(out, flat, grad)[0] for out in (got, expected)))
+
+
+def test_block_gather_needs_each_column_once() -> None:
+    """Columns from two blocks (summed) or from none are ColumnFold's to assemble."""
+    cpu = torch.device("cpu")
+    assert not BlockGather([np.arange(4), np.arange(4)], 4, cpu).applies
+    assert not BlockGather([np.arange(3)], 4, cpu).applies

@@ -33,7 +33,7 @@ from .torchrec_types import (
     TABLE_WISE,
     ceil_row_bounds,
 )
-from .wire import LENGTH_BYTES, ROW_SCALED_PRECISIONS, vector_bytes
+from .wire import LENGTH_BYTES, ROW_SCALED_PRECISIONS, intra_node_reduction_precision, vector_bytes
 
 if TYPE_CHECKING:
     from .cost import CostModel, RankLoad
@@ -320,7 +320,8 @@ class ReductionKind(ClusterKind):
             for prec, direct, reverse in ((fwd, to_all, False), (bwd, from_all, True)):
                 nbytes = feats * b * vector_bytes(width, prec)
                 if layout.hierarchical:
-                    cost.hierarchical_to_all(load, holders, nbytes, reverse)
+                    intra = feats * b * vector_bytes(width, intra_node_reduction_precision(prec))
+                    cost.hierarchical_to_all(load, holders, intra, nbytes, reverse)
                 else:
                     np.add.at(direct, holders, nbytes)
 

@@ -14,8 +14,9 @@ methods, and the runtime's dists send exactly that):
 - RB output: every cell sends each other rank F x b x w_c x e_fwd bytes of partial sums.
   Hierarchical: a cell first sends its sums for destination j to the rank of its node whose local
   rank is j's (intra-node), which sums the node's cells and sends each column slice once across
-  nodes, each rank to the ranks of its local rank (TorchRec's table-row-wise the same). Backward: the
-  same bytes in the opposite direction at e_bwd.
+  nodes, each rank to the ranks of its local rank (TorchRec's table-row-wise the same); the intra-node
+  hop at wire.intra_node_reduction_precision of the layout's precision (fp32 for fp8), the cross-node
+  one at the layout's. Backward: the same bytes in the opposite direction at e_bwd.
 - UB: IDs are de-duplicated per destination: F x (U_r x 4 + 4) bytes in to each distinct holder
   of row slice r (IDs and one int32 count per feature), F x U_r x w_c x e_fwd bytes back from each
   cell (one vector per distinct ID), and the same back in backward at e_bwd.
@@ -322,11 +323,15 @@ class CostModel:
             recv_i += node_sum - vec
             recv_x += vec.sum() - node_sum
 
-    def hierarchical_to_all(self, load: RankLoad, column_holders: list[int], nbytes: float, reverse: bool) -> None:
+    def hierarchical_to_all(
+        self, load: RankLoad, column_holders: list[int], intra_bytes: float, cross_bytes: float, reverse: bool
+    ) -> None:
         """Partial sums of one column slice, held by `column_holders` (one entry per cell), reduced
         to every rank node first: each cell sends its sums for destination j to the rank of its
-        node with j's local rank (stage 1, intra-node); each node holding the column sends its sums
-        once to every rank on another node (stage 2). `reverse`: the gradients, the other way."""
+        node with j's local rank (stage 1, intra-node, `intra_bytes` per destination); each node
+        holding the column sends its sums once to every rank on another node (stage 2, `cross_bytes`;
+        the hops' precisions may differ, wire.intra_node_reduction_precision). `reverse`: the
+        gradients, the other way."""
         lws, nodes = self.topology.local_world_size, self.topology.num_nodes
         rows = (load.send_intra, load.recv_intra, load.send_inter, load.recv_inter, load.send_paired, load.recv_paired)
         send_i, recv_i, send_x, recv_x, send_p, recv_p = (
@@ -335,14 +340,14 @@ class CostModel:
         for k in column_holders:
             n = int(self._node[k])
             here = slice(n * lws, (n + 1) * lws)
-            send_i[k] += (lws - 1) * nodes * nbytes
-            recv_i[here] += nodes * nbytes
-            recv_i[k] -= nodes * nbytes
+            send_i[k] += (lws - 1) * nodes * intra_bytes
+            recv_i[here] += nodes * intra_bytes
+            recv_i[k] -= nodes * intra_bytes
         for n in sorted({int(self._node[k]) for k in column_holders}):
             for send, recv in ((send_x, recv_x), (send_p, recv_p)):
-                send[n * lws : (n + 1) * lws] += (nodes - 1) * nbytes
-                recv[: n * lws] += nbytes
-                recv[(n + 1) * lws :] += nbytes
+                send[n * lws : (n + 1) * lws] += (nodes - 1) * cross_bytes
+                recv[: n * lws] += cross_bytes
+                recv[(n + 1) * lws :] += cross_bytes
 
     def table_load(self, name: str, layout: TableLayout) -> RankLoad:
         """What one table adds to each rank (memoised by what the cost depends on, so identical

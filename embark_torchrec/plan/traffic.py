@@ -12,8 +12,9 @@ in cluster_kinds.py says which IDs go to whom and whether vectors or partial sum
   sharding types, row-local int32 on ours: groups.id_bytes) and F x b bag lengths (int32), once per cell.
 - RB output, flat: each cell's partial sums, F x b x w_c per destination; gradients back.
   Hierarchical: stage 1 sends a cell's partial sums for destination j to the rank of k's node with
-  j's local rank (intra-node, unless that is k); stage 2 sends each node's sums of column slice c
-  once to every destination on another node (from the rank with the destination's local rank).
+  j's local rank (intra-node, unless that is k), at wire.intra_node_reduction_precision of the layout's
+  precision (fp32 for fp8); stage 2 sends each node's sums of column slice c once to every destination
+  on another node (from the rank with the destination's local rank), at the layout's precision.
 - RB output of a sequence table: each cell sends s one vector of w_c per ID of s in its row slice,
   directly (nothing is summed, so a hierarchical layout runs flat); gradients back.
 - UB (pooled or sequence): every rank s sends each distinct holder of row slice r one int32 count per feature and its
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .cost import CostModel
-from .wire import split_exchange_bytes, vector_bytes
+from .wire import intra_node_reduction_precision, split_exchange_bytes, vector_bytes
 from .groups import id_bytes, sharding_type
 from .layout import TableLayout
 
@@ -93,8 +94,9 @@ def table_messages(cost: CostModel, name: str, layout: TableLayout, ids: np.ndar
         return [m for m in msgs if m.src != m.dst]
     for prec, kind in ((fwd, "embeddings"), (bwd, "gradients")):
         hops: list[tuple[int, int, float]] = []
+        stage1 = intra_node_reduction_precision(prec) if layout.hierarchical else prec
         for r, c, k in cells:
-            x = feats * b * vector_bytes(int(widths[c]), prec)
+            x = feats * b * vector_bytes(int(widths[c]), stage1)
             for j in range(w):
                 hops.append((k, topo.aggregator(topo.node_of(k), j) if layout.hierarchical else j, x))
         if layout.hierarchical:

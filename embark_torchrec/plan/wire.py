@@ -9,6 +9,9 @@ cannot drift apart.
   fp32 scale per row (sharding/codecs.py's row-wise e4m3 codec). A row-scaled precision needs each row's
   width, which TorchRec's own dists do not tell a codec (they size a message by its element count), so
   only element-wise precisions run on TorchRec's shardings (plan/groups.py).
+- a hierarchical reduction's intra-node hop (stage 1: partial sums, summed again at the node's
+  aggregator) runs at intra_node_reduction_precision of the layout's precision, its cross-node hop at
+  the layout's: a row-scaled precision's partial sums travel at fp32 inside the node.
 - the split exchange (sharding/input_exchange.py): once per sharded module (EBC or EC) and batch, every
   rank sends every other rank one row of int64: per sharding group of the module, a layout code and
   SPLIT_ROWS split sizes, then its INPUT_FAULT_INTS-integer input-fault record.
@@ -37,6 +40,14 @@ Count = Union[float, np.ndarray]
 def rows_bytes(elements: Count, rows: Count, precision: str) -> Count:
     """Wire bytes of `rows` embedding (or gradient) rows holding `elements` values in all."""
     return elements * ELEMENT_BYTES[precision] + (rows * FP8_SCALE_BYTES if precision in ROW_SCALED_PRECISIONS else 0.0)
+
+
+def intra_node_reduction_precision(precision: str) -> str:
+    """The precision of a hierarchical reduction's intra-node hop for a layout's wire `precision`. fp8 there would
+    quantize each partial sum twice (once per hop, errors adding up) to save bytes on the fastest link, at the
+    highest host cost per codec call (a scale per row); EMBark compresses the cross-node link. So a row-scaled
+    precision's stage 1 sends fp32; element-wise precisions (fp16, bf16: one cheap cast) apply to both hops."""
+    return "fp32" if precision in ROW_SCALED_PRECISIONS else precision
 
 
 def vector_bytes(width: int, precision: str) -> float:

@@ -38,7 +38,7 @@ from torchrec.distributed.types import (
 )
 
 from ..plan.layout import WirePrecision, split_precision
-from ..plan.wire import FP8_SCALE_BYTES, rows_bytes
+from ..plan.wire import FP8_SCALE_BYTES, intra_node_reduction_precision, rows_bytes
 
 # A message part: `elems` values laid out as rows of `width`; a width given as a tuple is a row of
 # blocks of those widths (several cells' partial sums side by side), each its own row for row-wise
@@ -278,6 +278,23 @@ def cluster_codecs(
         return wire_codecs(precision)
     codecs = (registry or {}).get(op.name)
     return None if codecs is None else {CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name: codecs}
+
+
+def intra_node_codecs(codecs: Optional[QuantizedCommCodecs]) -> Optional[QuantizedCommCodecs]:
+    """The codecs of a hierarchical reduction's intra-node hop (its stage 1), given the layout's: each of ours
+    at wire.intra_node_reduction_precision of its precision (fp8's partial sums travel at fp32), so that the
+    cost model, the traffic model and the byte counters price the hop alike; a codec that names no precision
+    (a user's) as given."""
+    if codecs is None:
+        return None
+    return QuantizedCommCodecs(forward=_intra_node_codec(codecs.forward), backward=_intra_node_codec(codecs.backward))
+
+
+def _intra_node_codec(codec: QuantizedCommCodec) -> QuantizedCommCodec:
+    precision = getattr(codec, "wire_precision", None)
+    if precision is None or intra_node_reduction_precision(precision) == precision:
+        return codec
+    return _codec(intra_node_reduction_precision(precision)) or NoOpQuantizedCommCodec()
 
 
 def builtin_codecs(

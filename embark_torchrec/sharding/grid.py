@@ -56,7 +56,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from ..plan.layout import Shard, grid_from_shards
 from ..plan.topology import Topology
 from ..plan.wire import MAX_SLICE_ROWS
-from .codecs import active_codec
+from .codecs import active_codec, intra_node_codecs
 from .collectives import all_to_all
 from .comm_stats import CountsComm, Ledger, group_ranks
 from .torchrec_compat import (
@@ -151,6 +151,8 @@ class ColumnFold:
         self._groups = list(groups.values())
         combined = [c for key in groups for c in key]
         self._target = torch.tensor(combined, dtype=torch.int64, device=device)
+        # one group whose columns are the output's, in order: the (summed) block is the output, no op to assemble it
+        self._identity = len(self._groups) == 1 and combined == list(range(width))
         # Without overlaps: the source columns fall into runs that land on consecutive output
         # columns; split the source into those runs (one cat in backward) and concatenate them in
         # output order, with zero blocks for columns no block reaches.
@@ -183,6 +185,8 @@ class ColumnFold:
     def __call__(self, blocks: List[torch.Tensor]) -> torch.Tensor:
         summed = [blocks[g[0]] if len(g) == 1 else torch.stack([blocks[i] for i in g]).sum(dim=0) for g in self._groups]
         src = summed[0] if len(summed) == 1 else torch.cat(summed, dim=1)
+        if self._identity:
+            return src
         if self._gather is not None:
             if self._gaps:
                 src = torch.cat([src, src.new_zeros(src.size(0), 1)], dim=1)
@@ -192,6 +196,41 @@ class ColumnFold:
         pieces = torch.split(src, self._runs, dim=1)
         parts = [pieces[i] if i >= 0 else src.new_zeros(src.size(0), w) for i, w in self._layout]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+class BlockGather:
+    """Blocks lying one after another in a flat message (block i: rows x its width, row-major) placed into an output
+    of `width` columns (block i's column j at output column targets[i][j]) by one gather, where every output column
+    comes from exactly one block (`applies`): three ops forward where splitting, viewing and ColumnFold take two or
+    more per block, and fewer backward. It gathers chunks, the widest run of columns that every block's width and
+    every piece of consecutive columns (its start and length) is a multiple of: whole cell vectors rather than
+    single columns (column-wise index ops are slow). The index depends on the rows: built once per batch size."""
+
+    def __init__(self, targets: List[np.ndarray], width: int, device: torch.device) -> None:
+        combined = np.concatenate(targets) if targets else np.zeros(0, dtype=np.int64)
+        self.applies = width > 0 and np.array_equal(np.sort(combined), np.arange(width))
+        self._width, self._device = width, device
+        self._indices: Dict[int, torch.Tensor] = {}
+        if not self.applies:
+            return
+        self._widths = np.array([len(t) for t in targets], dtype=np.int64)
+        order = np.argsort(combined)  # per output column: its place among the blocks' columns
+        self._block = np.repeat(np.arange(len(targets)), self._widths)[order]
+        self._column = np.concatenate([np.arange(len(t)) for t in targets])[order]
+        starts = np.flatnonzero(
+            np.r_[True, (self._block[1:] != self._block[:-1]) | (self._column[1:] != self._column[:-1] + 1)]
+        )
+        self._chunk = int(np.gcd.reduce(np.concatenate([[width], self._widths, starts, self._column[starts]])))
+
+    def __call__(self, flat: torch.Tensor, rows: int) -> torch.Tensor:
+        index = self._indices.get(rows)
+        if index is None:
+            first = np.arange(0, self._width, self._chunk)  # each chunk's first output column
+            block = self._block[first]
+            offsets = (np.cumsum(self._widths) - self._widths) * rows
+            element = offsets[block] + np.arange(rows)[:, None] * self._widths[block] + self._column[first]
+            index = self._indices[rows] = torch.as_tensor(element.reshape(-1) // self._chunk, device=self._device)
+        return flat.view(-1, self._chunk).index_select(0, index).view(rows, self._width)
 
 
 class GridSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
@@ -350,7 +389,9 @@ class HierarchicalPooledEmbeddingDist(
     Stage 1, intra-node all-to-all: for destination j, every rank sends its partial sums to the rank
     of its node whose local rank is j's, which sums them per (feature, column). Stage 2, cross-node
     all-to-all among ranks of equal local rank: each such aggregator sends j its node's sums, for
-    the columns its node holds only; j adds the nodes' sums up. Stage 1 is waited at once (as
+    the columns its node holds only; j adds the nodes' sums up. Stage 1 runs at the precision
+    wire.intra_node_reduction_precision gives (fp32 partial sums for an fp8 layout: codecs.intra_node_codecs),
+    stage 2 at the layout's. Stage 1 is waited at once (as
     TorchRec's table-row-wise waits its intra-node reduce-scatter); stage 2 where the module's
     output is waited.
     """
@@ -365,7 +406,7 @@ class HierarchicalPooledEmbeddingDist(
         codecs: Optional[QuantizedCommCodecs] = None,
     ) -> None:
         super().__init__()
-        self._codecs, self._device = codecs, device
+        self._codecs, self._intra_codecs, self._device = codecs, intra_node_codecs(codecs), device
         out_dim = sum(feature_dims)
         self._feature_major = FeatureMajor(feature_dims, device)
         self._world_size = dist.get_world_size(pg)
@@ -379,6 +420,9 @@ class HierarchicalPooledEmbeddingDist(
         # partial-sum columns fold into them as positions in the node's columns.
         self._node_runs: List[RunTable] = []
         self._node_folds: List[ColumnFold] = []  # the members' partial sums into their node's columns
+        # per node: (members holding columns, their width) when all of them hold the same columns in the same order
+        # (their blocks, side by side in stage 1's message, are summed as one view), else (0, 0)
+        self._alike: List[Tuple[int, int]] = []
         for n in range(self._nodes):
             members = [r for r in self._runs[n * local_world_size : (n + 1) * local_world_size] if r.dim]
             node = RunTable(
@@ -387,13 +431,14 @@ class HierarchicalPooledEmbeddingDist(
                 )
             )
             self._node_runs.append(node)
-            self._node_folds.append(
-                ColumnFold([np.searchsorted(node.targets, r.targets) for r in members], node.dim, device)
-            )
+            alike = bool(members) and all(np.array_equal(r.targets, members[0].targets) for r in members)
+            self._alike.append((len(members), members[0].dim) if alike else (0, 0))
+            targets = [np.searchsorted(node.targets, r.targets) for r in (members[:1] if alike else members)]
+            self._node_folds.append(ColumnFold(targets, node.dim, device))
         self._node_widths = [r.dim for r in self._node_runs]
-        self._cross_fold = ColumnFold(  # the nodes' sums at home
-            [r.targets for r in self._node_runs if r.dim], out_dim, device
-        )
+        cross_targets = [r.targets for r in self._node_runs if r.dim]  # the nodes' sums at home
+        self._cross_fold = ColumnFold(cross_targets, out_dim, device)
+        self._cross_gather = BlockGather(cross_targets, out_dim, device)  # where nodes hold distinct columns
         self._intra_peers, self._cross_peers = group_ranks(self._intra), group_ranks(self._cross)
         self._orders: Dict[Tuple[int, ...], torch.Tensor] = {}  # per batch sizes: stage 1's row order
         # the routing (Topology.aggregator): the destinations each member of my node sums for, node-major
@@ -454,13 +499,18 @@ class HierarchicalPooledEmbeddingDist(
             [[(size, pattern)] for size in send_sizes],
             [[(size, r.pattern)] for size, r in zip(recv_sizes, members)],
             self._intra,
-            self._codecs,
+            self._intra_codecs,
             self._world_size,
-            _ledger_hook(intra_ledger, self._codecs),
+            _ledger_hook(intra_ledger, self._intra_codecs),
         ).wait()
         width, node_pattern = self._node_widths[node], self._node_runs[node].pattern
-        blocks = [block.view(sum(mine), d) for block, d in zip(torch.split(received, recv_sizes), member_dims) if d]
-        node_sum = self._node_folds[node](blocks) if blocks else local_embs.new_zeros(sum(mine), 0)
+        (alike, alike_dim), rows = self._alike[node], sum(mine)
+        if alike:  # the members' blocks as one [members, rows, columns] view: one sum, no split
+            block = received.view(alike, rows, alike_dim)
+            blocks = [block.sum(dim=0) if alike > 1 else block[0]]
+        else:
+            blocks = [block.view(rows, d) for block, d in zip(torch.split(received, recv_sizes), member_dims) if d]
+        node_sum = self._node_folds[node](blocks) if blocks else local_embs.new_zeros(rows, 0)
         # stage 2: to node n's rank with my local rank, my node's sums (its columns only) for its samples
         here = batch[self._rank]
         widths = self._node_widths
@@ -475,6 +525,8 @@ class HierarchicalPooledEmbeddingDist(
         )
 
         def fold(gathered: torch.Tensor) -> torch.Tensor:
+            if self._cross_gather.applies:
+                return self._cross_gather(gathered, here)
             parts = [b.view(here, w) for b, w in zip(torch.split(gathered, [here * w for w in widths]), widths) if w]
             return self._cross_fold(parts)
 
