@@ -26,17 +26,17 @@ another of its node's ranks keeps a cell of the column (on skewed DCNv2 at 128 G
 with a cold 2 x 2 or 2 x 3 table and cells of another table's middle column, send for 168 columns of
 width, the nodes full of hot cells for 40 to 88; the hot cells cannot go to ranks holding hot cells, whose
 lookups would then set the step). So the stage sends each column slice's cells on the
-SearchConfig.exchange_nodes nodes with the busiest ranks to another node (moves.node_exchanges): their
-ranks' contents exchanged whole with as many ranks there (each rank's lookups and memory go with its
-contents, unchanged), or the cells moved alone; it takes the move that lowers the busiest / average
-ratio most (on a tie, the lower step) while the step stays within the climb's, then within
-SearchConfig.exchange_tolerance of it, until the ratio is met, nothing lowers it or
-SearchConfig.exchange_evaluations candidates are priced. The ratio falls because light nodes start
-sending for more columns: the average rank's communication rises more than the busiest's (skewed
-DCNv2 at 128 GPUs: 0.225 -> 0.238 ms against 0.257 -> 0.261, ratio 1.14 -> 1.10, step +0.44%; DCNv2
-at 128 GPUs reaches 1.10 within the climb's step). That trade is worth its step only when it reaches
-the ratio, so the stage's moves are kept only then (else the plan goes back to the first stage's),
-and its tolerance is wider than the first stage's.
+SearchConfig.exchange_nodes nodes with the busiest ranks to another node (moves.node_exchanges): their ranks'
+contents exchanged whole with as many ranks there (each rank's lookups and memory go with its contents,
+unchanged), or the cells moved alone; it takes the move that lowers the busiest / average ratio most (on a
+tie, the lower step) while the step stays within the climb's, then within SearchConfig.exchange_tolerance of
+the best step yet (the first stage's where its moves also shortened the step, so that the exchanges never
+spend that gain; both limits capped by the second), until the ratio is met, nothing lowers it or
+SearchConfig.exchange_evaluations candidates are priced. The ratio falls because light nodes start sending for
+more columns: the average rank's communication rises more than the busiest's (skewed DCNv2 at 128 GPUs: 0.225
+-> 0.238 ms against 0.257 -> 0.261, ratio 1.14 -> 1.10, step +0.44%; DCNv2 at 128 GPUs reaches 1.10 within the
+climb's step). That trade is worth its step only when it reaches the ratio, so the stage's moves are kept only
+then (else the plan goes back to the first stage's), and its tolerance is wider than the first stage's.
 """
 
 from __future__ import annotations
@@ -132,7 +132,9 @@ class CommBalance:
         step = self._climb(state, step, limit, config.balance_evaluations, self._candidates, comm_spread)
         if comm_imbalance(step) > config.comm_balance:
             before, moves, priced = state.snapshot(), self.moves, state.priced
-            for limit in (climbed, climbed * (1.0 + config.exchange_tolerance)):
+            # within exchange_tolerance of the best step yet: a gain of the first stage is not the second's to spend
+            cap = min(climbed, step.step_ms) * (1.0 + config.exchange_tolerance)
+            for limit in (min(climbed, cap), cap):
                 budget = config.exchange_evaluations - (state.priced - priced)
                 step = self._climb(state, step, limit, budget, self._exchanges, ratio_then_step)
             if comm_imbalance(step) > config.comm_balance:
