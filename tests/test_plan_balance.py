@@ -17,23 +17,27 @@ from embark_torchrec.plan.cost import CostModel, StepCost
 from embark_torchrec.plan.moves import exchanged
 from embark_torchrec.plan.search import GreedySearch, SearchConfig
 from embark_torchrec.plan.search_state import SearchState, Snapshot
-from embark_torchrec.plan.spec import builtin_model, load_model_spec
+from embark_torchrec.plan.spec import ModelSpec, builtin_model, load_model_spec
 from embark_torchrec.plan.topology import PRESETS, Topology
 
 Climbed = tuple[SearchState, Snapshot, StepCost]
 MODELS = Path(__file__).resolve().parent.parent / "benchmarks" / "models"
 
 
-@pytest.fixture(scope="module")
-def climbed() -> Climbed:
-    """DCNv2 at 128 GPUs after the climb (phase 4 off): its state, that plan, and the plan's step."""
-    spec = builtin_model("dcnv2").with_batch_size(65536)
-    cost = CostModel(spec, Topology(128, 8, PRESETS["dgx-h100"]))
+def climb(spec: ModelSpec, world_size: int) -> Climbed:
+    """`spec` on `world_size` GPUs (8 a node) after the climb (phase 4 off): its state, that plan, its step."""
+    cost = CostModel(spec.with_batch_size(65536), Topology(world_size, 8, PRESETS["dgx-h100"]))
     off = SearchConfig(comm_balance=math.inf)
     search = GreedySearch(cost, assign_clusters(cost, {}, off.dp_memory_fraction), {}, off)
     search.run()
     state = search.state
     return state, state.snapshot(), cost.step_cost(state.total)
+
+
+@pytest.fixture(scope="module")
+def climbed() -> Climbed:
+    """DCNv2 at 128 GPUs after the climb (phase 4 off)."""
+    return climb(builtin_model("dcnv2"), 128)
 
 
 def balanced(climbed: Climbed, config: SearchConfig) -> tuple[CommBalance, StepCost]:
@@ -113,17 +117,11 @@ def test_the_exchanges_do_not_spend_what_the_first_stage_saved() -> None:
     """Where the first stage's moves also shorten the step (skewed DCNv2 at 64 GPUs: 1.416 -> 1.359 ms, the ratio
     still 1.18), the exchanges stay within exchange_tolerance of that shorter step, not of the climb's: phase 4 never
     ends more than that share above the best plan it has seen (they were once allowed the whole gain, 1.409 ms)."""
-    spec = load_model_spec(MODELS / "skewed_dcnv2.json").with_batch_size(65536)
-    cost = CostModel(spec, Topology(64, 8, PRESETS["dgx-h100"]))
-    off = SearchConfig(comm_balance=math.inf)
-    search = GreedySearch(cost, assign_clusters(cost, {}, off.dp_memory_fraction), {}, off)
-    search.run()
-    state = search.state
-    plan = state.snapshot()
-    first, first_stage = balanced((state, plan, cost.step_cost(state.total)), SearchConfig(exchange_evaluations=0))
-    assert first.moves > 0 and first_stage.step_ms < cost.step_cost(plan.total).step_ms
+    skewed = climb(load_model_spec(MODELS / "skewed_dcnv2.json"), 64)
+    first, first_stage = balanced(skewed, SearchConfig(exchange_evaluations=0))
+    assert first.moves > 0 and first_stage.step_ms < skewed[2].step_ms
     assert comm_imbalance(first_stage) > SearchConfig().comm_balance
 
     config = SearchConfig()
-    _, after = balanced((state, plan, cost.step_cost(plan.total)), config)
+    _, after = balanced(skewed, config)
     assert after.step_ms <= first_stage.step_ms * (1 + config.exchange_tolerance)
