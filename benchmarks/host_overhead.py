@@ -7,9 +7,11 @@ counts them (embark_torchrec.testing.host_work.HostWorkCounter) on rank 0, for o
 backward with the fused SGD optimizer in backward) after warm-up, and also times steps.
 
 Types: TorchRec's "table_wise" (table i on rank i mod ranks) and "row_wise" (rows in ceil blocks over all ranks),
-the baselines, at fp32 and, from the plan, fp16 (TorchRec's shardings with the plan's codecs as their registry; fp8
-runs on ours); "table_wise_qcomms" and "row_wise_qcomms": the same at fp32 in the plan with the sharder's
-QCommsConfig at fp16, TorchRec's own way to compress (so each pair should count alike); our flat grid "embark_rb"
+the baselines, at fp32 and, from the plan, fp16 (TorchRec's shardings with the plan's codecs as their registry) and,
+table-wise only, fp8 (the plan's torchrec_at_fp8; row-wise at fp8 runs on ours); "table_wise_qcomms" and
+"row_wise_qcomms": the same at fp32 in the plan with the sharder's codec registry at the row's precision, TorchRec's
+own way to compress (QCommsConfig at fp16; at fp8 our codec told the width, as fbgemm's FP8 row-wise has no CPU
+kernel), so each pair should count alike; our flat grid "embark_rb"
 (each table a 2x2 grid of row x column slices spread over the ranks, which TorchRec cannot express), hierarchical
 grid "embark_rb_hier" (row slices of a column on one node, reduced there first; only with 2 or more nodes, i.e. 4
 ranks) and unique-based "embark_ub" (rows split over two ranks) and "embark_ub_tw" (each table whole on one rank,
@@ -45,8 +47,15 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embark_torchrec.plan.groups import sharding_type
-from embark_torchrec.plan.layout import TableLayout, WirePrecision, precision_suffix, sharding_type_name
+from embark_torchrec.plan.layout import (
+    TableLayout,
+    WirePrecision,
+    precision_suffix,
+    row_width_suffix,
+    sharding_type_name,
+)
 from embark_torchrec.plan.wire import ROW_SCALED_PRECISIONS
+from embark_torchrec.sharding.codecs import wire_codecs
 from embark_torchrec.testing import global_kjt_batch, run_ranks
 from embark_torchrec.testing.host_work import HostWorkCounter
 from embark_torchrec.testing.training import sharded_model
@@ -58,6 +67,7 @@ TORCHREC_TYPES = ("table_wise", "row_wise")
 QCOMMS = "_qcomms"  # TorchRec's type with the sharder's QCommsConfig at the row's precision
 QCOMMS_TYPES = tuple(t + QCOMMS for t in TORCHREC_TYPES)
 QCOMMS_PRECISIONS = {"fp16": CommType.FP16}  # (on CPU TorchRec runs bf16 as fp16, and has no fp8 kernel)
+FP8_TYPES = ("table_wise",)  # TorchRec's types a plan may run at fp8 (torchrec_at_fp8; row-wise's is ours)
 OUR_TYPES = ("embark_rb", "embark_rb_hier", "embark_ub", "embark_ub_tw")
 PRECISIONS = ("fp32", "fp16", "fp8")
 IDS = {"nonrepeating": "distinct", "zipf": "zipf"}  # --ids -> global_kjt_batch's ids
@@ -95,9 +105,10 @@ def _configs(types: list[str], precisions: list[str], ws: int) -> list[tuple[str
         if kind == "embark_rb_hier" and ws // LOCAL_WORLD_SIZE < 2:
             continue
         if kind in TORCHREC_TYPES:
-            chosen = [p for p in precisions if p not in ROW_SCALED_PRECISIONS]
+            chosen = [p for p in precisions if p not in ROW_SCALED_PRECISIONS or kind in FP8_TYPES]
         elif kind in QCOMMS_TYPES:
-            chosen = [p for p in precisions if p in QCOMMS_PRECISIONS]
+            fp8 = kind.removesuffix(QCOMMS) in FP8_TYPES
+            chosen = [p for p in precisions if p in QCOMMS_PRECISIONS or (fp8 and p in ROW_SCALED_PRECISIONS)]
         else:
             chosen = precisions
         out += [(kind, precision) for precision in chosen]
@@ -108,6 +119,8 @@ def _qcomms(kind: str, precision: str) -> dict[str, Any] | None:
     """The sharder's codec registry of a QCommsConfig type, None for the others."""
     if kind not in QCOMMS_TYPES:
         return None
+    if precision in ROW_SCALED_PRECISIONS:  # fbgemm's FP8 row-wise codec has no CPU kernel: ours, told the width
+        return wire_codecs(WirePrecision(precision, precision), row_width=DIM)
     p = QCOMMS_PRECISIONS[precision]
     return get_qcomm_codecs_registry(QCommsConfig(forward_precision=p, backward_precision=p))
 
@@ -116,9 +129,11 @@ def _layouts(tables: list[EmbeddingBagConfig], kind: str, precision: str, ws: in
     layouts = {}
     plan_precision = WirePrecision() if kind in QCOMMS_TYPES else WirePrecision(precision, precision)
     for i, t in enumerate(tables):
-        layout = dataclasses.replace(_layout(kind, i, ws), precision=plan_precision)
+        layout = dataclasses.replace(
+            _layout(kind, i, ws), precision=plan_precision, torchrec_at_fp8=kind in FP8_TYPES and precision == "fp8"
+        )
         runs_as = sharding_type(layout, ROWS, ws, LOCAL_WORLD_SIZE)
-        builtin = kind.removesuffix(QCOMMS) + precision_suffix(plan_precision)
+        builtin = kind.removesuffix(QCOMMS) + precision_suffix(plan_precision) + row_width_suffix(plan_precision, DIM)
         expected = sharding_type_name(layout) if kind in OUR_TYPES else builtin
         assert runs_as == expected, f"{kind} {precision}: table {t.name} would run as {runs_as}"
         layouts[t.name] = layout

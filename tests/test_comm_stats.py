@@ -4,7 +4,8 @@ One 4-rank spawn (2 nodes x 2) trains one step of a model holding an RB grid (fl
 reduction and two cells of a row slice on one rank, another at fp8 on the wire, table-wise and column-wise tables on
 TorchRec's own shardings, row-wise and table-row-wise ones (TorchRec's reduce-scatters, counted per sharding group,
 each holding one table here), three UB tables (a grid at fp16/bf16 on the wire, a row split, a row split at
-fp8/fp16) and a DP table, and TorchRec's table-wise, row-wise and table-row-wise at fp16 / bf16, on Zipf IDs. The
+fp8/fp16) and a DP table, TorchRec's table-wise, row-wise and table-row-wise at fp16 / bf16, and its table-wise and
+column-wise at fp8 (our row-scaled codec told the group's row width), on Zipf IDs. The
 counters measure the payloads handed to each collective (the KJT tensors; our all-to-alls' encoded payload per
 member, which the per-table split must add up to, or counting raises). Every rank's counted bytes, per table, kind
 (ids, lengths, embeddings, gradients) and peer, must equal traffic.table_messages given the batch's actual IDs per
@@ -65,6 +66,8 @@ TABLES = [
     EmbeddingBagConfig(name="tw_fp16", num_embeddings=20, embedding_dim=8, feature_names=["t16"]),
     EmbeddingBagConfig(name="rw_bf16", num_embeddings=20, embedding_dim=8, feature_names=["w16"]),
     EmbeddingBagConfig(name="twrw_fp16", num_embeddings=14, embedding_dim=4, feature_names=["x16"]),
+    EmbeddingBagConfig(name="tw_fp8", num_embeddings=20, embedding_dim=12, feature_names=["t8a", "t8b"]),
+    EmbeddingBagConfig(name="cw_fp8", num_embeddings=20, embedding_dim=8, feature_names=["c8"]),
 ]
 LAYOUTS = {
     "rb_flat": TableLayout("rb", (0, 13, 40), (0, 8, 16), ((0, 1), (3, 2))),
@@ -89,6 +92,9 @@ LAYOUTS = {
     "tw_fp16": TableLayout("rb", (0, 20), (0, 8), ((2,),), WirePrecision("fp16", "bf16")),
     "rw_bf16": TableLayout("rb", (0, 5, 10, 15, 20), (0, 8), ((0,), (1,), (2,), (3,)), WirePrecision("bf16", "fp16")),
     "twrw_fp16": TableLayout("rb", (0, 7, 14), (0, 4), ((0,), (1,)), WirePrecision("fp16", "fp16"), hierarchical=True),
+    # TorchRec's table-wise and column-wise at fp8 (the plan chose them): our row-scaled codec told the row width
+    "tw_fp8": TableLayout("rb", (0, 20), (0, 12), ((1,),), WirePrecision("fp8", "fp8"), torchrec_at_fp8=True),
+    "cw_fp8": TableLayout("rb", (0, 20), (0, 4, 8), ((2, 1),), WirePrecision("fp8", "fp8"), torchrec_at_fp8=True),
 }
 # TorchRec's reduce-scatters count a whole sharding group at once ("*"); each of these groups holds one table
 GROUP_OF_ONE = {
@@ -295,12 +301,19 @@ def test_hierarchical_fp8_reduces_inside_nodes_at_fp32(results: list[dict[str, A
 
 
 def test_every_cluster_is_counted_and_printable(results: list[dict[str, Any]]) -> None:
-    """Our three dists and TorchRec's table-wise one all record; totals add up; render names every table."""
+    """Our three dists and TorchRec's all record (its table-wise and column-wise at fp8 too); totals add up; render
+    names every table."""
     for r in results:
         assert {"embark_rb", "embark_rb_hier", "embark_ub", "table_wise", "column_wise"} <= {
             c.split(":")[0] for c in r["sharding_types"]
         }
-        assert {"table_wise:fp16-bf16", "row_wise:bf16-fp16", "table_row_wise:fp16-fp16"} <= set(r["sharding_types"])
+        assert {
+            "table_wise:fp16-bf16",
+            "row_wise:bf16-fp16",
+            "table_row_wise:fp16-fp16",
+            "table_wise:fp8-fp8@12",
+            "column_wise:fp8-fp8@4",
+        } <= set(r["sharding_types"])
         t = r["totals"]
         assert t["sent"] == t["sent_intra"] + t["sent_inter"] and t["sent_inter"] > 0
         for name in (
@@ -316,5 +329,7 @@ def test_every_cluster_is_counted_and_printable(results: list[dict[str, Any]]) -
             "rb_flat_fp8",
             "rb_hier_bf16",
             "tw_fp16",
+            "tw_fp8",
+            "cw_fp8",
         ):
             assert name in r["render"]

@@ -4,9 +4,10 @@ On a GPU the host must run ahead of the device: a collective without async_op=Tr
 it, and host work per table makes a step of many tables host-bound. HostWorkCounter counts those on CPU. One
 4-rank spawn (2 nodes x 2, so the hierarchical grid has two nodes) trains every sharding type we emit, at every
 wire precision, and TorchRec's table-wise, at 4 and at 16 tables, and counts the second training step (the first
-builds the lazily created dists). TorchRec's table-wise and row-wise tables at fp16 from the plan (TorchRec's
-shardings, the plan's codecs as their registry) are counted beside the same tables at fp32 with the sharder's
-QCommsConfig at fp16, TorchRec's own way. The unit tests check the counter itself.
+builds the lazily created dists). TorchRec's table-wise and row-wise tables at fp16 from the plan, and its
+table-wise ones at fp8 where the plan chose TorchRec's sharding (TorchRec's shardings, the plan's codecs as their
+registry), are counted beside the same tables at fp32 with the sharder's codec registry at that precision,
+TorchRec's own way. The unit tests check the counter itself.
 """
 
 from __future__ import annotations
@@ -23,7 +24,14 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embark_torchrec.plan.groups import module_collectives_per_step, sharding_type
-from embark_torchrec.plan.layout import TableLayout, WirePrecision, precision_suffix, sharding_type_name
+from embark_torchrec.plan.layout import (
+    TableLayout,
+    WirePrecision,
+    precision_suffix,
+    row_width_suffix,
+    sharding_type_name,
+)
+from embark_torchrec.sharding.codecs import wire_codecs
 from embark_torchrec.testing import global_kjt_batch, run_ranks
 from embark_torchrec.testing.host_work import COLLECTIVES, HostWorkCounter
 from embark_torchrec.testing.training import sharded_model
@@ -38,10 +46,17 @@ BASELINE = "table_wise:fp32"
 OPS_GROWTH, OPS_SLACK = 1.5, 10  # aten ops at 16 tables <= ops at 4 tables * growth + slack
 SYNC_MARGIN = 4  # our syncs <= TorchRec table-wise's + margin
 OPS_RATIO = 2.0  # our aten ops <= TorchRec table-wise's x ratio
-# TorchRec's types at fp16 from the plan, each against the same type at fp32 with QCommsConfig(fp16)
-TORCHREC_AT_FP16 = ("table_wise:fp16", "row_wise:fp16")
+# TorchRec's types below fp32 from the plan, each against the same type at fp32 with the sharder's codec registry at
+# that precision: QCommsConfig(fp16)'s, and at fp8 our row-scaled codec told the width (QCommsConfig(FP8,
+# fp8_quantize_dim)'s fbgemm codec has no CPU kernel)
+TORCHREC_BELOW_FP32 = ("table_wise:fp16", "row_wise:fp16", "table_wise:fp8")
 QCOMMS = ":qcomms"
-FP16_QCOMMS = QCommsConfig(forward_precision=CommType.FP16, backward_precision=CommType.FP16)
+QCOMMS_REGISTRIES = {
+    "fp16": lambda: get_qcomm_codecs_registry(
+        QCommsConfig(forward_precision=CommType.FP16, backward_precision=CommType.FP16)
+    ),
+    "fp8": lambda: wire_codecs(WirePrecision("fp8", "fp8"), row_width=DIM),
+}
 
 
 def _layout(kind: str, i: int, precision: str) -> TableLayout:
@@ -60,7 +75,9 @@ def _layout(kind: str, i: int, precision: str) -> TableLayout:
         layout = TableLayout("rb", (0, 15, ROWS), (0, 4, DIM), ranks, hierarchical=True)
     else:
         layout = TableLayout("ub", (0, 25, ROWS), (0, DIM), ((i % WS,), ((i + 1) % WS,)))
-    return dataclasses.replace(layout, precision=WirePrecision(precision, precision))
+    # a table-wise table at fp8 runs on TorchRec's sharding where its plan says so (torchrec_at_fp8)
+    fp8_on_torchrec = kind == "table_wise" and precision == "fp8"
+    return dataclasses.replace(layout, precision=WirePrecision(precision, precision), torchrec_at_fp8=fp8_on_torchrec)
 
 
 def _step(model: torch.nn.Module, kjt: KeyedJaggedTensor) -> None:
@@ -78,16 +95,15 @@ def _count_steps() -> dict[str, dict[str, Any]]:
             EmbeddingBagConfig(name=f"t{i}", num_embeddings=ROWS, embedding_dim=DIM, feature_names=[f"f{i}"])
             for i in range(n)
         ]
-        for case in [BASELINE, *OUR_CASES, *TORCHREC_AT_FP16, *(c + QCOMMS for c in TORCHREC_AT_FP16)]:
+        for case in [BASELINE, *OUR_CASES, *TORCHREC_BELOW_FP32, *(c + QCOMMS for c in TORCHREC_BELOW_FP32)]:
             kind, precision, *qcomms = case.split(":")
             plan_precision = "fp32" if qcomms else precision
             layouts = {t.name: _layout(kind, i, plan_precision) for i, t in enumerate(tables)}
             runs_as = {sharding_type(layout, ROWS, WS, LWS) for layout in layouts.values()}
-            expected = (
-                sharding_type_name(layouts["t0"]) if kind in OURS else kind + precision_suffix(layouts["t0"].precision)
-            )
-            assert runs_as == {expected}, (case, runs_as)
-            registry = get_qcomm_codecs_registry(FP16_QCOMMS) if qcomms else None
+            p = layouts["t0"].precision
+            builtin = kind + precision_suffix(p) + row_width_suffix(p, DIM)
+            assert runs_as == {sharding_type_name(layouts["t0"]) if kind in OURS else builtin}, (case, runs_as)
+            registry = QCOMMS_REGISTRIES[precision]() if qcomms else None
             model = sharded_model(tables, layouts, LWS, qcomm_codecs_registry=registry)
             first, second = (global_kjt_batch(tables, WS, BATCH, seed=s)[rank] for s in range(2))
             _step(model, first)
@@ -218,13 +234,14 @@ def test_aten_ops_at_most_twice_torchrec_table_wise(counts: list[dict[str, dict[
         )
 
 
-@pytest.mark.parametrize("case", TORCHREC_AT_FP16)
+@pytest.mark.parametrize("case", TORCHREC_BELOW_FP32)
 def test_torchrec_types_at_the_plans_precision_work_as_with_qcomms(
     counts: list[dict[str, dict[str, Any]]], case: str
 ) -> None:
-    """TorchRec's table-wise and row-wise sharding at fp16 from the plan dispatches the same aten ops, host syncs and
-    collectives (none blocking) as the same tables at fp32 with the sharder's QCommsConfig(fp16) (every rank): the
-    plan's precision is TorchRec's own compression, not a detour through our dists."""
+    """TorchRec's table-wise and row-wise sharding at fp16, and its table-wise at fp8 (where the plan chose it), from
+    the plan dispatch the same aten ops, host syncs and collectives (none blocking) as the same tables at fp32 with
+    the sharder's codec registry at that precision (every rank): the plan's precision is TorchRec's own
+    compression, not a detour through our dists."""
     for n in TABLE_COUNTS:
         for rank, c in enumerate(counts):
             ours, theirs = c[f"{case}:{n}"], c[f"{case}{QCOMMS}:{n}"]

@@ -4,6 +4,7 @@ broken plan with a PlanError that names the table (or the rank)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -291,3 +292,57 @@ def test_allreduce_precision_round_trips_and_is_checked() -> None:
         Plan.from_dict({**d, "allreduce_precision": "fp8"})
     with pytest.raises(PlanError, match="allreduce_precision"):
         Plan(W, L, {}, {}, "fp8")
+
+
+# ---- torchrec_at_fp8 --------------------------------------------------------------------------
+
+FP8 = WirePrecision("fp8", "fp8")
+
+
+def test_torchrec_at_fp8_round_trips_and_is_written_only_when_set() -> None:
+    """A table-wise and a column-wise (slices of one width) fp8 layout keep torchrec_at_fp8 through the plan file;
+    an unset flag is not written (so plan files of every other layout are unchanged)."""
+    plan = _plan()
+    plan = plan.replace_table("tw", replace(TableLayout.table_wise(1000, 32, 5), precision=FP8, torchrec_at_fp8=True))
+    plan = plan.replace_table(
+        "cw", TableLayout("rb", (0, 500), (0, 32, 64), ((2, 7),), WirePrecision("fp16", "fp8"), torchrec_at_fp8=True)
+    )
+    plan.validate(SPEC)
+    d = json.loads(json.dumps(plan.to_dict()))
+    assert _entry(d, "tw")["torchrec_at_fp8"] is True and _entry(d, "cw")["torchrec_at_fp8"] is True
+    assert "torchrec_at_fp8" not in _entry(d, "grid")
+    assert Plan.from_dict(d) == plan
+
+
+TORCHREC_AT_FP8_REFUSED = {
+    "tw at fp16": ("tw", replace(TableLayout.table_wise(1000, 32, 5), precision=WirePrecision("fp16", "fp16"))),
+    "cw of two widths": ("cw", TableLayout("rb", (0, 500), (0, 12, 40, 64), ((2, 7, 0),), FP8)),
+    "row-wise": ("twrw", TableLayout("rb", (0, 1000, 2000, 3000, 4000), (0, 8), ((4,), (5,), (6,), (7,)), FP8)),
+    "unique-based": ("uneven", TableLayout("ub", (0, 1001), (0, 16), ((3,),), FP8)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TORCHREC_AT_FP8_REFUSED))
+def test_torchrec_at_fp8_is_refused_where_torchrec_cannot_run_the_layout_at_fp8(case: str) -> None:
+    """torchrec_at_fp8 on a layout TorchRec's sharding cannot run at fp8 in a group of one row width (not fp8, column
+    slices of two widths, row slices, another cluster kind) is refused naming the table and the field, from a plan
+    file and by validate; on a dp table too."""
+    table, layout = TORCHREC_AT_FP8_REFUSED[case]
+    d = _plan().to_dict()
+    d["tables"][table] = {**_with(table, layout).to_dict()["tables"][table], "torchrec_at_fp8": True}
+    with pytest.raises(PlanError, match=f"table '{table}'.*torchrec_at_fp8"):
+        Plan.from_dict(d)
+    with pytest.raises(PlanError, match=f"table '{table}'.*torchrec_at_fp8"):
+        _with(table, replace(layout, torchrec_at_fp8=True)).validate(SPEC)
+    d["tables"]["dp"]["torchrec_at_fp8"] = True
+    d["tables"][table] = _plan().to_dict()["tables"][table]
+    with pytest.raises(PlanError, match="table 'dp'.*torchrec_at_fp8"):
+        Plan.from_dict(d)
+
+
+def test_a_split_drops_torchrec_at_fp8() -> None:
+    """Cutting a layout's rows or columns makes another layout: it runs on ours unless the planner chooses again."""
+    tw = replace(TableLayout.table_wise(1000, 32, 5), precision=FP8, torchrec_at_fp8=True)
+    assert not tw.split_rows(0, 500, (6,)).torchrec_at_fp8
+    assert not tw.split_cols(0, 16, (6,)).torchrec_at_fp8
+    assert tw.with_ranks(((6,),)).torchrec_at_fp8

@@ -84,11 +84,13 @@ def _precision_layouts(ws: int) -> dict[str, tuple[int, int, str, TableLayout]]:
 
 
 def _torchrec_precision_layouts(ws: int) -> dict[str, tuple[int, int, str, TableLayout]]:
-    """TorchRec's table-wise at fp16 and row-wise at bf16 (its sequence shardings, the plan's codecs their registry),
-    next to an fp32 grid table."""
+    """TorchRec's table-wise at fp16 and at fp8 (where the plan chose TorchRec's), and row-wise at bf16 (its sequence
+    shardings, the plan's codecs their registry), next to an fp32 grid table."""
     last = ws - 1
+    tw_fp8 = replace(TableLayout.table_wise(26, DIM, 0), precision=FP8, torchrec_at_fp8=True)
     return {
         "tw_fp16": (20, 1, "table_wise:fp16-fp16", replace(TableLayout.table_wise(20, DIM, last), precision=FP16)),
+        "tw_fp8": (26, 2, f"table_wise:fp8-fp8@{DIM}", tw_fp8),
         "rw_bf16": (
             31,
             1,
@@ -254,16 +256,16 @@ def test_wire_precision_per_cluster(world: tuple[int, list[dict[str, Any]]]) -> 
         assert exact and max(exact) <= ATOL, (rank, diffs)
 
 
-def test_torchrec_types_keep_their_sharding_at_fp16_and_bf16(world: tuple[int, list[dict[str, Any]]]) -> None:
-    """TorchRec's table-wise at fp16 and row-wise at bf16 (plan precision, both ways) keep TorchRec's sequence
-    shardings, and their vectors and weights after two SGD steps stay within a few roundings of the wire (fp16 2^-11,
-    bf16 2^-8 relative, on values below 1) and differ from fp32 (the codecs ran); the fp32 grid beside them is
-    exact."""
+def test_torchrec_types_keep_their_sharding_below_fp32(world: tuple[int, list[dict[str, Any]]]) -> None:
+    """TorchRec's table-wise at fp16 and at fp8 (the plan's torchrec_at_fp8) and row-wise at bf16 (plan precision,
+    both ways) keep TorchRec's sequence shardings, and their vectors and weights after two SGD steps stay within a
+    few roundings of the wire (fp16 2^-11, bf16 2^-8, fp8 2^-4 relative, on values below 1) and differ from fp32 (the
+    codecs ran); the fp32 grid beside them is exact."""
     ws, results = world
     for name, (rows, _, kind, layout) in _torchrec_precision_layouts(ws).items():
         assert sharding_type(layout, rows, ws, WORLDS[ws], sequence=True) == kind, name
     for rank, diffs in enumerate(r["torchrec_precision"] for r in results):
-        for table, bound in (("tw_fp16", 2e-3), ("rw_bf16", 1.6e-2)):
+        for table, bound in (("tw_fp16", 2e-3), ("rw_bf16", 1.6e-2), ("tw_fp8", 0.1)):
             found = [v for k, v in diffs.items() if table in k]
             assert found and 0 < max(found) <= bound, (rank, table, diffs)
         exact = [v for k, v in diffs.items() if k.endswith(("/grid_f0", ".grid.weight"))]

@@ -63,6 +63,11 @@ class ClusterKind:
         """The TorchRec sharding type that runs this layout exactly, or None (ours runs it)."""
         return None
 
+    def fp8_builtin_type(self, layout: TableLayout) -> str | None:
+        """The TorchRec sharding type that may run this layout at a row-scaled precision (fp8), one group per row
+        width, where the layout's `torchrec_at_fp8` says so; None: ours always runs it at fp8."""
+        return None
+
     def collectives_per_step(self, hierarchical: bool) -> int:
         """Collectives one sharding group of ours of this kind issues per training step."""
         raise NotImplementedError(f"cluster kind {self.name!r} has no sharding of ours")
@@ -237,10 +242,10 @@ class ReductionKind(ClusterKind):
         self, layout: TableLayout, rows: int, world_size: int, local_world_size: int
     ) -> str | None:
         """RW and TWRW only when the row bounds are TorchRec's own ceil blocks on the ranks it would use (its
-        bucketizer ignores our bounds), none of them empty (a 0-row shard crashes the CPU TBE); a row-scaled wire
-        precision (fp8) runs on ours (plan/wire.py)."""
+        bucketizer ignores our bounds), none of them empty (a 0-row shard crashes the CPU TBE). At a row-scaled wire
+        precision (fp8), only where the layout chooses TorchRec's (fp8_builtin_type)."""
         if {layout.precision.forward, layout.precision.backward} & ROW_SCALED_PRECISIONS:
-            return None
+            return self.fp8_builtin_type(layout) if layout.torchrec_at_fp8 else None
         n_r, n_c = layout.num_row_slices, layout.num_col_slices
         if n_r == 1:
             return TABLE_WISE if n_c == 1 else COLUMN_WISE
@@ -254,6 +259,15 @@ class ReductionKind(ClusterKind):
         if n_r == local_world_size and first % local_world_size == 0 and ranks == node_ranks and layout.hierarchical:
             return TABLE_ROW_WISE if layout.row_bounds == ceil_row_bounds(rows, local_world_size) else None
         return None
+
+    def fp8_builtin_type(self, layout: TableLayout) -> str | None:
+        """TW and CW of column slices of one width: TorchRec's dists size a message by its element count, so a
+        row-scaled codec on them is told its group's one row width (groups.sharding_type). Not RW or TWRW: they
+        reduce-scatter partial sums, which TorchRec sends at fp16 / bf16 for FP8 (its get_qcomm_codecs_registry);
+        ours sends them at fp8 in an all-to-all."""
+        if layout.num_row_slices != 1 or len(set(np.diff(layout.col_bounds).tolist())) != 1:
+            return None
+        return TABLE_WISE if layout.num_col_slices == 1 else COLUMN_WISE
 
     def collectives_per_step(self, hierarchical: bool) -> int:
         return HIERARCHICAL_COLLECTIVES if hierarchical else FLAT_COLLECTIVES

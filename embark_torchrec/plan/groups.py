@@ -19,7 +19,14 @@ from dataclasses import replace
 from functools import lru_cache
 
 from .cluster_kinds import cluster_kind
-from .layout import TableLayout, parse_sharding_type, precision_suffix, sharding_type_name, split_precision
+from .layout import (
+    TableLayout,
+    parse_sharding_type,
+    precision_suffix,
+    row_width_suffix,
+    sharding_type_name,
+    split_precision,
+)
 from .torchrec_types import BUILTIN_COLLECTIVES, DATA_PARALLEL, SEQUENCE_BUILTIN_TYPES
 from .wire import EMBARK_ID_BYTES, TORCHREC_ID_BYTES
 
@@ -47,10 +54,12 @@ def sharding_type(
 
     A built-in type below fp32 carries its precision ("table_wise:fp16-fp16"): TorchRec builds one
     sharding per distinct string in a module, so its fp32 and its compressed table-wise tables are two
-    groups, each with its own codecs, as two modules with two QCommsConfigs would be."""
+    groups, each with its own codecs, as two modules with two QCommsConfigs would be. At fp8 it also carries its
+    rows' width ("table_wise:fp8-fp8@128"), which its row-scaled codec is told (layout.row_width_suffix)."""
     builtin = builtin_sharding_type(layout, rows, world_size, local_world_size)
     if builtin is not None and builtin != DATA_PARALLEL and (not sequence or builtin in SEQUENCE_BUILTIN_TYPES):
-        return builtin + precision_suffix(layout.precision)
+        width = layout.col_bounds[1] - layout.col_bounds[0]
+        return builtin + precision_suffix(layout.precision) + row_width_suffix(layout.precision, width)
     if builtin == DATA_PARALLEL:
         return builtin
     return sharding_type_name(replace(layout, hierarchical=False) if sequence else layout)

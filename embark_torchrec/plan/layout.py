@@ -27,15 +27,21 @@ from .fields import (
     table_kind,
     table_name,
 )
+from .wire import ROW_SCALED_PRECISIONS
 
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
 ALLREDUCE_PRECISIONS = ("fp32", "fp16", "bf16")  # what TorchRec's DefaultDataParallelWrapper runs DDP's all-reduce at
 PLAN_FORMAT = "embark-plan"
 PLAN_VERSION = 1
 SHARDING_TYPE_PREFIX = "embark_"
+ROW_WIDTH_SEPARATOR = "@"
 _REQUIRED_PLAN_KEYS = ("format", "version", "world_size", "local_world_size", "tables")
 _PLAN_KEYS = (*_REQUIRED_PLAN_KEYS, "allreduce_precision")
-_LAYOUT_KEYS = ("cluster", "kind", "precision", "shards", "hierarchical")
+_LAYOUT_KEYS = ("cluster", "kind", "precision", "shards", "hierarchical", "torchrec_at_fp8")
+TORCHREC_AT_FP8_RULE = (
+    "torchrec_at_fp8 applies only to a table-wise or column-wise layout (column slices of one width) with fp8 "
+    "in a direction of its precision"
+)
 _PRECISION_KEYS = ("forward", "backward")
 _SHARD_KEYS = ("rows", "cols", "rank")
 
@@ -70,7 +76,11 @@ class TableLayout:
     """cluster + a grid: ranks[r][c] holds rows [row_bounds[r], row_bounds[r+1]) x cols likewise.
 
     DP tables have no grid (replicated on every rank). `hierarchical` says that partial sums of
-    row slices are reduced inside each node before they cross nodes.
+    row slices are reduced inside each node before they cross nodes. `torchrec_at_fp8`: a table-wise or
+    column-wise layout (column slices of one width) at a row-scaled precision (fp8) runs on TorchRec's own
+    sharding, in a group of its row width (groups.sharding_type), not on ours; the planner sets it where that
+    does not lengthen the step (torchrec_fp8.py), as each width's group adds collectives and TorchRec sends
+    int64 IDs.
     """
 
     cluster: str
@@ -79,6 +89,7 @@ class TableLayout:
     ranks: tuple[tuple[int, ...], ...] = ()
     precision: WirePrecision = field(default_factory=WirePrecision)
     hierarchical: bool = False
+    torchrec_at_fp8: bool = False
 
     @classmethod
     def data_parallel(cls, precision: WirePrecision | None = None) -> "TableLayout":
@@ -118,25 +129,50 @@ class TableLayout:
         cached = self.__dict__.get("_hash")
         if cached is None:
             cached = hash(
-                (self.cluster, self.row_bounds, self.col_bounds, self.ranks, self.precision, self.hierarchical)
+                (
+                    self.cluster,
+                    self.row_bounds,
+                    self.col_bounds,
+                    self.ranks,
+                    self.precision,
+                    self.hierarchical,
+                    self.torchrec_at_fp8,
+                )
             )
             object.__setattr__(self, "_hash", cached)
         return cached
 
     def with_ranks(self, ranks: tuple[tuple[int, ...], ...]) -> "TableLayout":
-        return TableLayout(self.cluster, self.row_bounds, self.col_bounds, ranks, self.precision, self.hierarchical)
+        return TableLayout(
+            self.cluster,
+            self.row_bounds,
+            self.col_bounds,
+            ranks,
+            self.precision,
+            self.hierarchical,
+            self.torchrec_at_fp8,
+        )
+
+    @property
+    def fp8_builtin_type(self) -> str | None:
+        """The TorchRec sharding type that may run this layout at its row-scaled precision, one group per row width
+        (what `torchrec_at_fp8` may choose), or None: none, or the precision is element-wise (fp32 / fp16 / bf16),
+        where a layout TorchRec runs always runs on TorchRec's sharding."""
+        if not {self.precision.forward, self.precision.backward} & ROW_SCALED_PRECISIONS:
+            return None
+        return self.kind.fp8_builtin_type(self)
 
     def split_rows(self, r: int, at: int, new_ranks: tuple[int, ...]) -> "TableLayout":
         """Cut row slice r at row `at`; the lower part keeps its ranks, the upper goes to new_ranks."""
         bounds = self.row_bounds[: r + 1] + (at,) + self.row_bounds[r + 1 :]
         ranks = self.ranks[: r + 1] + (new_ranks,) + self.ranks[r + 1 :]
-        return replace(self, row_bounds=bounds, ranks=ranks)
+        return replace(self, row_bounds=bounds, ranks=ranks, torchrec_at_fp8=False)
 
     def split_cols(self, c: int, at: int, new_ranks: tuple[int, ...]) -> "TableLayout":
         """Cut column slice c at column `at`; the right part goes to new_ranks (one per row slice)."""
         bounds = self.col_bounds[: c + 1] + (at,) + self.col_bounds[c + 1 :]
         ranks = tuple(row[: c + 1] + (new_ranks[r],) + row[c + 1 :] for r, row in enumerate(self.ranks))
-        return replace(self, col_bounds=bounds, ranks=ranks)
+        return replace(self, col_bounds=bounds, ranks=ranks, torchrec_at_fp8=False)
 
     def validate(self, table: str, rows: int, dim: int, world_size: int) -> None:
         """Exact tiling of rows x dim, column cuts on multiples of 4, ranks in range."""
@@ -159,6 +195,8 @@ class TableLayout:
         for k in self.used_ranks():
             if not 0 <= k < world_size:
                 raise PlanError(f"{where}: rank {k} is outside world size {world_size}")
+        if self.torchrec_at_fp8 and self.fp8_builtin_type is None:
+            raise PlanError(f"{where}: {TORCHREC_AT_FP8_RULE}")
         mixed = self.mixed_width_rank()
         if mixed is not None:
             raise PlanError(
@@ -246,6 +284,8 @@ class Plan:
             }
             if t.hierarchical:
                 entry["hierarchical"] = True
+            if t.torchrec_at_fp8:
+                entry["torchrec_at_fp8"] = True
             tables[name] = entry
         return {
             "format": PLAN_FORMAT,
@@ -259,7 +299,8 @@ class Plan:
     @classmethod
     def from_dict(cls, d: Any) -> "Plan":
         """The plan file's format (README "plan file"), field by field: exactly what to_dict writes,
-        with `kind` (default pooled), `precision`, `hierarchical` and a dp table's empty `shards` optional."""
+        with `kind` (default pooled), `precision`, `hierarchical`, `torchrec_at_fp8` and a dp table's empty `shards`
+        optional."""
         with reading(PlanError):
             m = mapping(d, "")
             header = (m.get("format"), m.get("version"))
@@ -344,18 +385,25 @@ def _layout_from_dict(name: str, entry: Any, world_size: int) -> TableLayout:
             keys(prec, "", _PRECISION_KEYS)
             precision = WirePrecision(prec.get("forward", "fp32"), prec.get("backward", "fp32"))
         hierarchical = boolean(m.get("hierarchical", False), "hierarchical")
+        torchrec_at_fp8 = boolean(m.get("torchrec_at_fp8", False), "torchrec_at_fp8")
         entries = items(m.get("shards", []), "shards", "a list of shards")
         if cluster_kind(cluster).replicated:
             if entries:
                 raise FieldError(f"a {cluster} table is replicated and must have no shards", "shards")
             if hierarchical:
                 raise FieldError(f"a {cluster} table is replicated and has no partial sums to reduce", "hierarchical")
+            if torchrec_at_fp8:
+                raise FieldError(TORCHREC_AT_FP8_RULE, "torchrec_at_fp8")
             return TableLayout(cluster, precision=precision)
         if not entries:
             raise FieldError(f"cluster {cluster!r} needs shards", "shards")
         shards = [_shard_from_dict(s, f"shards[{i}]", world_size) for i, s in enumerate(entries)]
     row_bounds, col_bounds, ranks = grid_from_shards(where, shards)
-    return TableLayout(cluster, row_bounds, col_bounds, ranks, precision, hierarchical)
+    layout = TableLayout(cluster, row_bounds, col_bounds, ranks, precision, hierarchical, torchrec_at_fp8)
+    if torchrec_at_fp8 and layout.fp8_builtin_type is None:
+        with reading(PlanError, where=where):
+            raise FieldError(TORCHREC_AT_FP8_RULE, "torchrec_at_fp8")
+    return layout
 
 
 def _shard_from_dict(entry: Any, field: str, world_size: int) -> Shard:
@@ -376,9 +424,28 @@ def precision_suffix(precision: WirePrecision) -> str:
     return "" if (p.forward, p.backward) == ("fp32", "fp32") else f":{p.forward}-{p.backward}"
 
 
+def row_width_suffix(precision: WirePrecision, row_width: int) -> str:
+    """A built-in sharding-type string's row-width part: none unless a direction is row-scaled (fp8), else
+    "@<width>". TorchRec's dists size a message by its element count alone, so a row-scaled codec on them must be
+    told the width of every row it scales: a group of TorchRec's type at fp8 holds rows of one width, and tables
+    of another width are another group (plan/wire.py)."""
+    scaled = {precision.forward, precision.backward} & ROW_SCALED_PRECISIONS
+    return f"{ROW_WIDTH_SEPARATOR}{row_width}" if scaled else ""
+
+
+def split_row_width(name: str) -> tuple[str, int]:
+    """A sharding-type string as (the string without its row width, the width or 0): the inverse of appending
+    row_width_suffix."""
+    body, _, width = name.partition(ROW_WIDTH_SEPARATOR)
+    if width and not width.isdigit():
+        raise PlanError(f"sharding type {name!r}: its row width {width!r} is not a whole number")
+    return body, int(width or 0)
+
+
 def split_precision(name: str) -> tuple[str, WirePrecision]:
-    """A sharding-type string as (its type, its precision): the inverse of appending precision_suffix."""
-    body, _, precision = name.partition(":")
+    """A sharding-type string as (its type, its precision): the inverse of appending precision_suffix (and a row
+    width, which it drops: split_row_width reads it)."""
+    body, _, precision = split_row_width(name)[0].partition(":")
     fwd, _, bwd = (precision or "fp32-fp32").partition("-")
     return body, WirePrecision(fwd, bwd or fwd)
 

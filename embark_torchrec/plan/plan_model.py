@@ -28,6 +28,7 @@ from .report import Progress, progress_line
 from .search import GreedySearch, SearchConfig, SearchStats
 from .spec import ModelSpec, TableSpec
 from .topology import Topology
+from .torchrec_fp8 import torchrec_fp8_groups
 
 logger = logging.getLogger(__name__)
 EMBARK = "embark"
@@ -185,7 +186,7 @@ def plan_model(
         clusters = {name: layout.cluster for name, layout in plan.tables.items()}  # phase 3 may re-cluster
         if report is not None:
             report("scoring", 0, None, "")
-        step = cost.evaluate(plan)
+        plan, step = torchrec_fp8_groups(cost, plan, cost.evaluate(plan), constraints, config.torchrec_fp8_tolerance)
         if report is not None:
             report("scoring the baselines", 0, None, "")
         baselines = {TABLE_ROW_WISE: table_row_wise_plan(spec, topology)}

@@ -103,6 +103,9 @@ class SearchConfig:
     exchange_evaluations: int = 1500
     exchange_nodes: int = 4
     dp_memory_fraction: float = 0.05
+    # share of the search's step that moving fp8 table-wise and column-wise tables onto TorchRec's own sharding (one
+    # group per row width, torchrec_fp8.py) may spend; 0: only where it is not slower; math.inf: every such table
+    torchrec_fp8_tolerance: float = 0.0
     precision: Mapping[str, WirePrecision] = field(default_factory=dict)  # per cluster; default fp32
 
     @property

@@ -37,7 +37,7 @@ from torchrec.distributed.types import (
     QuantizedCommCodecs,
 )
 
-from ..plan.layout import WirePrecision, split_precision
+from ..plan.layout import WirePrecision, split_precision, split_row_width
 from ..plan.wire import FP8_SCALE_BYTES, intra_node_reduction_precision, rows_bytes
 
 # A message part: `elems` values laid out as rows of `width`; a width given as a tuple is a row of
@@ -304,7 +304,9 @@ def builtin_codecs(
     below fp32 names its precision ("table_wise:fp16-fp16"), whose codecs replace the sharder's (the plan's
     precision wins, as on our types); else the type and the sharder's registry as given."""
     builtin, precision = split_precision(sharding_type)
-    return (builtin, registry) if builtin == sharding_type else (builtin, wire_codecs(precision))
+    if builtin == sharding_type:
+        return builtin, registry
+    return builtin, wire_codecs(precision, split_row_width(sharding_type)[1])
 
 
 def active_codec(codec: Optional[QuantizedCommCodec]) -> Optional[QuantizedCommCodec]:
