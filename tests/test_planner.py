@@ -399,7 +399,7 @@ def test_from_sharding_plan_inverts_module_sharding_plan() -> None:
 def test_from_sharding_plan_keeps_embark_types() -> None:
     """from_sharding_plan(module_sharding_plan(plan)) == plan also for UB tables, hierarchical RB
     grids and reduced wire precision, whose cluster, hierarchy and precision the sharding type names (TorchRec's
-    table-wise at fp16 / bf16 too, and its table-row-wise at fp16)."""
+    table-wise at fp16 / bf16 too, its table-row-wise at fp16, and its table-wise at fp8 with its row width)."""
     spec = ModelSpec(
         "rt2",
         4096,
@@ -409,6 +409,7 @@ def test_from_sharding_plan_keeps_embark_types() -> None:
             TableSpec("fp16_table", 1000, 64, 1.0),
             TableSpec("fp8_table", 1000, 64, 1.0),
             TableSpec("twrw_fp16", 1000, 64, 1.0),
+            TableSpec("tw_fp8", 1000, 64, 1.0),
         ),
     )
     plan = Plan(
@@ -420,12 +421,13 @@ def test_from_sharding_plan_keeps_embark_types() -> None:
             "fp16_table": TableLayout("rb", (0, 1000), (0, 64), ((5,),), WirePrecision("fp16", "bf16")),
             "fp8_table": TableLayout("rb", (0, 1000), (0, 64), ((6,),), WirePrecision("fp8", "fp16")),
             "twrw_fp16": _rows(_ceil(1000, L), list(range(L, 2 * L)), hier=True, precision=FP16),
+            "tw_fp8": TableLayout("rb", (0, 1000), (0, 64), ((7,),), WirePrecision("fp8", "fp8"), torchrec_at_fp8=True),
         },
     )
     sharding_plan = ShardingPlan(plan={"": module_sharding_plan(plan, spec)})
     kinds = {name: ps.sharding_type for name, ps in sharding_plan.plan[""].items()}
     assert kinds["fp16_table"] == "table_wise:fp16-bf16" and kinds["twrw_fp16"] == "table_row_wise:fp16-fp16"
-    assert kinds["fp8_table"] == "embark_rb:fp8-fp16"
+    assert kinds["fp8_table"] == "embark_rb:fp8-fp16" and kinds["tw_fp8"] == "table_wise:fp8-fp8@64"
     assert from_sharding_plan(sharding_plan, Topology(W, L)) == plan
 
 

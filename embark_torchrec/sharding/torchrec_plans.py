@@ -17,7 +17,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 
 from ..plan.cluster_kinds import DATA_PARALLEL_KIND, REDUCTION_KIND
 from ..plan.fields import POOLED, SEQUENCE
-from ..plan.layout import SHARDING_TYPE_PREFIX, Plan, parse_sharding_type, split_precision
+from ..plan.layout import SHARDING_TYPE_PREFIX, Plan, parse_sharding_type, split_precision, split_row_width
 from ..plan.spec import ModelSpec
 from ..plan.torchrec_types import DATA_PARALLEL
 from ..plan.topology import Topology
@@ -30,7 +30,8 @@ def from_sharding_plan(sharding_plan: Any, topology: Topology, module_path: str 
     """One module of a torchrec ShardingPlan (an EmbeddingBagCollection or EmbeddingCollection) as a
     Plan; empty shards are dropped.
     Our own "embark_*" types carry their cluster, reduction and precision in the string; a built-in type
-    of ours below fp32 its precision ("table_wise:fp16-fp16")."""
+    of ours below fp32 its precision ("table_wise:fp16-fp16"), at fp8 also its row width ("table_wise:fp8-fp8@64":
+    the layout's torchrec_at_fp8)."""
     if module_path:
         module_plan = sharding_plan.plan[module_path]
     else:
@@ -60,6 +61,8 @@ def from_sharding_plan(sharding_plan: Any, topology: Topology, module_path: str 
             "hierarchical": hierarchical,
             "precision": {"forward": precision.forward, "backward": precision.backward},
         }
+        if split_row_width(ps.sharding_type)[1]:  # TorchRec's type at fp8, one group per row width
+            entry["torchrec_at_fp8"] = True
         tables[name] = entry
     return Plan.from_dict(
         {
