@@ -7,11 +7,12 @@ counts them (embark_torchrec.testing.host_work.HostWorkCounter) on rank 0, for o
 backward with the fused SGD optimizer in backward) after warm-up, and also times steps.
 
 Types: TorchRec's "table_wise" (table i on rank i mod ranks) and "row_wise" (rows in ceil blocks over all ranks),
-the baselines, at fp32 and, from the plan, fp16 (TorchRec's shardings with the plan's codecs as their registry) and,
-table-wise only, fp8 (the plan's torchrec_at_fp8; row-wise at fp8 runs on ours); "table_wise_qcomms" and
-"row_wise_qcomms": the same at fp32 in the plan with the sharder's codec registry at the row's precision, TorchRec's
-own way to compress (QCommsConfig at fp16; at fp8 our codec told the width, as fbgemm's FP8 row-wise has no CPU
-kernel), so each pair should count alike; our flat grid "embark_rb"
+the baselines, at fp32 and, from the plan, fp16 (TorchRec's shardings with the plan's codecs as their registry) and
+fp8 (table-wise on TorchRec's sharding, the plan's torchrec_at_fp8; row-wise on ours, as TorchRec's reduce-scatter
+cannot send fp8); "table_wise_qcomms" and "row_wise_qcomms": the same at fp32 in the plan with the sharder's codec
+registry at the row's precision, TorchRec's own way to compress (QCommsConfig at fp16, so each pair should count
+alike; at fp8 table-wise takes our codec told the width, as fbgemm's FP8 row-wise has no CPU kernel, and row-wise
+QCommsConfig(FP8)'s registry, which sends the reduce-scatter at fp16); our flat grid "embark_rb"
 (each table a 2x2 grid of row x column slices spread over the ranks, which TorchRec cannot express), hierarchical
 grid "embark_rb_hier" (row slices of a column on one node, reduced there first; only with 2 or more nodes, i.e. 4
 ranks) and unique-based "embark_ub" (rows split over two ranks) and "embark_ub_tw" (each table whole on one rank,
@@ -66,8 +67,12 @@ BASELINE = "table_wise"
 TORCHREC_TYPES = ("table_wise", "row_wise")
 QCOMMS = "_qcomms"  # TorchRec's type with the sharder's QCommsConfig at the row's precision
 QCOMMS_TYPES = tuple(t + QCOMMS for t in TORCHREC_TYPES)
-QCOMMS_PRECISIONS = {"fp16": CommType.FP16}  # (on CPU TorchRec runs bf16 as fp16, and has no fp8 kernel)
-FP8_TYPES = ("table_wise",)  # TorchRec's types a plan may run at fp8 (torchrec_at_fp8; row-wise's is ours)
+# (on CPU TorchRec runs bf16 as fp16; its FP8 all-to-all codec has no CPU kernel, its reduce-scatter sends FP8 at fp16)
+QCOMMS_PRECISIONS = {"fp16": CommType.FP16, "fp8": CommType.FP8}
+# at fp8 a plan runs TorchRec's table-wise on TorchRec's sharding (torchrec_at_fp8), its row-wise on ours (TorchRec's
+# reduce-scatter sends FP8 at fp16 / bf16); their _qcomms pairs: table-wise with our codec told the width as the
+# registry (fbgemm's FP8 row-wise codec has no CPU kernel), row-wise with QCommsConfig(FP8)'s own registry
+FP8_ON_TORCHREC, FP8_ON_OURS = ("table_wise",), ("row_wise",)
 OUR_TYPES = ("embark_rb", "embark_rb_hier", "embark_ub", "embark_ub_tw")
 PRECISIONS = ("fp32", "fp16", "fp8")
 IDS = {"nonrepeating": "distinct", "zipf": "zipf"}  # --ids -> global_kjt_batch's ids
@@ -98,19 +103,13 @@ def _layout(kind: str, i: int, ws: int) -> TableLayout:
 
 
 def _configs(types: list[str], precisions: list[str], ws: int) -> list[tuple[str, str]]:
-    """(type, precision) pairs to run at this world size; TorchRec's types at element-wise precisions, with
-    QCommsConfig at those it has on CPU, hier only across nodes."""
+    """(type, precision) pairs to run at this world size: the QCommsConfig types at the precisions they compress to,
+    every other type at every precision, hier only across nodes."""
     out = []
     for kind in types:
         if kind == "embark_rb_hier" and ws // LOCAL_WORLD_SIZE < 2:
             continue
-        if kind in TORCHREC_TYPES:
-            chosen = [p for p in precisions if p not in ROW_SCALED_PRECISIONS or kind in FP8_TYPES]
-        elif kind in QCOMMS_TYPES:
-            fp8 = kind.removesuffix(QCOMMS) in FP8_TYPES
-            chosen = [p for p in precisions if p in QCOMMS_PRECISIONS or (fp8 and p in ROW_SCALED_PRECISIONS)]
-        else:
-            chosen = precisions
+        chosen = [p for p in precisions if p in QCOMMS_PRECISIONS] if kind in QCOMMS_TYPES else precisions
         out += [(kind, precision) for precision in chosen]
     return out
 
@@ -119,7 +118,7 @@ def _qcomms(kind: str, precision: str) -> dict[str, Any] | None:
     """The sharder's codec registry of a QCommsConfig type, None for the others."""
     if kind not in QCOMMS_TYPES:
         return None
-    if precision in ROW_SCALED_PRECISIONS:  # fbgemm's FP8 row-wise codec has no CPU kernel: ours, told the width
+    if precision in ROW_SCALED_PRECISIONS and kind.removesuffix(QCOMMS) in FP8_ON_TORCHREC:
         return wire_codecs(WirePrecision(precision, precision), row_width=DIM)
     p = QCOMMS_PRECISIONS[precision]
     return get_qcomm_codecs_registry(QCommsConfig(forward_precision=p, backward_precision=p))
@@ -130,11 +129,14 @@ def _layouts(tables: list[EmbeddingBagConfig], kind: str, precision: str, ws: in
     plan_precision = WirePrecision() if kind in QCOMMS_TYPES else WirePrecision(precision, precision)
     for i, t in enumerate(tables):
         layout = dataclasses.replace(
-            _layout(kind, i, ws), precision=plan_precision, torchrec_at_fp8=kind in FP8_TYPES and precision == "fp8"
+            _layout(kind, i, ws),
+            precision=plan_precision,
+            torchrec_at_fp8=kind in FP8_ON_TORCHREC and precision == "fp8",
         )
         runs_as = sharding_type(layout, ROWS, ws, LOCAL_WORLD_SIZE)
         builtin = kind.removesuffix(QCOMMS) + precision_suffix(plan_precision) + row_width_suffix(plan_precision, DIM)
-        expected = sharding_type_name(layout) if kind in OUR_TYPES else builtin
+        ours = kind in OUR_TYPES or (kind in FP8_ON_OURS and precision in ROW_SCALED_PRECISIONS)
+        expected = sharding_type_name(layout) if ours else builtin
         assert runs_as == expected, f"{kind} {precision}: table {t.name} would run as {runs_as}"
         layouts[t.name] = layout
     return layouts

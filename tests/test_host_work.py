@@ -46,20 +46,26 @@ BASELINE = "table_wise:fp32"
 OPS_GROWTH, OPS_SLACK = 1.5, 10  # aten ops at 16 tables <= ops at 4 tables * growth + slack
 SYNC_MARGIN = 4  # our syncs <= TorchRec table-wise's + margin
 OPS_RATIO = 2.0  # our aten ops <= TorchRec table-wise's x ratio
-# TorchRec's types below fp32 from the plan, each against the same type at fp32 with the sharder's codec registry at
-# that precision: QCommsConfig(fp16)'s, and at fp8 our row-scaled codec told the width (QCommsConfig(FP8,
-# fp8_quantize_dim)'s fbgemm codec has no CPU kernel)
-TORCHREC_BELOW_FP32 = ("table_wise:fp16", "row_wise:fp16", "table_wise:fp8")
-QCOMMS = ":qcomms"
-QCOMMS_REGISTRIES = {
-    "fp16": lambda: get_qcomm_codecs_registry(
-        QCommsConfig(forward_precision=CommType.FP16, backward_precision=CommType.FP16)
+# TorchRec's types below fp32 from the plan, each against the same type at fp32 with the sharder's codec registry:
+# case -> (the plan's precision, that registry). fp16: QCommsConfig(fp16)'s. Table-wise at fp8 (where the plan chose
+# TorchRec's sharding): our row-scaled codec told the width (QCommsConfig(FP8, fp8_quantize_dim)'s fbgemm codec has no
+# CPU kernel). Row-wise at TorchRec's FP8: QCommsConfig(FP8)'s own registry, which sends a reduce-scatter's FP8 at fp16
+# forward and bf16 backward (get_qcomm_codecs_registry), so the plan's row-wise table at fp16 / bf16 is its equal (a
+# plan's row-wise at fp8 sends fp8 partial sums, which only our dists can: embark_rb:fp8 above)
+FP16 = WirePrecision("fp16", "fp16")
+TORCHREC_BELOW_FP32 = {
+    "table_wise:fp16": (FP16, lambda: get_qcomm_codecs_registry(QCommsConfig(CommType.FP16, CommType.FP16))),
+    "row_wise:fp16": (FP16, lambda: get_qcomm_codecs_registry(QCommsConfig(CommType.FP16, CommType.FP16))),
+    "table_wise:fp8": (WirePrecision("fp8", "fp8"), lambda: wire_codecs(WirePrecision("fp8", "fp8"), row_width=DIM)),
+    "row_wise:fp8": (
+        WirePrecision("fp16", "bf16"),
+        lambda: get_qcomm_codecs_registry(QCommsConfig(CommType.FP8, CommType.FP8)),
     ),
-    "fp8": lambda: wire_codecs(WirePrecision("fp8", "fp8"), row_width=DIM),
 }
+QCOMMS = ":qcomms"
 
 
-def _layout(kind: str, i: int, precision: str) -> TableLayout:
+def _layout(kind: str, i: int, precision: WirePrecision) -> TableLayout:
     """Table i's layout; placements rotate with i, so every rank holds cells of several tables."""
     if kind == "table_wise":
         layout = TableLayout.table_wise(ROWS, DIM, i % WS)
@@ -76,8 +82,8 @@ def _layout(kind: str, i: int, precision: str) -> TableLayout:
     else:
         layout = TableLayout("ub", (0, 25, ROWS), (0, DIM), ((i % WS,), ((i + 1) % WS,)))
     # a table-wise table at fp8 runs on TorchRec's sharding where its plan says so (torchrec_at_fp8)
-    fp8_on_torchrec = kind == "table_wise" and precision == "fp8"
-    return dataclasses.replace(layout, precision=WirePrecision(precision, precision), torchrec_at_fp8=fp8_on_torchrec)
+    fp8_on_torchrec = kind == "table_wise" and precision.forward == "fp8"
+    return dataclasses.replace(layout, precision=precision, torchrec_at_fp8=fp8_on_torchrec)
 
 
 def _step(model: torch.nn.Module, kjt: KeyedJaggedTensor) -> None:
@@ -97,13 +103,17 @@ def _count_steps() -> dict[str, dict[str, Any]]:
         ]
         for case in [BASELINE, *OUR_CASES, *TORCHREC_BELOW_FP32, *(c + QCOMMS for c in TORCHREC_BELOW_FP32)]:
             kind, precision, *qcomms = case.split(":")
-            plan_precision = "fp32" if qcomms else precision
+            plan_precision, registry_of = TORCHREC_BELOW_FP32.get(f"{kind}:{precision}", (None, None))
+            if qcomms:
+                plan_precision = WirePrecision()
+            elif plan_precision is None:
+                plan_precision = WirePrecision(precision, precision)
             layouts = {t.name: _layout(kind, i, plan_precision) for i, t in enumerate(tables)}
             runs_as = {sharding_type(layout, ROWS, WS, LWS) for layout in layouts.values()}
             p = layouts["t0"].precision
             builtin = kind + precision_suffix(p) + row_width_suffix(p, DIM)
             assert runs_as == {sharding_type_name(layouts["t0"]) if kind in OURS else builtin}, (case, runs_as)
-            registry = QCOMMS_REGISTRIES[precision]() if qcomms else None
+            registry = registry_of() if qcomms else None
             model = sharded_model(tables, layouts, LWS, qcomm_codecs_registry=registry)
             first, second = (global_kjt_batch(tables, WS, BATCH, seed=s)[rank] for s in range(2))
             _step(model, first)
@@ -238,10 +248,10 @@ def test_aten_ops_at_most_twice_torchrec_table_wise(counts: list[dict[str, dict[
 def test_torchrec_types_at_the_plans_precision_work_as_with_qcomms(
     counts: list[dict[str, dict[str, Any]]], case: str
 ) -> None:
-    """TorchRec's table-wise and row-wise sharding at fp16, and its table-wise at fp8 (where the plan chose it), from
-    the plan dispatch the same aten ops, host syncs and collectives (none blocking) as the same tables at fp32 with
-    the sharder's codec registry at that precision (every rank): the plan's precision is TorchRec's own
-    compression, not a detour through our dists."""
+    """TorchRec's table-wise and row-wise sharding at fp16, its table-wise at fp8 (where the plan chose it) and its
+    row-wise at TorchRec's FP8 (fp16 / bf16 in the plan) from the plan dispatch the same aten ops, host syncs and
+    collectives (none blocking) as the same tables at fp32 with the sharder's codec registry at that precision (every
+    rank): the plan's precision is TorchRec's own compression, not a detour through our dists."""
     for n in TABLE_COUNTS:
         for rank, c in enumerate(counts):
             ours, theirs = c[f"{case}:{n}"], c[f"{case}{QCOMMS}:{n}"]
