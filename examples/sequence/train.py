@@ -225,7 +225,7 @@ def make_plan(
         measured=profiled_spec(model, data, world),
     )
     plan = planner.collective_plan(model, sharders)
-    if forced is not None and forced.cluster == "rb":
+    if args.history_layout == "rw":
         # row-wise on our grid sharding rather than TorchRec's built-in row_wise, so that the same counters count it
         plan.plan[EC_PATH][HISTORY].sharding_type = sharding_type_name(forced)
     return plan
