@@ -346,3 +346,23 @@ def test_a_split_drops_torchrec_at_fp8() -> None:
     assert not tw.split_rows(0, 500, (6,)).torchrec_at_fp8
     assert not tw.split_cols(0, 16, (6,)).torchrec_at_fp8
     assert tw.with_ranks(((6,),)).torchrec_at_fp8
+
+
+def test_torchrec_at_fp8_on_a_sequence_table_must_be_table_wise() -> None:
+    """TorchRec's EmbeddingCollection runs no column-wise sharding: a sequence table's column-wise fp8 layout with
+    torchrec_at_fp8 is refused naming the table and the field, from a plan file and by validate against the model;
+    its table-wise one is kept."""
+    cw = TableLayout("rb", (0, 500), (0, 32, 64), ((2, 7),), FP8, torchrec_at_fp8=True)
+    tw = replace(TableLayout.table_wise(500, 64, 2), precision=FP8, torchrec_at_fp8=True)
+    spec = ModelSpec("m", 64, (TableSpec("s", 500, 64, 2.0, kind="sequence"),))
+    for layout, refused in ((cw, True), (tw, False)):
+        plan = Plan(W, L, {"s": layout}).with_kinds(spec)
+        d = plan.to_dict()
+        if refused:
+            with pytest.raises(PlanError, match="table 's'.*torchrec_at_fp8.*table-wise"):
+                Plan.from_dict(d)
+            with pytest.raises(PlanError, match="table 's'.*torchrec_at_fp8.*table-wise"):
+                plan.validate(spec)
+        else:
+            assert Plan.from_dict(d) == plan
+            plan.validate(spec)

@@ -106,7 +106,32 @@ def test_plan_model_applies_the_search_configs_tolerance() -> None:
     }
     kept, moved = planned[0.0], planned[math.inf]
     assert kept.source == moved.source == EMBARK
-    assert all(x.fp8_builtin_type is not None for x in moved.plan.tables.values())
+    assert all(x.fp8_builtin_type() is not None for x in moved.plan.tables.values())
     assert not any(x.torchrec_at_fp8 for x in kept.plan.tables.values())
     assert all(x.torchrec_at_fp8 for x in moved.plan.tables.values())
     assert kept.cost.step_ms < moved.cost.step_ms < kept.cost.step_ms * 1.01
+
+
+def test_a_sequence_tables_column_wise_layout_is_never_moved() -> None:
+    """TorchRec's EmbeddingCollection runs no column-wise sharding: at an unbounded tolerance a sequence table's
+    table-wise fp8 layout moves and its column-wise one stays ours."""
+    spec = ModelSpec(
+        "seq",
+        4096,
+        (
+            TableSpec("tw", rows=100_000, dim=32, pooling=4.0, kind="sequence"),
+            TableSpec("cw", rows=100_000, dim=32, pooling=4.0, kind="sequence"),
+        ),
+    )
+    plan = Plan(
+        WS,
+        LWS,
+        {
+            "tw": replace(TableLayout.table_wise(100_000, 32, 1), precision=FP8),
+            "cw": TableLayout("rb", (0, 100_000), (0, 16, 32), ((2, 3),), FP8),
+        },
+    ).with_kinds(spec)
+    cost = CostModel(spec, Topology(WS, LWS))
+    moved, _ = torchrec_fp8_groups(cost, plan, cost.evaluate(plan), {}, math.inf)
+    assert moved.tables["tw"].torchrec_at_fp8 and not moved.tables["cw"].torchrec_at_fp8
+    moved.validate(spec)

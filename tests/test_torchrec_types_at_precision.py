@@ -124,9 +124,9 @@ def test_at_fp8_table_and_column_wise_run_on_torchrecs_one_group_per_width_where
         assert torchrec_type(kind) == base and split_row_width(kind) == (kind.partition("@")[0], width)
         assert split_precision(kind) == (base, fp8)
         assert collectives_per_step(kind) == collectives_per_step(base) and id_bytes(kind) == TORCHREC_ID_BYTES
-        assert TableLayout("rb", (0, 20), (0, 4, 12), ((0, 1),), fp8).fp8_builtin_type is None  # uneven slices
+        assert TableLayout("rb", (0, 20), (0, 4, 12), ((0, 1),), fp8).fp8_builtin_type() is None  # uneven slices
     else:
-        assert layout.fp8_builtin_type is None
+        assert layout.fp8_builtin_type() is None
 
 
 def test_sequence_tables_keep_torchrec_types_below_fp32() -> None:

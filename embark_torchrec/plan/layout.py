@@ -14,6 +14,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from .cluster_kinds import DATA_PARALLEL_KIND, REDUCTION_KIND, ClusterKind, cluster_kind, cluster_kind_names
 from .fields import (
     POOLED,
+    SEQUENCE,
     FieldError,
     boolean,
     choice,
@@ -27,6 +28,7 @@ from .fields import (
     table_kind,
     table_name,
 )
+from .torchrec_types import SEQUENCE_BUILTIN_TYPES
 from .wire import ROW_SCALED_PRECISIONS
 
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
@@ -42,6 +44,7 @@ TORCHREC_AT_FP8_RULE = (
     "torchrec_at_fp8 applies only to a table-wise or column-wise layout (column slices of one width) with fp8 "
     "in a direction of its precision"
 )
+TORCHREC_AT_FP8_SEQUENCE_RULE = "a sequence table's layout on TorchRec's sharding at fp8 must be table-wise"
 _PRECISION_KEYS = ("forward", "backward")
 _SHARD_KEYS = ("rows", "cols", "rank")
 
@@ -153,14 +156,15 @@ class TableLayout:
             self.torchrec_at_fp8,
         )
 
-    @property
-    def fp8_builtin_type(self) -> str | None:
-        """The TorchRec sharding type that may run this layout at its row-scaled precision, one group per row width
-        (what `torchrec_at_fp8` may choose), or None: none, or the precision is element-wise (fp32 / fp16 / bf16),
-        where a layout TorchRec runs always runs on TorchRec's sharding."""
+    def fp8_builtin_type(self, sequence: bool = False) -> str | None:
+        """The TorchRec sharding type that may run this layout (of a sequence table's, for `sequence`) at its
+        row-scaled precision, one group per row width (what `torchrec_at_fp8` may choose), or None: none, or the
+        precision is element-wise (fp32 / fp16 / bf16), where a layout TorchRec runs always runs on TorchRec's
+        sharding."""
         if not {self.precision.forward, self.precision.backward} & ROW_SCALED_PRECISIONS:
             return None
-        return self.kind.fp8_builtin_type(self)
+        builtin = self.kind.fp8_builtin_type(self)
+        return None if sequence and builtin not in SEQUENCE_BUILTIN_TYPES else builtin
 
     def split_rows(self, r: int, at: int, new_ranks: tuple[int, ...]) -> "TableLayout":
         """Cut row slice r at row `at`; the lower part keeps its ranks, the upper goes to new_ranks."""
@@ -195,7 +199,7 @@ class TableLayout:
         for k in self.used_ranks():
             if not 0 <= k < world_size:
                 raise PlanError(f"{where}: rank {k} is outside world size {world_size}")
-        if self.torchrec_at_fp8 and self.fp8_builtin_type is None:
+        if self.torchrec_at_fp8 and self.fp8_builtin_type() is None:
             raise PlanError(f"{where}: {TORCHREC_AT_FP8_RULE}")
         mixed = self.mixed_width_rank()
         if mixed is not None:
@@ -264,7 +268,10 @@ class Plan:
             recorded = self.kinds.get(t.name, t.kind)
             if recorded != t.kind:
                 raise PlanError(f"table {t.name!r}: the plan is for a {recorded} table, the model's is {t.kind}")
-            self.tables[t.name].validate(t.name, t.rows, t.dim, self.world_size)
+            layout = self.tables[t.name]
+            layout.validate(t.name, t.rows, t.dim, self.world_size)
+            if layout.torchrec_at_fp8 and layout.fp8_builtin_type(t.is_sequence) is None:
+                raise PlanError(f"table {t.name!r}: field 'torchrec_at_fp8': {TORCHREC_AT_FP8_SEQUENCE_RULE}")
         if memory_per_rank is not None and cap_bytes is not None:
             for rank, used in enumerate(memory_per_rank):
                 if used > cap_bytes:
@@ -400,9 +407,10 @@ def _layout_from_dict(name: str, entry: Any, world_size: int) -> TableLayout:
         shards = [_shard_from_dict(s, f"shards[{i}]", world_size) for i, s in enumerate(entries)]
     row_bounds, col_bounds, ranks = grid_from_shards(where, shards)
     layout = TableLayout(cluster, row_bounds, col_bounds, ranks, precision, hierarchical, torchrec_at_fp8)
-    if torchrec_at_fp8 and layout.fp8_builtin_type is None:
+    if torchrec_at_fp8 and layout.fp8_builtin_type(m.get("kind") == SEQUENCE) is None:
         with reading(PlanError, where=where):
-            raise FieldError(TORCHREC_AT_FP8_RULE, "torchrec_at_fp8")
+            sequence = layout.fp8_builtin_type() is not None
+            raise FieldError(TORCHREC_AT_FP8_SEQUENCE_RULE if sequence else TORCHREC_AT_FP8_RULE, "torchrec_at_fp8")
     return layout
 
 

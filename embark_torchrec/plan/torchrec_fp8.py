@@ -39,7 +39,7 @@ def torchrec_fp8_groups(
     for t in cost.spec.tables:
         layout = plan.tables[t.name]
         fixed = constraints.get(t.name, TableConstraints()).layout is not None
-        if fixed or layout.torchrec_at_fp8 or layout.fp8_builtin_type is None:
+        if fixed or layout.torchrec_at_fp8 or layout.fp8_builtin_type(t.is_sequence) is None:
             continue
         kind = sharding_type(
             replace(layout, torchrec_at_fp8=True), t.rows, topology.world_size, topology.local_world_size, t.is_sequence
