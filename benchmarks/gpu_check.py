@@ -6,8 +6,10 @@
 Checks (each in its own try/except and time budget, so one failure hides no other):
 
 (a) exact  -- world size 1 on a real 1-rank NCCL process group on cuda:0: for TorchRec's table_wise, row_wise,
-    column_wise (through our sharder) and our embark_rb (flat grid), embark_rb_hier and embark_ub at fp32, fp16 and
-    fp8 on the wire, DistributedModelParallel shards a 2-table model (one SUM table, one MEAN table with two
+    column_wise (through our sharder), its table_wise and column_wise at fp8 from the plan (torchrec_at_fp8: our fp8
+    codec told the row width; exact, as TorchRec's pooled all-to-all sends nothing in a group of one, so (b) is
+    where their codec runs) and our embark_rb (flat grid), embark_rb_hier and embark_ub at fp32, fp16 and fp8 on
+    the wire, DistributedModelParallel shards a 2-table model (one SUM table, one MEAN table with two
     features) onto cuda; 3 training steps (fused exact SGD) against the unsharded EmbeddingBagCollection on cuda
     (torch SGD): outputs at every step and weights after the last, max |error| against a per-precision tolerance.
     Also the sharder's codecs with the plan at fp32 (QCommsConfig's way): fbgemm's FP8 row-wise codec
@@ -58,10 +60,15 @@ PRECISIONS = ("fp32", "fp16", "fp8")
 # the sharder's codecs at fp8, the plan at fp32: fbgemm's on our dists (see the docstring)
 SHARDER_CODECS = {"embark_rb": "fbgemm-fp8", "embark_ub": "fbgemm-fp8"}
 CUDA_ONLY_CODECS = ("fbgemm-fp8",)
+# TorchRec's types a plan may run at fp8 (torchrec_at_fp8: one group per row width, our fp8 codec told the width)
+BUILTIN_AT_FP8 = ("table_wise:fp8", "column_wise:fp8")
 KINDS_A = (
-    list(BUILTIN) + [f"{k}:{p}" for k in OURS for p in PRECISIONS] + [f"{k}:{c}" for k, c in SHARDER_CODECS.items()]
+    list(BUILTIN)
+    + list(BUILTIN_AT_FP8)
+    + [f"{k}:{p}" for k in OURS for p in PRECISIONS]
+    + [f"{k}:{c}" for k, c in SHARDER_CODECS.items()]
 )
-KINDS_B = list(BUILTIN) + ["table_row_wise"] + [f"{k}:{p}" for k in OURS for p in PRECISIONS]
+KINDS_B = list(BUILTIN) + list(BUILTIN_AT_FP8) + ["table_row_wise"] + [f"{k}:{p}" for k in OURS for p in PRECISIONS]
 # max |sharded - unsharded| allowed, relative to the largest reference magnitude of the compared tensor
 # (fp32: summation order only; fp16 / fp8: a few roundings of 2^-11 / 2^-4 relative, see sharding/codecs.py)
 TOLERANCE = {"fp32": 1e-4, "fp16": 4e-3, "fp8": 0.25}
@@ -112,6 +119,14 @@ def _our_layouts(kind: str, precision: str, world_size: int) -> dict[str, Any]:
             "t0": TableLayout("ub", (0, 1000), (0, 16), ((0,),), p),
             "t1": TableLayout("ub", (0, 300, 500), (0, 16), ((0,), (0,)) if one else ((1,), (3,)), p),
         }
+    if kind in ("table_wise", "column_wise"):  # at fp8 on TorchRec's sharding, as the plan's torchrec_at_fp8 says
+        cols, ranks = ((0, 16), ((0,),)) if kind == "table_wise" else ((0, 8, 16), ((0, world_size - 1),))
+        return {
+            "t0": TableLayout("rb", (0, 1000), cols, ranks, p, torchrec_at_fp8=True),
+            "t1": TableLayout(
+                "rb", (0, 500), cols, ((world_size - 1,),) if kind == "table_wise" else ranks, p, torchrec_at_fp8=True
+            ),
+        }
     hier = kind == "embark_rb_hier"
     grid = ((0, 0), (0, 0)) if one else ((0, 1), (2, 3)) if hier else ((0, 1), (3, 2))
     return {
@@ -133,7 +148,9 @@ def _module_plan(kind: str, module: Any, sharder: Any, world_size: int, local_wo
     base, _, precision = kind.partition(":")
     precision = _plan_precision(precision)
     expected = base if precision in ("", "fp32") else f"{base}:{precision}-{precision}"
-    if base in OURS:
+    if kind in BUILTIN_AT_FP8:
+        expected += "@16" if base == "table_wise" else "@8"
+    if base in OURS or kind in BUILTIN_AT_FP8:
         layouts = _our_layouts(base, precision, world_size)
         spec = ModelSpec.from_module(module, batch_size=world_size * BATCH)
         got = {sharding_type(layouts[t.name], t.rows, world_size, local_world_size) for t in spec.tables}
@@ -238,6 +255,8 @@ def check_exact(kind: str, device: Any) -> dict[str, Any]:
 
     suffix = kind.partition(":")[2]
     precision = "fp8" if suffix in SHARDER_CODECS.values() else suffix or "fp32"
+    if kind in BUILTIN_AT_FP8:  # TorchRec's alltoall_pooled sends nothing in a group of one (no codec runs): exact;
+        precision = "fp32"  # (b) runs the codec on the device
     tables = _tables()
     torch.manual_seed(0)
     reference = _arch(tables, device)

@@ -81,9 +81,9 @@ class TableLayout:
     DP tables have no grid (replicated on every rank). `hierarchical` says that partial sums of
     row slices are reduced inside each node before they cross nodes. `torchrec_at_fp8`: a table-wise or
     column-wise layout (column slices of one width) at a row-scaled precision (fp8) runs on TorchRec's own
-    sharding, in a group of its row width (groups.sharding_type), not on ours; the planner sets it where that
-    does not lengthen the step (torchrec_fp8.py), as each width's group adds collectives and TorchRec sends
-    int64 IDs.
+    sharding, in a group of its row width (groups.sharding_type), not on ours; the planner sets it while the step
+    stays within SearchConfig.torchrec_fp8_tolerance (torchrec_fp8.py), as each width's group adds collectives and
+    TorchRec sends int64 IDs.
     """
 
     cluster: str

@@ -8,9 +8,10 @@ fp16 and bf16 are TorchRec's fbgemm codecs (TorchRecCodec), built here directly 
 fallback from bf16 to fp16 does not apply. fp8 is our own codec (Fp8RowwiseCodec): float8 e4m3 with one fp32
 scale per row vector, the bits carried as uint8 because gloo rejects float8 tensors; our messages hold rows of
 several widths, so its QuantizationContext (SegmentContext) carries the message's layout as segments. Given a row
-width (Fp8RowwiseCodec(row_width), wire_codecs(precision, row_width)), it also serves TorchRec's own dists from
-the sharder's registry, as QCommsConfig's codecs do: their messages are whole rows of that width (table-wise and
-column-wise tables of one width), and TorchRec's own FP8 codec has no CPU kernel.
+width (Fp8RowwiseCodec(row_width), wire_codecs(precision, row_width)), it also serves TorchRec's own dists, from
+the sharder's registry as QCommsConfig's codecs do, or from the plan (a group "table_wise:fp8-fp8@64", its tables'
+torchrec_at_fp8): their messages are whole rows of that width (table-wise and column-wise tables of one width),
+and TorchRec's own FP8 codec has no CPU kernel.
 
 A codec of TorchRec's protocol that scales rows of its context's row dim (fbgemm's INT8 row-wise, and its FP8
 row-wise, QCommsConfig's fp8_quantize_dim, on GPUs) gets the message's vectors of each width at once, gathered,
@@ -301,8 +302,9 @@ def builtin_codecs(
     sharding_type: str, registry: Optional[Dict[str, QuantizedCommCodecs]]
 ) -> Tuple[str, Optional[Dict[str, QuantizedCommCodecs]]]:
     """The TorchRec sharding type a group of a built-in type runs as, and the codec registry it takes: a group
-    below fp32 names its precision ("table_wise:fp16-fp16"), whose codecs replace the sharder's (the plan's
-    precision wins, as on our types); else the type and the sharder's registry as given."""
+    below fp32 names its precision ("table_wise:fp16-fp16"; at fp8 also the row width its row-scaled codec is told,
+    "table_wise:fp8-fp8@64"), whose codecs replace the sharder's (the plan's precision wins, as on our types); else
+    the type and the sharder's registry as given."""
     builtin, precision = split_precision(sharding_type)
     if builtin == sharding_type:
         return builtin, registry
