@@ -15,6 +15,7 @@ from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.groups import sharding_type, torchrec_type
 from embark_torchrec.plan.layout import Plan, TableLayout, WirePrecision
 from embark_torchrec.plan.plan_model import EMBARK, plan_model
+from embark_torchrec.plan.report import ScoredPlan, render, summary
 from embark_torchrec.plan.search import SearchConfig
 from embark_torchrec.plan.spec import ModelSpec, TableSpec
 from embark_torchrec.plan.topology import Topology
@@ -135,3 +136,17 @@ def test_a_sequence_tables_column_wise_layout_is_never_moved() -> None:
     moved, _ = torchrec_fp8_groups(cost, plan, cost.evaluate(plan), {}, math.inf)
     assert moved.tables["tw"].torchrec_at_fp8 and not moved.tables["cw"].torchrec_at_fp8
     moved.validate(spec)
+
+
+def test_the_report_counts_the_tables_on_torchrecs_sharding_at_fp8(cost: CostModel) -> None:
+    """The report's summary and text say how many fp8 tables the plan puts on TorchRec's own sharding (none: no
+    mention)."""
+    plan = _plan()
+    moved, step = torchrec_fp8_groups(cost, plan, cost.evaluate(plan), {}, math.inf)
+    scored = ScoredPlan("embark", moved, step, None)
+    assert summary(scored)["torchrec_at_fp8_tables"] == 8
+    assert "8 fp8 tables on TorchRec's own sharding" in render([scored], cost.topology, "m")
+    kept = ScoredPlan("embark", plan, cost.evaluate(plan), None)
+    assert summary(kept)["torchrec_at_fp8_tables"] == 0 and "TorchRec's own sharding" not in render(
+        [kept], cost.topology, "m"
+    )

@@ -98,7 +98,8 @@ def layout_kind(layout: TableLayout) -> str:
 
 
 def summary(scored: ScoredPlan) -> dict[str, Any]:
-    """A JSON-ready summary: step and its parts, planning time, imbalance, clusters, shard kinds."""
+    """A JSON-ready summary: step and its parts, planning time, imbalance, clusters, shard kinds, and how many
+    tables reduce inside nodes first, are sequence tables, or run at fp8 on TorchRec's own sharding."""
     loads = scored.cost.rank_load_ms
     tables = scored.plan.tables.values()
     return {
@@ -110,6 +111,7 @@ def summary(scored: ScoredPlan) -> dict[str, Any]:
         "kinds": dict(sorted(Counter(layout_kind(t) for t in tables).items())),
         "shards": sum(t.num_row_slices * t.num_col_slices for t in tables if not t.kind.replicated),
         "hierarchical_tables": sum(t.hierarchical for t in tables),
+        "torchrec_at_fp8_tables": sum(t.torchrec_at_fp8 for t in tables),
         "sequence_tables": sum(kind == SEQUENCE for kind in scored.plan.kinds.values()),
     }
 
@@ -173,7 +175,12 @@ def render(plans: Sequence[ScoredPlan], topology: Topology, model_name: str) -> 
         f"+ dense {s['dense_ms']:.3f}",
         f"imbalance (max/mean load) {s['imbalance']:.2f}; clusters {s['clusters']}; tables by layout {s['kinds']}; "
         f"{s['shards']} shards; {s['hierarchical_tables']} tables reduce inside nodes first"
-        + (f"; {s['sequence_tables']} sequence tables (one vector per ID)" if s["sequence_tables"] else ""),
+        + (f"; {s['sequence_tables']} sequence tables (one vector per ID)" if s["sequence_tables"] else "")
+        + (
+            f"; {s['torchrec_at_fp8_tables']} fp8 tables on TorchRec's own sharding"
+            if s["torchrec_at_fp8_tables"]
+            else ""
+        ),
         "",
         rank_table(main, topology),
     ]
