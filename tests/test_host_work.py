@@ -13,7 +13,7 @@ TorchRec's own way. The unit tests check the counter itself.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -52,15 +52,19 @@ OPS_RATIO = 2.0  # our aten ops <= TorchRec table-wise's x ratio
 # CPU kernel). Row-wise at TorchRec's FP8: QCommsConfig(FP8)'s own registry, which sends a reduce-scatter's FP8 at fp16
 # forward and bf16 backward (get_qcomm_codecs_registry), so the plan's row-wise table at fp16 / bf16 is its equal (a
 # plan's row-wise at fp8 sends fp8 partial sums, which only our dists can: embark_rb:fp8 above)
-FP16 = WirePrecision("fp16", "fp16")
+FP16, FP8 = WirePrecision("fp16", "fp16"), WirePrecision("fp8", "fp8")
+
+
+def _qcomms(precision: CommType) -> Callable[[], Any]:
+    """The sharder's registry of QCommsConfig at `precision` both ways, built when called."""
+    return lambda: get_qcomm_codecs_registry(QCommsConfig(precision, precision))
+
+
 TORCHREC_BELOW_FP32 = {
-    "table_wise:fp16": (FP16, lambda: get_qcomm_codecs_registry(QCommsConfig(CommType.FP16, CommType.FP16))),
-    "row_wise:fp16": (FP16, lambda: get_qcomm_codecs_registry(QCommsConfig(CommType.FP16, CommType.FP16))),
-    "table_wise:fp8": (WirePrecision("fp8", "fp8"), lambda: wire_codecs(WirePrecision("fp8", "fp8"), row_width=DIM)),
-    "row_wise:fp8": (
-        WirePrecision("fp16", "bf16"),
-        lambda: get_qcomm_codecs_registry(QCommsConfig(CommType.FP8, CommType.FP8)),
-    ),
+    "table_wise:fp16": (FP16, _qcomms(CommType.FP16)),
+    "row_wise:fp16": (FP16, _qcomms(CommType.FP16)),
+    "table_wise:fp8": (FP8, lambda: wire_codecs(FP8, row_width=DIM)),
+    "row_wise:fp8": (WirePrecision("fp16", "bf16"), _qcomms(CommType.FP8)),
 }
 QCOMMS = ":qcomms"
 

@@ -166,6 +166,12 @@ class TableLayout:
         builtin = self.kind.fp8_builtin_type(self)
         return None if sequence and builtin not in SEQUENCE_BUILTIN_TYPES else builtin
 
+    def torchrec_at_fp8_refusal(self, sequence: bool = False) -> str | None:
+        """Why this layout (of a sequence table's, for `sequence`) may not set `torchrec_at_fp8`, or None."""
+        if not self.torchrec_at_fp8 or self.fp8_builtin_type(sequence) is not None:
+            return None
+        return TORCHREC_AT_FP8_SEQUENCE_RULE if self.fp8_builtin_type() is not None else TORCHREC_AT_FP8_RULE
+
     def split_rows(self, r: int, at: int, new_ranks: tuple[int, ...]) -> "TableLayout":
         """Cut row slice r at row `at`; the lower part keeps its ranks, the upper goes to new_ranks."""
         bounds = self.row_bounds[: r + 1] + (at,) + self.row_bounds[r + 1 :]
@@ -199,8 +205,9 @@ class TableLayout:
         for k in self.used_ranks():
             if not 0 <= k < world_size:
                 raise PlanError(f"{where}: rank {k} is outside world size {world_size}")
-        if self.torchrec_at_fp8 and self.fp8_builtin_type() is None:
-            raise PlanError(f"{where}: {TORCHREC_AT_FP8_RULE}")
+        refusal = self.torchrec_at_fp8_refusal()
+        if refusal is not None:
+            raise PlanError(f"{where}: {refusal}")
         mixed = self.mixed_width_rank()
         if mixed is not None:
             raise PlanError(
@@ -270,8 +277,9 @@ class Plan:
                 raise PlanError(f"table {t.name!r}: the plan is for a {recorded} table, the model's is {t.kind}")
             layout = self.tables[t.name]
             layout.validate(t.name, t.rows, t.dim, self.world_size)
-            if layout.torchrec_at_fp8 and layout.fp8_builtin_type(t.is_sequence) is None:
-                raise PlanError(f"table {t.name!r}: field 'torchrec_at_fp8': {TORCHREC_AT_FP8_SEQUENCE_RULE}")
+            refusal = layout.torchrec_at_fp8_refusal(t.is_sequence)
+            if refusal is not None:
+                raise PlanError(f"table {t.name!r}: field 'torchrec_at_fp8': {refusal}")
         if memory_per_rank is not None and cap_bytes is not None:
             for rank, used in enumerate(memory_per_rank):
                 if used > cap_bytes:
@@ -407,10 +415,10 @@ def _layout_from_dict(name: str, entry: Any, world_size: int) -> TableLayout:
         shards = [_shard_from_dict(s, f"shards[{i}]", world_size) for i, s in enumerate(entries)]
     row_bounds, col_bounds, ranks = grid_from_shards(where, shards)
     layout = TableLayout(cluster, row_bounds, col_bounds, ranks, precision, hierarchical, torchrec_at_fp8)
-    if torchrec_at_fp8 and layout.fp8_builtin_type(m.get("kind") == SEQUENCE) is None:
+    refusal = layout.torchrec_at_fp8_refusal(m.get("kind") == SEQUENCE)
+    if refusal is not None:
         with reading(PlanError, where=where):
-            sequence = layout.fp8_builtin_type() is not None
-            raise FieldError(TORCHREC_AT_FP8_SEQUENCE_RULE if sequence else TORCHREC_AT_FP8_RULE, "torchrec_at_fp8")
+            raise FieldError(refusal, "torchrec_at_fp8")
     return layout
 
 
