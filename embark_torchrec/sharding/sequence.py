@@ -28,7 +28,7 @@ widths, which costs it one read of its per-cell ID counts.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -115,14 +115,22 @@ class SequencePlacement:
         return RowGather.apply(received.view(-1, self.unit), self.index).view(self.ids, self.dim)
 
 
-@dataclass
 class EmbarkSequenceContext(SequenceShardingContext):
     """TorchRec's sequence context plus what our output dists need from their batch's input dist
-    (pipelined batches each carry their own)."""
+    (pipelined batches each carry their own): the grid's `placement`, or UB's `unique` and `received_counts`
+    ([groups held here, senders]).  Built as UniqueShardingContext is, for TorchRec's contexts of either kind."""
 
-    placement: Optional[SequencePlacement] = field(default=None)
-    unique: Optional[UniqueState] = field(default=None)
-    received_counts: Optional[np.ndarray] = field(default=None)  # UB: [groups held here, senders]
+    def __init__(
+        self,
+        placement: Optional[SequencePlacement] = None,
+        unique: Optional[UniqueState] = None,
+        received_counts: Optional[np.ndarray] = None,
+        **torchrec_fields: Any,
+    ) -> None:
+        super().__init__(**torchrec_fields)
+        self.placement = placement
+        self.unique = unique
+        self.received_counts = received_counts
 
     def record_stream(self, stream: torch.Stream) -> None:
         super().record_stream(stream)

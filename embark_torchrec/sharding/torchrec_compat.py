@@ -15,9 +15,9 @@ from torchrec.modules.embedding_configs import PoolingType
 
 # fbgemm's TBE accepts variable batch sizes per feature only with these optimizers
 # (SplitTableBatchedEmbeddingBagsCodegen._generate_vbe_metadata asserts it), keyed by the fbgemm release
-# whose check first lists them.
+# whose check first lists them, from the oldest we support (1.6).
 _VARIABLE_BATCH_OPTIMIZERS_SINCE = {
-    (1, 8): (
+    (1, 6): (
         "EXACT_ROWWISE_ADAGRAD",
         "EXACT_SGD",
         "ENSEMBLE_ROWWISE_ADAGRAD",

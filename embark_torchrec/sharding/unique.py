@@ -33,7 +33,7 @@ input dist travels in that batch's context (UniqueShardingContext), so pipelined
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, TypeVar
 
 import numpy as np
@@ -81,10 +81,20 @@ class UniqueState:
     weights: Optional[torch.Tensor]  # per-ID weights for the expansion (None: all 1)
 
 
-@dataclass
 class UniqueShardingContext(EmbeddingShardingContext):
-    unique: Optional[UniqueState] = field(default=None)
-    received_counts: Optional[np.ndarray] = field(default=None)  # [groups held here, senders]: IDs received
+    """TorchRec's sharding context plus the batch's de-duplication (`unique`) and the IDs each sender's message
+    held (`received_counts`, [groups held here, senders]).  TorchRec's contexts are plain classes with keyword
+    constructors in 1.6 and dataclasses from 1.7: handing TorchRec's fields to super() by keyword serves both."""
+
+    def __init__(
+        self,
+        unique: Optional[UniqueState] = None,
+        received_counts: Optional[np.ndarray] = None,
+        **torchrec_fields: Any,
+    ) -> None:
+        super().__init__(**torchrec_fields)
+        self.unique = unique
+        self.received_counts = received_counts
 
 
 @dataclass(frozen=True)
