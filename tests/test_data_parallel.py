@@ -19,6 +19,8 @@ from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 from embark_torchrec.testing import global_kjt_batch, run_ranks
 from embark_torchrec.testing.training import SparseArch
 
+pytestmark = pytest.mark.torchrec_version
+
 
 def test_wrapper_takes_the_plans_precision_and_refuses_what_ddp_cannot_run() -> None:
     """A plan's data-parallel tables travel in DDP's buckets with the dense part: one precision, named otherwise."""

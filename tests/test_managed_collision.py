@@ -46,6 +46,8 @@ from embark_torchrec.sharding.sharded_ec import EmbarkEmbeddingCollectionSharder
 from embark_torchrec.sharding.validation import InvalidInputError
 from embark_torchrec.testing import run_ranks
 
+pytestmark = pytest.mark.torchrec_version
+
 FUSED = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1}
 PG_TIMEOUT_S = 20.0  # a rank left waiting in a collective fails after this
 WITHIN_S = 5.0  # every rank must have its error this soon

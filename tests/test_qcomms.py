@@ -23,6 +23,8 @@ from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 from embark_torchrec.testing import global_kjt_batch, run_ranks
 from embark_torchrec.testing.training import SparseArch
 
+pytestmark = pytest.mark.torchrec_version
+
 TABLES = [
     EmbeddingBagConfig(name="g", num_embeddings=40, embedding_dim=8, feature_names=["g0"]),
     EmbeddingBagConfig(name="p", num_embeddings=30, embedding_dim=8, feature_names=["p0"]),

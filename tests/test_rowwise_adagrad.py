@@ -25,6 +25,8 @@ from embark_torchrec.plan.layout import TableLayout
 from embark_torchrec.testing import run_ranks
 from embark_torchrec.testing.training import compare_sharded_training, sharded_model
 
+pytestmark = pytest.mark.torchrec_version
+
 ATOL = 1e-5
 WORLDS = {2: 2, 4: 2}
 # name -> (rows, dim, {world size: layout})

@@ -33,6 +33,8 @@ from embark_torchrec.sharding.validation import InvalidIdError
 from embark_torchrec.testing import global_kjt_batch, run_ranks
 from embark_torchrec.testing.sequence import compare_sharded_sequence_training, sharded_sequence_model
 
+pytestmark = pytest.mark.torchrec_version
+
 ATOL = 1e-5
 DIM = 8
 WORLDS = {2: 2, 3: 3, 4: 2}  # world size -> local world size (3 ranks on one node; 4 as 2 nodes x 2)

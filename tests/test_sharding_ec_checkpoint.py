@@ -29,6 +29,8 @@ from embark_torchrec.testing import global_kjt_batch, run_ranks
 from embark_torchrec.testing.checkpoints import compare_with_full, gather_full
 from embark_torchrec.testing.sequence import SequenceArch, sharded_sequence_model
 
+pytestmark = pytest.mark.torchrec_version
+
 DIM, BATCH = 16, 4
 LOCAL = {4: 2, 2: 1}  # world size -> local world size
 TABLES = [

@@ -20,6 +20,8 @@ from embark_torchrec.testing import global_kjt_batch, run_ranks
 from embark_torchrec.testing.host_work import HostWorkCounter
 from embark_torchrec.testing.sequence import sharded_sequence_model
 
+pytestmark = pytest.mark.torchrec_version
+
 WS, BATCH, ROWS, DIM = 2, 4, 40, 8
 TABLE_COUNTS = (4, 16)
 OURS = ("embark_rb", "embark_ub")

@@ -29,6 +29,8 @@ from embark_torchrec.sharding.sharded_ec import EmbarkEmbeddingCollectionSharder
 from embark_torchrec.testing import copy_global_weights, global_kjt_batch, run_ranks
 from embark_torchrec.testing.training import OPTIMIZERS, _reference_optimizer
 
+pytestmark = pytest.mark.torchrec_version
+
 WS, LWS, STEPS, BATCH, DIM, LR = 2, 2, 4, 4, 8, 0.1
 TABLES = [
     EmbeddingConfig(name="grid", num_embeddings=40, embedding_dim=DIM, feature_names=["g0", "g1"]),

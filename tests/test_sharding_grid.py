@@ -28,6 +28,8 @@ from embark_torchrec.sharding.sharded_ebc import EmbarkShardedEmbeddingBagCollec
 from embark_torchrec.testing import copy_global_weights, global_kjt_batch, run_ranks
 from embark_torchrec.testing.training import SparseArch, compare_sharded_training, sharded_model
 
+pytestmark = pytest.mark.torchrec_version
+
 ATOL = 1e-5
 STEPS = 2
 WORLDS = {2: 2, 3: 3, 4: 2}  # world size -> local world size (4 ranks as 2 nodes x 2)

@@ -33,6 +33,8 @@ from embark_torchrec.plan.spec import ModelSpec
 from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 from embark_torchrec.testing import copy_global_weights, global_kjt_batch, run_ranks
 
+pytestmark = pytest.mark.torchrec_version
+
 WORLD_SIZE, LOCAL_WORLD_SIZE = 4, 2
 STEPS = 4
 BATCH_PER_RANK = 6

@@ -27,6 +27,8 @@ from embark_torchrec.testing import fake_world, run_ranks
 from embark_torchrec.testing.scaled import cpu_topology, ebc_tables, scaled_spec
 from embark_torchrec.testing.training import compare_sharded_training
 
+pytestmark = pytest.mark.torchrec_version
+
 WORLD_SIZE, LOCAL_WORLD_SIZE = 4, 2
 MODELS = ("dcnv2", "t180", "t200", "t510")
 MAX_TABLES = 24  # of the T-models (dcnv2 keeps its 26)

@@ -23,6 +23,8 @@ from embark_torchrec.sharding.codecs import _codec, encode, encoded_size, decode
 from embark_torchrec.testing import global_kjt_batch, run_ranks
 from embark_torchrec.testing.training import compare_sharded_training, sharded_model
 
+pytestmark = pytest.mark.torchrec_version
+
 TABLES = [
     EmbeddingBagConfig(name="g", embedding_dim=16, num_embeddings=60, feature_names=["g0", "g1"]),
     EmbeddingBagConfig(name="h", embedding_dim=8, num_embeddings=40, feature_names=["h0"], pooling=PoolingType.MEAN),

@@ -23,6 +23,8 @@ from embark_torchrec.sharding.unique import (
     UniquePooledEmbeddingSharding,
 )
 
+pytestmark = pytest.mark.torchrec_version
+
 POOLED = (GridPooledEmbeddingSharding, UniquePooledEmbeddingSharding, UniquePooledEmbeddingDist)
 SEQUENCE = (GridSequenceEmbeddingSharding, UniqueSequenceEmbeddingSharding, UniqueSequenceEmbeddingDist)
 SIBLINGS = [

@@ -26,6 +26,8 @@ from embark_torchrec.sharding.unique import KEY_INT32_LIMIT, UniqueLayout, Uniqu
 from embark_torchrec.testing import fake_world, run_ranks
 from embark_torchrec.testing.training import compare_sharded_training
 
+pytestmark = pytest.mark.torchrec_version
+
 ATOL = 1e-5
 WORLDS = {2: 2, 3: 3, 4: 2}
 # (pooling, optimizer, ids, silent rank?, unique_lookup)

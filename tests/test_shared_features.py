@@ -23,6 +23,8 @@ from embark_torchrec.sharding.validation import InvalidIdError
 from embark_torchrec.testing import run_ranks
 from embark_torchrec.testing.training import compare_sharded_training, sharded_model
 
+pytestmark = pytest.mark.torchrec_version
+
 ATOL = 1e-5
 STEPS = 2
 WORLDS = {2: 2, 4: 2}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -21,6 +22,8 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embark_torchrec.testing import assert_matches_unsharded, copy_global_weights, global_kjt_batch, run_ranks
+
+pytestmark = pytest.mark.torchrec_version
 
 WORLD_SIZE = 2
 BATCH_PER_RANK = 5

@@ -22,6 +22,8 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from embark_torchrec.testing import RankError, fake_world, run_ranks, threaded_ranks
 
+pytestmark = pytest.mark.torchrec_version
+
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
 

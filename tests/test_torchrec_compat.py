@@ -1,6 +1,6 @@
 """The TorchRec and fbgemm internals torchrec_compat.py relies on still exist on the installed versions, so a
 TorchRec upgrade that moves them fails here, by name, rather than deep inside a training step.  Run on every
-TorchRec we support: 1.8 by `make test`, 1.9 by `make test-torchrec19`."""
+TorchRec we support (1.6 to 1.9: `make test-torchrec VERSION=...`)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ from embark_torchrec.sharding.torchrec_compat import (
     lookup_tbes,
     supports_variable_batch,
 )
+
+pytestmark = pytest.mark.torchrec_version
 
 
 def _tbe(optimizer: EmbOptimType) -> SplitTableBatchedEmbeddingBagsCodegen:

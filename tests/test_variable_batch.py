@@ -21,6 +21,8 @@ from embark_torchrec.plan.layout import TableLayout
 from embark_torchrec.testing import run_ranks
 from embark_torchrec.testing.training import compare_sharded_training
 
+pytestmark = pytest.mark.torchrec_version
+
 ATOL = 1e-5
 STEPS = 2
 WORLDS = {2: 2, 4: 2}

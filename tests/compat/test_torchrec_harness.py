@@ -44,6 +44,8 @@ from compat_driver import (
 )
 from embark_torchrec.testing import run_ranks
 
+pytestmark = pytest.mark.torchrec_version
+
 RUN_TIMEOUT_S = 420.0
 
 # ---------------------------------------------------------------- the matrix
