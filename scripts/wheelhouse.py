@@ -216,6 +216,7 @@ PIP_CONFIG_FILE=/dev/null "$python" -m pip install --disable-pip-version-check "
 if [ -n "$target" ]; then
     export PYTHONPATH="$target${{PYTHONPATH:+:$PYTHONPATH}}"
 fi
+cd "$here"  # not where a checkout of embark-torchrec may lie, so the import finds the installed copy
 "$python" -c "{check}"
 """
 
