@@ -21,15 +21,21 @@ Checks (each in its own try/except and time budget, so one failure hides no othe
     that every peer sends this rank what it sends itself (a consistent world: split sizes, batch sizes and counts
     agree with the tensors that follow, and nothing reads uninitialised memory). Passes when it runs without error
     and the outputs are on the device; the values are not checked (the peers are fake).
+(d) lookups -- fbgemm's TBE forward+backward timed on the device at world size 1 (python -m embark_torchrec.calibrate's
+    lookup measurement, quick: a table of 4M rows on cuda, widths 8 / 128, poolings 5 / 20, 32768 bags): the measured
+    lookup figures (hbm_bw_gbps, lookup_ns_per_id, update_ns_per_row) and the widest step's time, set against what the
+    dgx-h100 and h200 presets' figures predict for that step through the cost model (and what the measured figures
+    predict). Passes when it measured; the figures are the result (README, "GPU check").
 (c) dlrm   -- examples/dlrm/train.py under torchrun (1 process; the example picks CUDA + NCCL when CUDA is
     available) for 200 steps; its RESULT line is parsed (device, steps, loss, AUC, samples/s).
 
-(a) and (b) run in worker subprocesses (a crash or hang ends only the type it was on; the worker is restarted
+(a), (b) and (d) run in worker subprocesses (a crash or hang ends only the type it was on; the worker is restarted
 for the rest); one summary table is printed at the end; the exit status is 1 when any check did not pass, 2 when
 the machine cannot run the checks at all (no CUDA, or a CPU-only fbgemm-gpu).
 
---dry-run-cpu runs (a) on a 1-rank gloo group and (b) on the fake group with CPU tensors, and (c) on CPU with
-fewer steps: it validates the script's logic where there is no GPU (fp8 and everything else run on CPU too).
+--dry-run-cpu runs (a) and (d) on a 1-rank gloo group, (b) on the fake group with CPU tensors, and (c) on CPU with
+fewer steps (in (d) a host too busy for calibrate's lookup figures passes with the reason: the logic ran): it
+validates the script's logic where there is no GPU (fp8 and everything else run on CPU too).
 """
 
 from __future__ import annotations
@@ -68,6 +74,9 @@ KINDS_A = (
     + [f"{k}:{p}" for k in OURS for p in PRECISIONS]
     + [f"{k}:{c}" for k, c in SHARDER_CODECS.items()]
 )
+# (d): calibrate's lookup measurement with each optimizer, against these presets' lookup figures
+KINDS_D = ["lookups:exact_sgd", "lookups:exact_rowwise_adagrad"]
+LOOKUP_PRESETS = ("dgx-h100", "h200")
 KINDS_B = list(BUILTIN) + list(BUILTIN_AT_FP8) + ["table_row_wise"] + [f"{k}:{p}" for k in OURS for p in PRECISIONS]
 # max |sharded - unsharded| allowed, relative to the largest reference magnitude of the compared tensor
 # (fp32: summation order only; fp16 / fp8: a few roundings of 2^-11 / 2^-4 relative, see sharding/codecs.py)
@@ -444,6 +453,49 @@ def check_fake_world(kind: str, device: Any) -> dict[str, Any]:
     }
 
 
+# ================================================================================ (d) lookups
+
+
+def check_lookups(kind: str, device: Any) -> dict[str, Any]:
+    """calibrate's TBE lookup measurement on `device` (this process's 1-rank group), its figures and the widest
+    step's time against what each of LOOKUP_PRESETS predicts for that step through the cost model."""
+    import socket
+
+    from embark_torchrec.calibrate import (
+        CPU_SETTINGS,
+        GPU_SETTINGS,
+        CalibrationError,
+        Job,
+        measure_lookups,
+        quick,
+        tbe_step_estimate_ms,
+    )
+    from embark_torchrec.plan.topology import PRESETS
+
+    settings = quick(GPU_SETTINGS if device.type == "cuda" else CPU_SETTINGS)
+    job = Job(0, 1, 1, device, (socket.gethostname(),))
+    try:
+        measured = {name: m["median"] for name, m in measure_lookups(job, settings, kind.partition(":")[2]).items()}
+    except CalibrationError as e:
+        if device.type == "cuda":
+            raise
+        return {"status": "pass", "detail": f"ran; the CPU host was too busy for a figure: {e}"}
+    step = measured["tbe_step_ms"]
+    lookup_figures = ("hbm_bw_gbps", "lookup_ns_per_id", "update_ns_per_row")
+    own = PRESETS[LOOKUP_PRESETS[0]].with_overrides(**{f: max(0.0, measured[f]) for f in lookup_figures})
+    predicted = {name: tbe_step_estimate_ms(PRESETS[name], settings) for name in LOOKUP_PRESETS}
+    predicted["measured figures"] = tbe_step_estimate_ms(own, settings)
+    presets = "/".join(f"{PRESETS[n].hbm_bw_gbps:.0f}" for n in LOOKUP_PRESETS)
+    detail = (
+        f"TBE step {step:.3f} ms measured; predicted "
+        + ", ".join(f"{n} {ms:.3f} ms ({ms / step:.2f}x)" for n, ms in predicted.items())
+        + f"; hbm_bw_gbps {measured['hbm_bw_gbps']:.0f} (presets {presets}), lookup_ns_per_id "
+        f"{measured['lookup_ns_per_id']:.3f} (presets 0), update_ns_per_row {measured['update_ns_per_row']:.3f} "
+        f"(presets 0)"
+    )
+    return {"status": "pass", "detail": detail}
+
+
 # ================================================================================ worker processes
 
 
@@ -463,7 +515,7 @@ def worker(part: str, kinds: list[str], device_type: str) -> int:
     device = torch.device(device_type, 0) if device_type == "cuda" else torch.device(device_type)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if part == "a":
+    if part in ("a", "d"):
         os.environ.update(rank_env(0, 1, 1))
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
@@ -479,7 +531,7 @@ def worker(part: str, kinds: list[str], device_type: str) -> int:
         if selftest == f"crash:{kind}":
             os.kill(os.getpid(), signal.SIGSEGV)
         try:
-            result = check_exact(kind, device) if part == "a" else check_fake_world(kind, device)
+            result = {"a": check_exact, "b": check_fake_world, "d": check_lookups}[part](kind, device)
         except Exception as e:  # noqa: BLE001 - reported in the summary
             tb = traceback.format_exc().strip().splitlines()
             result = {
@@ -731,7 +783,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run (a) on gloo and (b) with CPU tensors, (c) on CPU: checks the script's logic without a GPU",
     )
     p.add_argument(
-        "--parts", default="a,b,c", help="which checks to run: a (exact, ws 1), b (fake ws 4), c (DLRM example)"
+        "--parts",
+        default="a,b,c,d",
+        help="which checks to run: a (exact, ws 1), b (fake ws 4), c (DLRM example), d (TBE lookups against presets)",
     )
     p.add_argument("--kinds", help="only these sharding types, comma separated (e.g. embark_rb:fp8,row_wise)")
     p.add_argument("--dlrm-steps", type=int, help="steps of the DLRM example (default 200; 20 with --dry-run-cpu)")
@@ -739,9 +793,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-a-s", type=float, default=150.0, help="time budget of part (a), worker start-up included")
     p.add_argument("--budget-b-s", type=float, default=150.0, help="time budget of part (b), worker start-up included")
     p.add_argument("--budget-c-s", type=float, default=150.0, help="time budget of part (c)")
+    p.add_argument("--budget-d-s", type=float, default=120.0, help="time budget of part (d), worker start-up included")
     p.add_argument("--json", type=Path, help="also write the summary rows here as JSON")
     p.add_argument("--verbose", action="store_true", help="echo the workers' and the example's output")
-    p.add_argument("--worker", choices=("a", "b"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=("a", "b", "d"), help=argparse.SUPPRESS)
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -759,7 +814,11 @@ def main(argv: list[str] | None = None) -> int:
     wanted = set(args.kinds.split(",")) if args.kinds else None
     rows: list[Row] = []
     started = time.perf_counter()
-    for part, kinds, budget in (("a", KINDS_A, args.budget_a_s), ("b", KINDS_B, args.budget_b_s)):
+    for part, kinds, budget in (
+        ("a", KINDS_A, args.budget_a_s),
+        ("b", KINDS_B, args.budget_b_s),
+        ("d", KINDS_D, args.budget_d_s),
+    ):
         if part not in parts:
             continue
         kinds = [k for k in kinds if wanted is None or k in wanted or k.partition(":")[0] in wanted]
@@ -767,11 +826,12 @@ def main(argv: list[str] | None = None) -> int:
             kinds = [k for k in kinds if k.partition(":")[2] not in CUDA_ONLY_CODECS]
         if not kinds:
             continue
-        print(
-            f"({part}) {'exact at world size 1' if part == 'a' else 'world size 4 as rank 0 of a fake group'} "
-            f"on {device_type}: {len(kinds)} types",
-            flush=True,
-        )
+        what = {
+            "a": "exact at world size 1",
+            "b": "world size 4 as rank 0 of a fake group",
+            "d": "TBE lookups at world size 1 against the presets",
+        }[part]
+        print(f"({part}) {what} on {device_type}: {len(kinds)} checks", flush=True)
         try:
             rows += run_part(part, kinds, device_type, args.per_check_s, budget, args.verbose)
         except Exception as e:  # noqa: BLE001 - the other parts still run

@@ -20,7 +20,8 @@ min and max go into the file):
   same minutes of the links: measured one after the other, a link's slow minutes could fall on one pattern only);
 - allreduce_bus_gbps (not a Hardware field: the cost model prices all-reduces on the two bandwidths above
   with the ring's 2 (n-1)/n bytes): nccl-tests' bus bandwidth of an all_reduce over every rank;
-- lookup_ns_per_id, update_ns_per_row and hbm_bw_gbps: fbgemm's SplitTableBatchedEmbeddingBagsCodegen forward
+- lookup_ns_per_id, update_ns_per_row and hbm_bw_gbps (and tbe_step_ms, not a field: the widest step's time, which
+  benchmarks/gpu_check.py sets against what the presets predict): fbgemm's SplitTableBatchedEmbeddingBagsCodegen forward
   + backward with the fused optimizer, at two poolings and two widths, and at the larger pooling over a table of
   REPEAT_ROWS rows: time = fixed + IDs x (per ID + width x per element) + distinct rows x per row (the backward
   and the optimizer work per distinct row), so the few-row table gives a distinct row's cost, two poolings one
@@ -442,11 +443,11 @@ def measure_lookups(job: Job, s: Settings, optimizer: str) -> dict[str, dict[str
             per_row = (narrow - repeating) / (d_many - d_repeating)
             per_more = (narrow - few) / (s.lookup_batch * (MANY - FEW))  # one more (mostly distinct) ID's cost
             per_id = per_more - (d_many - d_few) * per_row / (s.lookup_batch * (MANY - FEW))
-            flat += [per_id - NARROW * per_element, per_element, per_row, per_more]
+            flat += [per_id - NARROW * per_element, per_element, per_row, per_more, wide]
         return flat
 
     flat = _alone_or_all(job, measure)
-    per_id, per_element, per_row, per_more = flat[0::4], flat[1::4], flat[2::4], flat[3::4]
+    per_id, per_element, per_row, per_more, wide_step = flat[0::5], flat[1::5], flat[2::5], flat[3::5], flat[4::5]
     if sum(x > 0 for x in per_element) * 2 < len(per_element):
         raise CalibrationError(
             f"TBE lookups of width {WIDE} were mostly no slower than of width {NARROW}: the machine is too noisy"
@@ -471,7 +472,27 @@ def measure_lookups(job: Job, s: Settings, optimizer: str) -> dict[str, dict[str
             [x * 1e9 for x in per_row], "ns", f"{what}; less the same IDs' count over {REPEAT_ROWS} rows, per row"
         ),
         "hbm_bw_gbps": stats([element_bytes / x / 1e9 for x in per_element if x > 0], "GB/s", what),
+        "tbe_step_ms": stats(
+            [x * 1e3 for x in wide_step],
+            "ms",
+            f"{what}; the step at width {WIDE}, pooling {MANY} (tbe_step_estimate_ms)",
+        ),
     }
+
+
+def tbe_step_estimate_ms(hardware: Hardware, s: Settings) -> float:
+    """The cost model's lookups of the TBE step tbe_step_ms times (a table of lookup_rows rows of width WIDE, whole
+    on the one rank of world size 1, lookup_batch bags of MANY IDs), on `hardware`: what a preset's lookup figures
+    predict for a step that was measured."""
+    from .plan.cost import CostModel
+    from .plan.layout import Plan, TableLayout
+    from .plan.spec import ModelSpec, TableSpec
+    from .plan.topology import Topology
+
+    table = TableSpec("tbe", rows=s.lookup_rows, dim=WIDE, pooling=float(MANY))
+    model = CostModel(ModelSpec("tbe-step", s.lookup_batch, (table,)), Topology(1, 1, hardware))
+    plan = Plan(1, 1, {"tbe": TableLayout(REDUCTION_KIND.name, (0, s.lookup_rows), (0, WIDE), ((0,),))})
+    return model.step_cost(model.rank_load(plan)).lookup_ms
 
 
 def _dp_step_times(s: Settings, device: torch.device, optimizer: str) -> list[float]:

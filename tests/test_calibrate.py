@@ -295,8 +295,25 @@ def test_lookups_drowned_by_a_busy_host_are_refused(tmp_path: Path, monkeypatch:
             200 - calibrate.NARROW * 20 / (calibrate.WIDE - calibrate.NARROW), rel=1e-6
         )
         assert measured["update_ns_per_row"]["median"] == pytest.approx(100, rel=1e-6)
+        assert measured["tbe_step_ms"]["median"] == pytest.approx(ids_many * 320e-6, rel=1e-6)  # the widest step
         monkeypatch.setattr(calibrate, "_lookup_rounds", lambda *_: ([steady] * 5 + [busy] * 3, distinct))
         with pytest.raises(calibrate.CalibrationError, match="too busy to measure lookup_ns_per_id"):
             calibrate.measure_lookups(job, settings, "exact_sgd")
     finally:
         dist.destroy_process_group()
+
+
+def test_tbe_step_estimate_prices_the_measured_step_as_the_cost_model_does() -> None:
+    """What benchmarks/gpu_check.py sets against tbe_step_ms: the cost model's lookups of that very step (lookup_batch
+    bags of MANY IDs into one table of width WIDE), bytes at hbm_bw_gbps plus lookup_ns_per_id per ID."""
+    from embark_torchrec import calibrate
+    from embark_torchrec.plan.constants import BACKWARD_COMPUTE_MULTIPLIER, WEIGHT_BYTES
+
+    settings = calibrate.GPU_SETTINGS
+    ids = settings.lookup_batch * calibrate.MANY
+    h100 = PRESETS["dgx-h100"]
+    byte_ms = ids * calibrate.WIDE * WEIGHT_BYTES * (1 + BACKWARD_COMPUTE_MULTIPLIER) / h100.hbm_bw_gbps / 1e6
+    assert calibrate.tbe_step_estimate_ms(h100, settings) == pytest.approx(byte_ms, rel=1e-9)
+    per_id = h100.with_overrides(lookup_ns_per_id=2.0)
+    assert calibrate.tbe_step_estimate_ms(per_id, settings) == pytest.approx(byte_ms + ids * 2.0 / 1e6, rel=1e-9)
+    assert calibrate.tbe_step_estimate_ms(PRESETS["h200"], settings) < byte_ms  # more bandwidth, a shorter step

@@ -83,7 +83,9 @@ def test_install_script_refuses_a_python_without_torch_or_of_another_version(tmp
     script.write_text(wheelhouse.install_script(_manifest()))
     bare = tmp_path / "bare"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
-    proc = subprocess.run(["bash", str(script), "--python", str(bare / "bin" / "python")], capture_output=True, text=True)
+    proc = subprocess.run(
+        ["bash", str(script), "--python", str(bare / "bin" / "python")], capture_output=True, text=True
+    )
     assert proc.returncode != 0 and "has no torch; install torch 2.11 first" in proc.stderr, proc.stderr
     other = dict(_manifest(), python="3.99")
     script.write_text(wheelhouse.install_script(other))
