@@ -40,7 +40,7 @@ $(VENV)/.stamp: pyproject.toml Makefile
 
 # A version's venv is rebuilt when the dependency files are newer than its stamp or its stamp names another stack.
 .venv-torchrec%/.stamp: pyproject.toml Makefile FORCE
-	@if [ "$$(cat $@ 2>/dev/null)" != "$(call stack,$*)" ] || [ -n "$$(find pyproject.toml Makefile -newer $@)" ]; then \
+	@if [ "$$(cat $@ 2>/dev/null)" != "$(call stack,$*)" ] || [ -n "$$(find pyproject.toml Makefile -newer $@ 2>/dev/null)" ]; then \
 		$(MAKE) --no-print-directory build-venv-torchrec$*; fi
 
 build-venv-torchrec%:
