@@ -1,5 +1,5 @@
 """Kill and resume: a run whose rank is SIGKILLed and resumed from its last checkpoint ends where an
-uninterrupted run ends.
+uninterrupted run ends; a run that loses a node continues on fewer ranks, and grows back.
 
 The DLRM example runs under torchrun on 2 CPU ranks: (A) N steps straight; (B) the same, saving every K steps, with
 rank 1 killed by SIGKILL after step 2K+1 has been logged (torchrun must then stop the job, no hang); (C) B resumed
@@ -11,7 +11,9 @@ for every step after it, and end with the same weights and optimizer state as A,
 read back with torch.distributed.checkpoint's single-process reader; C's final save replaces the foreign step N).
 
 Under `torchrun --max-restarts 1` with --resume, the same kill needs no second command: torchrun restarts both
-workers, which resume from step 2K and end as A does (weights, optimizer state and AUC).
+workers, which resume from step 2K and end as A does (weights, optimizer state and AUC). A lost node (2 simulated
+nodes x 2 ranks, node 1's ranks killed) is continued by a relaunch at 1 node x 2 ranks from the newest verified step
+with a new plan, and a relaunch at 2 x 2 grows it back.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from embark_torchrec.checkpoint import MANIFEST_NAME, checkpoint_path, save_checkpoint
+from embark_torchrec.checkpoint import MANIFEST_NAME, checkpoint_path, save_checkpoint, verify_checkpoint
 from embark_torchrec.testing.checkpoints import HOSTILE_MANIFESTS, leave_rename_window
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -215,3 +217,47 @@ def test_rank_killed_under_torchrun_restarts_ends_like_an_uninterrupted_one(
     assert {s: want[s] for s in replayed} == replayed
     assert _result(out)["auc"] == _result(straight[0])["auc"]
     _assert_same_state(straight[1], directory, tmp_path)
+
+
+def _resumed_run(directory: Path, steps: int, nproc: int, plan_out: Path) -> str:
+    """The example continued with --resume to `steps` on `nproc` ranks in nodes of 2 (simulated when nproc > 2),
+    planning afresh for that world and writing its plan to plan_out; its output."""
+    flags = ("--checkpoint-dir", str(directory), "--resume", "--steps", str(steps), "--plan-out", str(plan_out))
+    cmd = _command(*ELASTIC_FLAGS, *flags, nproc=nproc)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _assert_continued(out: str, directory: Path, start: int, end: int, plan_out: Path, world: int) -> None:
+    """A relaunch resumed from step `start` (the newest verified step), planned for `world` ranks in nodes of 2,
+    trained exactly steps start+1..end and saved a final checkpoint that verifies."""
+    assert f"resumed from {checkpoint_path(directory, start)} at step {start}" in out, out[-3000:]
+    assert sorted(_losses(out)) == list(range(start + 1, end + 1)), _losses(out)
+    result = _result(out)
+    assert (result["world_size"], result["local_world_size"], result["steps_run"]) == (world, 2, end - start), result
+    plan = json.loads(plan_out.read_text())
+    assert (plan["world_size"], plan["local_world_size"]) == (world, 2)
+    assert verify_checkpoint(checkpoint_path(directory, end)) == []
+
+
+#: smaller batches for the elastic runs (4 ranks on a small CPU box), every rank's node of 2 ranks
+ELASTIC_FLAGS = ("--batch-size", "128", "--eval-batches", "2", "--local-world-size", "2")
+
+
+def test_lost_node_continues_on_fewer_ranks_and_grows_back(tmp_path: Path) -> None:
+    """2 simulated nodes x 2 ranks save every K steps; node 1 (ranks 2 and 3) is SIGKILLed after step 2K+1, and
+    torchrun stops the job. Relaunched on 1 node x 2 ranks with --resume, the example resumes from step 2K, the newest
+    verified step, under a new plan for 2 ranks (the checkpoint is loaded across plans), and finishes at N; relaunched
+    on 2 x 2 it resumes from N under a 4-rank plan and finishes at N + K."""
+    directory = tmp_path / "ckpt"
+    first = _command(*ELASTIC_FLAGS, "--checkpoint-dir", str(directory), "--save-every", str(EVERY), nproc=4)
+    proc, seen = _start_and_kill(first, ranks=(2, 3), after=KILL_AFTER)
+    proc.communicate(timeout=180)
+    assert proc.returncode != 0, "torchrun reported success after a node was lost"
+    assert verify_checkpoint(checkpoint_path(directory, 2 * EVERY)) == [], "".join(seen)[-3000:]
+
+    shrunk = _resumed_run(directory, STEPS, 2, tmp_path / "plan2.json")
+    _assert_continued(shrunk, directory, 2 * EVERY, STEPS, tmp_path / "plan2.json", 2)
+    grown = _resumed_run(directory, STEPS + EVERY, 4, tmp_path / "plan4.json")
+    _assert_continued(grown, directory, STEPS, STEPS + EVERY, tmp_path / "plan4.json", 4)
