@@ -27,8 +27,8 @@ define build_venv
 	$(1)/bin/python -m pip install --quiet --upgrade pip
 	$(1)/bin/python -m pip install --quiet "torch==$(2)" numpy $(call extras,$(FBGEMM_EXTRA)) "$(FBGEMM_PACKAGE)==$(3)"
 	$(1)/bin/python -m pip install --quiet --no-deps "torchrec==$(4)"
-	$(1)/bin/python -m pip install --quiet "torch==$(2)" $(call extras,torchrec-runtime dev plot)
-	$(1)/bin/python -m pip install --quiet --no-deps -e .
+	$(1)/bin/python -m pip install --quiet "torch==$(2)" $(call extras,dev plot)
+	$(1)/bin/python -m pip install --quiet "torch==$(2)" -e .
 	$(1)/bin/python -c "import torch, torchrec, fbgemm_gpu, embark_torchrec; print('environment ready: torch', torch.__version__, 'fbgemm_gpu', fbgemm_gpu.__version__, 'torchrec', torchrec.__version__)"
 	echo "$(2) $(3) $(4)" > $(1)/.stamp
 endef

@@ -30,7 +30,21 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
+#: what the package needs but does not declare (torchrec's metadata would pull the CUDA fbgemm-gpu onto CPU users)
+_UNDECLARED = {"torchrec": "torchrec>=1.8.0,<1.10", "fbgemm_gpu": "fbgemm-gpu-cpu (CPU) or fbgemm-gpu (CUDA)"}
+
+
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return getattr(import_module(_LAZY[name]), name)
+        try:
+            module = import_module(_LAZY[name])
+        except ModuleNotFoundError as e:
+            if e.name not in _UNDECLARED:
+                raise
+            raise ModuleNotFoundError(
+                f"embark_torchrec.{name} needs {e.name}, which pip does not install with embark-torchrec: install "
+                f"{_UNDECLARED[e.name]} matching your torch (README.md, 'Install with pip')",
+                name=e.name,
+            ) from e
+        return getattr(module, name)
     raise AttributeError(f"module 'embark_torchrec' has no attribute {name!r}")

@@ -1,18 +1,24 @@
 """Kill and resume: a run whose rank is SIGKILLed and resumed from its last checkpoint ends where an
-uninterrupted run ends.
+uninterrupted run ends; a run that loses a node continues on fewer ranks, and grows back.
 
-The DLRM example runs three times under torchrun on 2 CPU ranks: (A) N steps straight; (B) the same, saving every
-K steps, with rank 1 killed by SIGKILL after step 2K+1 has been logged (torchrun must then stop the job, no hang);
-(C) B resumed with --resume. Before C, B's directory gets what resume must fall back from: a newest step N of another
+The DLRM example runs under torchrun on 2 CPU ranks: (A) N steps straight; (B) the same, saving every K steps, with
+rank 1 killed by SIGKILL after step 2K+1 has been logged (torchrun must then stop the job, no hang); (C) B resumed
+with --resume. Before C, B's directory gets what resume must fall back from: a newest step N of another
 model (it verifies; DCP cannot load it), steps 2K+2 and 2K+1 with a manifest nested too deep to parse and one with a
 5,000-digit number, and step 2K left as a re-save that stopped between its two renames (its only verified copy is
 step_<2K>.replaced). C must name each of them, resume at step 2K from the .replaced copy, log the same losses as A
 for every step after it, and end with the same weights and optimizer state as A, bit for bit (both final checkpoints,
 read back with torch.distributed.checkpoint's single-process reader; C's final save replaces the foreign step N).
+
+Under `torchrun --max-restarts 1` with --resume, the same kill needs no second command: torchrun restarts both
+workers, which resume from step 2K and end as A does (weights, optimizer state and AUC). A lost node (2 simulated
+nodes x 2 ranks, node 1's ranks killed) is continued by a relaunch at 1 node x 2 ranks from the newest verified step
+with a new plan, and a relaunch at 2 x 2 grows it back.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -20,11 +26,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from embark_torchrec.checkpoint import MANIFEST_NAME, checkpoint_path, save_checkpoint
+from embark_torchrec.checkpoint import MANIFEST_NAME, checkpoint_path, save_checkpoint, verify_checkpoint
 from embark_torchrec.testing.checkpoints import HOSTILE_MANIFESTS, leave_rename_window
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,10 +41,11 @@ STEPS, EVERY = 12, 4
 KILL_AFTER = 2 * EVERY + 1  # killed after this step is logged: the last checkpoint is at 2K
 
 
-def _command(*extra: str) -> list[str]:
+def _command(*extra: str, nproc: int = 2, torchrun: tuple[str, ...] = ()) -> list[str]:
+    """The example under torchrun (`torchrun`: its own flags) on `nproc` ranks, STEPS steps unless `extra` says."""
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(TRAIN),
-        "--steps", str(STEPS), "--log-every", "1", "--seed", "3", *extra,
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *torchrun,
+        str(TRAIN), "--steps", str(STEPS), "--log-every", "1", "--seed", "3", *extra,
     ]  # fmt: skip
 
 
@@ -56,6 +65,12 @@ def _losses(out: str) -> dict[int, str]:
             head, rest = line.split(": loss ", 1)
             found[int(head.split()[1])] = rest.split(",")[0]
     return found
+
+
+def _result(out: str) -> dict[str, Any]:
+    """The example's RESULT line (printed once, by rank 0, when it finishes)."""
+    (line,) = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    return json.loads(line[len("RESULT ") :])
 
 
 def _children(pid: int) -> list[int]:
@@ -79,6 +94,41 @@ def _worker_of_rank(torchrun_pid: int, rank: int) -> int:
         if f"RANK={rank}".encode() in env:
             return pid
     raise AssertionError(f"no worker of rank {rank} under torchrun pid {torchrun_pid}")
+
+
+def _start_and_kill(cmd: list[str], ranks: tuple[int, ...], after: int) -> tuple[subprocess.Popen[str], list[str]]:
+    """Starts `cmd` (torchrun) and SIGKILLs the workers of `ranks` once step `after` is logged; the process, still
+    running, and the lines it printed so far (stdout and stderr together)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+    seen = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith(f"step {after}: loss"):
+            for rank in ranks:
+                os.kill(_worker_of_rank(proc.pid, rank), signal.SIGKILL)
+            return proc, seen
+    proc.wait(timeout=60)
+    raise AssertionError(f"step {after} was never logged:\n" + "".join(seen)[-3000:])
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """Run A: STEPS steps without interruption, its final checkpoint in the returned directory; its output."""
+    directory = tmp_path_factory.mktemp("straight") / "a"
+    proc = subprocess.run(
+        _command("--checkpoint-dir", str(directory)), capture_output=True, text=True, env=_env(), timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout, directory
+
+
+def _assert_same_state(a: Path, b: Path, tmp: Path) -> None:
+    """The final checkpoints in directories a and b hold the same tensors, bit for bit (model and optimizers)."""
+    want, got = _final_state(a, tmp), _final_state(b, tmp)
+    assert sorted(want) == sorted(got) and any("embedding_bags" in k for k in want), sorted(want)[:10]
+    for key in want:
+        assert torch.equal(want[key], got[key]), key
 
 
 def _final_state(directory: Path, tmp: Path) -> dict[str, torch.Tensor]:
@@ -114,34 +164,17 @@ def _plant_what_resume_must_skip(directory: Path) -> list[str]:
     return [*lines, f"resumed from {replaced} at step {2 * EVERY}"]
 
 
-def test_killed_and_resumed_run_ends_like_an_uninterrupted_one(tmp_path: Path) -> None:
+def test_killed_and_resumed_run_ends_like_an_uninterrupted_one(tmp_path: Path, straight: tuple[str, Path]) -> None:
     """Same losses after the checkpoint, same final weights and optimizer state, and no hang when a rank dies; resume
     names each newer step it cannot use and loads the only verified copy of the last good one."""
-    straight = subprocess.Popen(  # runs alongside the run that gets killed
-        _command("--checkpoint-dir", str(tmp_path / "a")),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(),
+    killed, seen = _start_and_kill(
+        _command("--checkpoint-dir", str(tmp_path / "b"), "--save-every", str(EVERY)), ranks=(1,), after=KILL_AFTER
     )
-    killed = subprocess.Popen(
-        _command("--checkpoint-dir", str(tmp_path / "b"), "--save-every", str(EVERY)),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
-    )  # fmt: skip
-    seen = []
-    assert killed.stdout is not None
-    for line in killed.stdout:
-        seen.append(line)
-        if line.startswith(f"step {KILL_AFTER}: loss"):
-            os.kill(_worker_of_rank(killed.pid, 1), signal.SIGKILL)
-            break
     stopped = time.monotonic()
     killed.communicate(timeout=180)
     assert killed.returncode != 0, "torchrun reported success after a rank was killed"
     assert time.monotonic() - stopped < 180
     assert (tmp_path / "b" / f"step_{2 * EVERY:08d}" / ".metadata").exists(), "".join(seen)[-3000:]
-    straight_out, straight_err = straight.communicate(timeout=300)
-    assert straight.returncode == 0, straight_out[-3000:] + straight_err[-3000:]
 
     must_say = _plant_what_resume_must_skip(tmp_path / "b")
     resumed = subprocess.run(
@@ -155,12 +188,76 @@ def test_killed_and_resumed_run_ends_like_an_uninterrupted_one(tmp_path: Path) -
     for line in must_say:
         assert any(x.startswith(line) for x in resumed.stdout.splitlines()), (line, resumed.stdout[-3000:])
 
-    want, got = _losses(straight_out), _losses(resumed.stdout)
+    want, got = _losses(straight[0]), _losses(resumed.stdout)
     after = list(range(2 * EVERY + 1, STEPS + 1))
     assert sorted(got) == after, got
     assert {s: want[s] for s in after} == got
+    _assert_same_state(straight[1], tmp_path / "b", tmp_path)
 
-    a, b = _final_state(tmp_path / "a", tmp_path), _final_state(tmp_path / "b", tmp_path)
-    assert sorted(a) == sorted(b) and any("embedding_bags" in k for k in a), sorted(a)[:10]
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
+
+def test_rank_killed_under_torchrun_restarts_ends_like_an_uninterrupted_one(
+    tmp_path: Path, straight: tuple[str, Path]
+) -> None:
+    """Under `torchrun --max-restarts 1` with --resume --save-every K, rank 1 SIGKILLed after step 2K+1: torchrun
+    restarts both workers in the same command, which exits 0; they resume from step 2K (at most K steps lost), log
+    A's losses for the steps they replay and after, and end with A's weights, optimizer state and AUC."""
+    directory = tmp_path / "b"
+    cmd = _command(
+        "--checkpoint-dir", str(directory), "--save-every", str(EVERY), "--resume", torchrun=("--max-restarts", "1")
+    )
+    proc, seen = _start_and_kill(cmd, ranks=(1,), after=KILL_AFTER)
+    rest, _ = proc.communicate(timeout=300)
+    out = "".join(seen) + rest
+    assert proc.returncode == 0, out[-4000:]
+    restarted = out[len("".join(seen)) :]
+    assert f"resumed from {checkpoint_path(directory, 2 * EVERY)} at step {2 * EVERY}" in restarted, out[-4000:]
+    replayed = _losses(restarted)
+    assert sorted(replayed) == list(range(2 * EVERY + 1, STEPS + 1)), replayed
+    want = _losses(straight[0])
+    assert {s: want[s] for s in replayed} == replayed
+    assert _result(out)["auc"] == _result(straight[0])["auc"]
+    _assert_same_state(straight[1], directory, tmp_path)
+
+
+def _resumed_run(directory: Path, steps: int, nproc: int, plan_out: Path) -> str:
+    """The example continued with --resume to `steps` on `nproc` ranks in nodes of 2 (simulated when nproc > 2),
+    planning afresh for that world and writing its plan to plan_out; its output."""
+    flags = ("--checkpoint-dir", str(directory), "--resume", "--steps", str(steps), "--plan-out", str(plan_out))
+    cmd = _command(*ELASTIC_FLAGS, *flags, nproc=nproc)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _assert_continued(out: str, directory: Path, start: int, end: int, plan_out: Path, world: int) -> None:
+    """A relaunch resumed from step `start` (the newest verified step), planned for `world` ranks in nodes of 2,
+    trained exactly steps start+1..end and saved a final checkpoint that verifies."""
+    assert f"resumed from {checkpoint_path(directory, start)} at step {start}" in out, out[-3000:]
+    assert sorted(_losses(out)) == list(range(start + 1, end + 1)), _losses(out)
+    result = _result(out)
+    assert (result["world_size"], result["local_world_size"], result["steps_run"]) == (world, 2, end - start), result
+    plan = json.loads(plan_out.read_text())
+    assert (plan["world_size"], plan["local_world_size"]) == (world, 2)
+    assert verify_checkpoint(checkpoint_path(directory, end)) == []
+
+
+#: smaller batches for the elastic runs (4 ranks on a small CPU box), every rank's node of 2 ranks
+ELASTIC_FLAGS = ("--batch-size", "128", "--eval-batches", "2", "--local-world-size", "2")
+
+
+def test_lost_node_continues_on_fewer_ranks_and_grows_back(tmp_path: Path) -> None:
+    """2 simulated nodes x 2 ranks save every K steps; node 1 (ranks 2 and 3) is SIGKILLed after step 2K+1, and
+    torchrun stops the job. Relaunched on 1 node x 2 ranks with --resume, the example resumes from step 2K, the newest
+    verified step, under a new plan for 2 ranks (the checkpoint is loaded across plans), and finishes at N; relaunched
+    on 2 x 2 it resumes from N under a 4-rank plan and finishes at N + K."""
+    directory = tmp_path / "ckpt"
+    first = _command(*ELASTIC_FLAGS, "--checkpoint-dir", str(directory), "--save-every", str(EVERY), nproc=4)
+    proc, seen = _start_and_kill(first, ranks=(2, 3), after=KILL_AFTER)
+    proc.communicate(timeout=180)
+    assert proc.returncode != 0, "torchrun reported success after a node was lost"
+    assert verify_checkpoint(checkpoint_path(directory, 2 * EVERY)) == [], "".join(seen)[-3000:]
+
+    shrunk = _resumed_run(directory, STEPS, 2, tmp_path / "plan2.json")
+    _assert_continued(shrunk, directory, 2 * EVERY, STEPS, tmp_path / "plan2.json", 2)
+    grown = _resumed_run(directory, STEPS + EVERY, 4, tmp_path / "plan4.json")
+    _assert_continued(grown, directory, STEPS, STEPS + EVERY, tmp_path / "plan4.json", 4)

@@ -532,6 +532,7 @@ _BAD_ARGUMENTS = [
     ({"constraints": {"big": "row_wise"}}, "", "table 'big': expected a TorchRec ParameterConstraints"),
     ({"storage_reservation": 0.2}, "storage_reservation", "a TorchRec StorageReservation"),
     ({"progress": 1}, "progress", "true or false"),
+    ({"strict_constraints": "yes"}, "strict_constraints", "true or false"),
     ({"config": {"patience": 3}}, "config", "a SearchConfig"),
     ({"optimizer": "rowwise_adagrad"}, "optimizer", "an OptimizerMemory|a OptimizerMemory"),
     ({"measured": "spec.json"}, "measured", "a ModelSpec"),
@@ -594,7 +595,7 @@ class _WithSequence(nn.Module):
 def test_constraints_for_tables_of_other_modules_are_left_alone(caplog: pytest.LogCaptureFixture) -> None:
     """As TorchRec's planner (and its test harness, which passes one set of constraints to planners of parts of a
     model): constraints on tables of modules no given sharder shards are accepted and logged once, and the plan is
-    the one made without them; a name no module of the model has is a typo, refused with the nearest name."""
+    the one made without them."""
     sharders = [EmbarkEmbeddingBagCollectionSharder()]
     expected = _summary(EmbarkPlanner(world_size=4, local_world_size=2).plan(_WithSequence(), sharders))
     constraints = {"seq": ParameterConstraints(sharding_types=["row_wise"])}
@@ -603,8 +604,37 @@ def test_constraints_for_tables_of_other_modules_are_left_alone(caplog: pytest.L
     assert _summary(got) == expected and set(got.plan) == {"pooled.sparse"}
     logged = [r.getMessage() for r in caplog.records if "left unused" in r.getMessage()]
     assert len(logged) == 1 and "['seq']" in logged[0] and "EmbarkEmbeddingCollectionSharder()" in logged[0], logged
+
+
+def test_constraints_on_tables_the_model_lacks_are_ignored_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """As TorchRec's planner: constraints naming tables no module of the model has are ignored (the plan is the one
+    made without them, so leniency changes no plan), with one warning on the planning rank that lists every such
+    name and the nearest table name for a typo; the tables the model has keep their constraints."""
+    sharders = [EmbarkEmbeddingBagCollectionSharder()]
+    kept = {"big": ParameterConstraints(sharding_types=["row_wise"])}
+    expected = _summary(EmbarkPlanner(world_size=4, local_world_size=2, constraints=kept).plan(_Model(), sharders))
+    lacking = {"bgi": ParameterConstraints(sharding_types=["table_wise"]), "zzzz": ParameterConstraints()}
+    with caplog.at_level(logging.WARNING, logger="embark_torchrec.plan.planner"):
+        planner = EmbarkPlanner(world_size=4, local_world_size=2, constraints=kept | lacking)
+        got = planner.plan(_Model(), sharders)
+    assert _summary(got) == expected
+    assert planner.plans["sparse"].plan["big"].num_row_slices > 1  # the kept constraint still holds
+    warned = [r.getMessage() for r in caplog.records if "no module of the model has" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "['bgi', 'zzzz']" in warned[0] and "'bgi': did you mean 'big'?" in warned[0], warned
+    assert "left unused" not in caplog.text  # the lacking names are not reported a second time
+
+
+def test_strict_constraints_refuse_tables_the_model_lacks() -> None:
+    """strict_constraints=True refuses a constraint naming a table the model lacks, naming it and the nearest
+    table name, before planning; constraints on tables the model has (in any module) still plan."""
+    sharders = [EmbarkEmbeddingBagCollectionSharder()]
+    strict = EmbarkPlanner(world_size=4, constraints={"sqe": ParameterConstraints()}, strict_constraints=True)
     with pytest.raises(SpecError, match="constraints name tables \\['sqe'\\].*did you mean 'seq'"):
-        EmbarkPlanner(world_size=4, constraints={"sqe": ParameterConstraints()}).plan(_WithSequence(), sharders)
+        strict.plan(_WithSequence(), sharders)
+    assert not strict.plans
+    fine = EmbarkPlanner(world_size=4, constraints={"seq": ParameterConstraints()}, strict_constraints=True)
+    assert set(fine.plan(_WithSequence(), sharders).plan) == {"pooled.sparse"}
 
 
 def test_a_model_no_given_sharder_shards_names_what_it_has() -> None:
@@ -665,7 +695,7 @@ def test_torchrec_sharding_types_restrict_the_layouts() -> None:
     """ParameterConstraints(sharding_types=...) is honoured as TorchRec means it: table_wise keeps a table in one
     cell even where the unconstrained plan cuts it, column_wise allows column cuts only, row_wise row cuts only,
     and a list without data_parallel keeps a table reduction-based (TorchRec has no unique-based type) and off
-    DP; an unknown type or a constraint on a missing table is refused by name."""
+    DP; an unknown type is refused by name, and so is a constraint on a missing table in strict mode."""
     tables = [
         ("a", 2_000_000, 128, ["fa"]),
         ("b", 2_000_000, 128, ["fb"]),
@@ -673,9 +703,14 @@ def test_torchrec_sharding_types_restrict_the_layouts() -> None:
         ("d", 50, 8, ["fd"]),
     ]
 
-    def plan(constraints: dict[str, Any]) -> dict[str, TableLayout]:
+    def plan(constraints: dict[str, Any], strict: bool = False) -> dict[str, TableLayout]:
         planner = EmbarkPlanner(
-            world_size=8, local_world_size=4, batch_size=4096, constraints=constraints, hardware=FREE_COLLECTIVES
+            world_size=8,
+            local_world_size=4,
+            batch_size=4096,
+            constraints=constraints,
+            hardware=FREE_COLLECTIVES,
+            strict_constraints=strict,
         )
         planner.plan(_ebc(tables), [EmbarkEmbeddingBagCollectionSharder()])
         return dict(planner.plans[""].plan.tables)
@@ -698,7 +733,7 @@ def test_torchrec_sharding_types_restrict_the_layouts() -> None:
     with pytest.raises(ValueError, match="table 'a': unknown sharding types \\['tablewise'\\]"):
         plan({"a": ParameterConstraints(sharding_types=["tablewise"])})
     with pytest.raises(ValueError, match="constraints name tables \\['zz'\\]"):
-        plan({"zz": ParameterConstraints(sharding_types=["table_wise"])})
+        plan({"zz": ParameterConstraints(sharding_types=["table_wise"])}, strict=True)
 
 
 def test_plan_time_errors_and_report_for_nested_modules() -> None:

@@ -189,15 +189,16 @@ def _nothing_planned(found: list[_Found], sharders: list[Any]) -> ValueError:
     )
 
 
-def _unknown_tables(names: list[str], model_tables: set[str]) -> SpecError:
-    """The error for constraints on tables the model does not have, with the nearest names it has."""
+def _unknown_tables_text(names: list[str], model_tables: set[str]) -> str:
+    """What to say of constraints on tables the model does not have, with the nearest names it has
+    (the strict planner's error and the lenient one's warning say the same)."""
     hints = []
     for name in names:
         close = difflib.get_close_matches(name, sorted(model_tables), n=1)
         if close:
             hints.append(f"{name!r}: did you mean {close[0]!r}?")
     hint = "; ".join(hints) if hints else f"its tables: {sorted(model_tables)[:20]}"
-    return SpecError(f"constraints name tables {names} that no module of the model has ({hint})")
+    return f"constraints name tables {names} that no module of the model has ({hint})"
 
 
 @dataclass(frozen=True)
@@ -379,10 +380,12 @@ class EmbarkPlanner(ShardingPlanner):
     (as in TorchRec's planner: only those; managed-collision ones too, row-wise) is planned in one search;
     an EmbeddingCollection's tables (sequence tables) run on EmbarkEmbeddingCollectionSharder. Every
     argument is checked when the planner is made (SpecErrors naming it), constraints included; constraints
-    on tables of modules no given sharder shards are logged and left alone. `progress`: a line on stderr while a plan
-    takes more than a few seconds; None (default) on rank 0 when its stderr is a terminal (under
-    torchrun, collective_plan plans on rank 0 alone: one line), True on every rank that plans,
-    False never.
+    on tables of modules no given sharder shards are logged and left alone, and so are constraints on
+    tables the model lacks (as TorchRec's planner ignores them), with a did-you-mean in one warning;
+    `strict_constraints=True` refuses those instead (a SpecError naming them and the nearest names).
+    `progress`: a line on stderr while a plan takes more than a few seconds; None (default) on rank 0
+    when its stderr is a terminal (under torchrun, collective_plan plans on rank 0 alone: one line),
+    True on every rank that plans, False never.
     `torchrec_candidate`: whether plan() also runs TorchRec's own EmbeddingShardingPlanner (its
     default sharders and options, on the same tables, batch and hardware figures: the plan
     `python -m embark_torchrec.plan --compare torchrec` scores) and passes its plan to plan_model as a
@@ -410,6 +413,7 @@ class EmbarkPlanner(ShardingPlanner):
         measured: ModelSpec | None = None,
         progress: bool | None = None,
         torchrec_candidate: bool | None = None,
+        strict_constraints: bool = False,
     ) -> None:
         _check_arguments(
             topology,
@@ -420,7 +424,7 @@ class EmbarkPlanner(ShardingPlanner):
             local_world_size,
             compute_device,
             {"id_distribution": id_distribution, "config": config, "optimizer": optimizer, "measured": measured},
-            {"progress": progress, "torchrec_candidate": torchrec_candidate},
+            {"progress": progress, "torchrec_candidate": torchrec_candidate, "strict_constraints": strict_constraints},
         )
         if isinstance(topology, Topology):  # ours: its hardware is the plan's, unless given
             hardware = hardware if hardware is not None else topology.hardware
@@ -443,6 +447,7 @@ class EmbarkPlanner(ShardingPlanner):
         self.measured = measured
         self.progress = progress
         self.torchrec_candidate = torchrec_candidate
+        self.strict_constraints = strict_constraints
         self.plans: dict[str, PlannedModel] = {}
 
     def _topology(self) -> Topology:
@@ -525,13 +530,18 @@ class EmbarkPlanner(ShardingPlanner):
         """Constraints and measured tables name tables of this call's modules. Constraints on tables of
         the model's other modules (no given sharder shards them) are left alone, as TorchRec's planner
         leaves them (its test harness passes one set for a whole model to planners of parts of it),
-        and logged once; a name no module of the model has is a typo, refused with the nearest names."""
+        and logged once. A name no module of the model has is ignored as TorchRec's planner ignores it
+        (its tests build constraints from full table lists for models with fewer tables), with one
+        warning naming the nearest names, as it may be a typo; strict_constraints refuses it instead."""
         model_tables = {t for f in found for t in f.tables}
         planned_tables = {t for f in found if f.planned for t in f.tables}
         unknown = sorted(set(self.torchrec_constraints) - model_tables)
+        if unknown and self.strict_constraints:
+            raise SpecError(_unknown_tables_text(unknown, model_tables))
         if unknown:
-            raise _unknown_tables(unknown, model_tables)
-        elsewhere = sorted(set(self.torchrec_constraints) - planned_tables)
+            text = _unknown_tables_text(unknown, model_tables)
+            logger.warning("%s: ignored, as TorchRec's planner ignores them", text)
+        elsewhere = sorted(set(self.torchrec_constraints) - planned_tables - set(unknown))
         if elsewhere:
             unplanned = "; ".join(f.described() for f in found if not f.planned and set(f.tables) & set(elsewhere))
             logger.warning(

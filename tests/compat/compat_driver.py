@@ -178,9 +178,11 @@ EMBARK_PLANS = ("grid", "grid_cuts", "grid_shared", "hier", "ub", "ub_shared")
 #: tiny tables replicated) and with dgx-h100's figures at free collectives and de-duplication (which put them on our UB
 #: type at 4 ranks)
 PLANNER_PLANS = ("torchrec_planner", "embark_planner", "embark_planner_h100")
-#: EmbarkPlanner (dgx-h100's figures, as embark_planner_h100) under TorchRec's examples' constraint patterns, given for
-#: every table of the case's model (see _example_constraints), planned by collective_plan
-EXAMPLE_PLANS = ("dense_kernel", "grid_planned", "ub_mixed")
+#: EmbarkPlanner (dgx-h100's figures, as embark_planner_h100) under TorchRec's examples' constraint patterns, and
+#: ub_planned: the hand-built "ub" layouts as constraints; each given, as TorchRec's tests give them, for all 8 of the
+#: harness's tables, also where the case's model has fewer (no weighted tables under VBE: the planner ignores the
+#: names it lacks, as TorchRec's does; see _example_constraints), planned by collective_plan
+EXAMPLE_PLANS = ("dense_kernel", "grid_planned", "ub_mixed", "ub_planned")
 PLANS = BUILTIN_TYPES + tuple(CONSTRAINED) + EMBARK_PLANS + PLANNER_PLANS + EXAMPLE_PLANS
 
 
@@ -202,16 +204,19 @@ def _constraints(plan: str, names: Sequence[str]) -> dict[str, Any]:
     return {name: force(types_by_table[name]) for name in names}
 
 
-def _example_constraints(plan: str, names: Sequence[str]) -> dict[str, Any]:
-    """Constraints for every table of the case's model, each ParameterConstraints(min_partition=4) as TorchRec's VBE
+def _example_constraints(plan: str, names: Sequence[str], world_size: int) -> dict[str, Any]:
+    """Constraints for every table `names` lists, each ParameterConstraints(min_partition=4) as TorchRec's VBE
     tests give them, but: dense_kernel: table_2 replicated by compute_kernels=["dense"] (train_dlrm_data_parallel.py's
     way); grid_planned: table_2 on grid_shard; ub_mixed: table_2 and table_3 unique-based (ours), the others on
-    TorchRec's table_wise / column_wise."""
+    TorchRec's table_wise / column_wise; ub_planned: every table's layout of the hand-built "ub" plan."""
     from torchrec.distributed.planner import ParameterConstraints
 
     from embark_torchrec.plan.constraints import TableConstraints
 
     out: dict[str, Any] = {n: ParameterConstraints(min_partition=4) for n in names}
+    if plan == "ub_planned":
+        layouts = _embark_layouts("ub", world_size)
+        return {n: TableConstraints(layout=layouts[n]) for n in names}
     if plan == "dense_kernel":
         out["table_2"] = ParameterConstraints(compute_kernels=["dense"])
     elif plan == "grid_planned":
@@ -288,11 +293,12 @@ def _embark_layouts(plan: str, world_size: int) -> dict[str, Any]:
     raise ValueError(f"no embark layouts named {plan!r}")
 
 
-def make_plan(case: Case, model: nn.Module, pg: Any) -> Any:
+def make_plan(case: Case, tables: HarnessTables, model: nn.Module, pg: Any) -> Any:
     """The case's ShardingPlan for a TestSparseNN built on meta, the same for both sharders. Every rank plans (the
     planners are deterministic; _agreed_plan checks that the ranks agree), so a planner's error is raised on every
-    rank; EXAMPLE_PLANS go through EmbarkPlanner.collective_plan, which raises rank 0's error on every rank. Under
-    row-wise Adagrad those plan the model as TorchRec's examples set it: RowWiseAdagrad through
+    rank; EXAMPLE_PLANS go through EmbarkPlanner.collective_plan, which raises rank 0's error on every rank, with
+    constraints for all of the harness's `tables` (as TorchRec's tests build them), whether the model has them or not.
+    Under row-wise Adagrad those plan the model as TorchRec's examples set it: RowWiseAdagrad through
     apply_optimizer_in_backward."""
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.planner import EmbeddingShardingPlanner
@@ -322,7 +328,8 @@ def make_plan(case: Case, model: nn.Module, pg: Any) -> Any:
         planner = EmbarkPlanner(topology=_topology(world_size), batch_size=BATCH_SIZE, hardware=hardware)
         return planner.plan(model, [EmbarkEmbeddingBagCollectionSharder(fused_params=fused)])
     if case.plan in EXAMPLE_PLANS:
-        constraints = _example_constraints(case.plan, names)
+        every_table = [t.name for t in tables.tables + tables.weighted_tables]
+        constraints = _example_constraints(case.plan, every_table, world_size)
         planner = EmbarkPlanner(_topology(world_size), BATCH_SIZE, constraints, hardware=h100)
         sharders = [EmbarkEmbeddingBagCollectionSharder(fused_params=fused)]
         if case.optimizer == "rowwise_adagrad":
@@ -696,11 +703,11 @@ def _meta_model(case: Case, tables: HarnessTables, cache: dict[Any, nn.Module]) 
     return cache[key]
 
 
-def _agreed_plan(case: Case, meta: nn.Module, pg: Any) -> tuple[Any, str | None]:
+def _agreed_plan(case: Case, tables: HarnessTables, meta: nn.Module, pg: Any) -> tuple[Any, str | None]:
     """(the plan, None) when every rank planned the same; else (None, this rank's planning error, or the first
     rank's, or the mismatch)."""
     try:
-        mine: tuple[Any, str | None] = (make_plan(case, meta, pg), None)
+        mine: tuple[Any, str | None] = (make_plan(case, tables, meta, pg), None)
     except Exception as exc:  # noqa: BLE001 - reported per case
         mine = (None, _failure(exc))
     everyone: list[Any] = [None] * dist.get_world_size(pg)
@@ -717,7 +724,7 @@ def _agreed_plan(case: Case, meta: nn.Module, pg: Any) -> tuple[Any, str | None]
 
 def _run_case(case: Case, tables: HarnessTables, meta: nn.Module, pg: Any) -> Outcome:
     outcome = Outcome()
-    plan, error = _agreed_plan(case, meta, pg)
+    plan, error = _agreed_plan(case, tables, meta, pg)
     if error is not None:
         outcome.checks["plan"] = error
         return outcome

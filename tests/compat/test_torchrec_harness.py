@@ -32,6 +32,7 @@ from compat_driver import (
     BUILTIN_TYPES,
     CONSTRAINED,
     EXAMPLE_PLANS,
+    MIXED_TYPES,
     PLANS,
     NOT_RUNNABLE,
     OPTIONS,
@@ -65,16 +66,18 @@ def _checks(world: int, option: str) -> tuple[str, ...]:
 
 #: plans only some options are run with: TorchRec's examples' constraint patterns with what they are about (a
 #: replicated table trains; grid_shard trains under SGD and is refused under row-wise Adagrad; unique-based and
-#: TorchRec's types mixed, with constraints for every table, pass under VBE)
+#: TorchRec's types mixed, and the unique-based layouts forced, pass under VBE with constraints for all 8 of the
+#: harness's tables, two of which the VBE model lacks)
 PLAN_OPTIONS = {
     "rw_tw": ("sum", "mean"),
     "dense_kernel": ("sum", "adagrad"),
     "grid_planned": ("sum", "rowwise"),
     "ub_mixed": ("sum", "vbe"),
+    "ub_planned": ("vbe",),
 }
 #: plans left out at 4 ranks: there TorchRec's planner and ours with the CPU preset place tables whole (table-wise
-#: or data-parallel), as the forced single-type plans already do
-SKIPPED_AT = {2: (), 4: ("torchrec_planner", "embark_planner")}
+#: or data-parallel), as the forced single-type plans already do; ub_planned runs the layouts "ub" runs there
+SKIPPED_AT = {2: (), 4: ("torchrec_planner", "embark_planner", "ub_planned")}
 TORCHREC_RUNS = set(BUILTIN_TYPES) | set(CONSTRAINED) | set(PLANNER_PLANS)  # plans of built-in types (maybe)
 
 _RW_BATCH = "its row-wise reduce-scatter (row_wise, table_row_wise, grid_shard) has gloo all-gather unequal batches"
@@ -300,7 +303,7 @@ def test_plans_have_the_layouts_they_name(world: int, outcomes: Any) -> None:
     the *_shared plans), EmbarkPlanner with dgx-h100's figures (free collectives and de-duplication) plans our types
     at 4 ranks, and the examples' constraint patterns give what they ask: compute_kernels=["dense"] a replicated table,
     grid_shard a grid, cluster "ub" beside table_wise / column_wise a mix of unique-based and TorchRec's types."""
-    from compat_driver import MIXED_TYPES, RW_TW_TYPES
+    from compat_driver import RW_TW_TYPES
 
     def types(plan: str) -> dict[str, str]:
         return outcomes(Case(world, plan, "sum", "embark"))[0].plan_types
@@ -330,7 +333,24 @@ def test_plans_have_the_layouts_they_name(world: int, outcomes: Any) -> None:
     mixed = types("ub_mixed")
     assert {mixed["table_2"], mixed["table_3"]} == {"embark_ub"}, mixed
     assert {kind for t, kind in mixed.items() if t not in ("table_2", "table_3")} <= {"table_wise", "column_wise"}
-    assert set(EXAMPLE_PLANS) == {"dense_kernel", "grid_planned", "ub_mixed"}
+    assert set(EXAMPLE_PLANS) == {"dense_kernel", "grid_planned", "ub_mixed", "ub_planned"}
+
+
+@pytest.mark.parametrize("plan", ["ub_mixed", "ub_planned"])
+def test_vbe_cases_pass_with_constraints_for_tables_the_model_lacks(plan: str, outcomes: Any) -> None:
+    """TorchRec's tests give constraints for all 8 of the harness's tables, and under VBE the model has no weighted
+    tables: EmbarkPlanner ignores the 2 names the model lacks (as TorchRec's planner does) and the unique-based
+    (ub_planned: the hand-built "ub" layouts, which the planner reproduces) and mixed (ub_mixed) cases plan what
+    the constraints ask and pass TorchRec's harness and our driver at 2 ranks."""
+    case = Case(2, plan, "vbe", "embark")
+    per_rank = outcomes(case)
+    types = per_rank[0].plan_types
+    assert "plan" not in per_rank[0].checks, per_rank[0].checks["plan"]
+    assert set(types) < set(MIXED_TYPES) and set(MIXED_TYPES) - set(types) == {"weighted_table_0", "weighted_table_1"}
+    assert types["table_2"] == types["table_3"] == "embark_ub", types
+    if plan == "ub_planned":
+        assert types == outcomes(Case(2, "ub", "vbe", "embark"))[0].plan_types
+    _assert_passes(case, per_rank)
 
 
 def test_harness_needs_only_the_placeholder() -> None:
