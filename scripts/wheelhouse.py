@@ -171,12 +171,7 @@ def build(
 def install_script(manifest: dict[str, object]) -> str:
     """install.sh: the offline install of exactly the wheelhouse's wheels beside the host's torch, then the imports."""
     torch_minor = ".".join(str(manifest["torch"]).split(".")[:2])
-    check = (
-        "import sys, torch, fbgemm_gpu, torchrec, embark_torchrec, embark_torchrec.plan; "
-        "print('installed: torch', torch.__version__, '(cuda', str(torch.version.cuda) + ')', "
-        "'fbgemm_gpu', fbgemm_gpu.__version__, 'torchrec', torchrec.__version__, 'embark_torchrec from', "
-        "embark_torchrec.__file__)"
-    )
+    driver = "" if manifest["cuda"] == "cpu" else " (the CUDA build needs the host's NVIDIA driver)"
     return f"""#!/usr/bin/env bash
 # Installs this wheelhouse with no network: bash install.sh [--python PYTHON] [--target DIR]
 # Made by scripts/wheelhouse.py for torch {manifest["torch"]} (CUDA {manifest["cuda"]}), Python {manifest["python"]},
@@ -217,7 +212,20 @@ if [ -n "$target" ]; then
     export PYTHONPATH="$target${{PYTHONPATH:+:$PYTHONPATH}}"
 fi
 cd "$here"  # not where a checkout of embark-torchrec may lie, so the import finds the installed copy
-"$python" -c "{check}"
+"$python" - <<'EOF'
+import sys
+import torch
+try:
+    import fbgemm_gpu
+except OSError as e:
+    sys.exit(f"install.sh: the wheels are installed, but fbgemm_gpu does not load{driver}: {{e.__cause__ or e}}")
+import torchrec
+import embark_torchrec
+import embark_torchrec.plan
+
+print("installed: torch", torch.__version__, f"(cuda {{torch.version.cuda}})", "fbgemm_gpu", fbgemm_gpu.__version__,
+      "torchrec", torchrec.__version__, "embark_torchrec from", embark_torchrec.__file__)
+EOF
 """
 
 
