@@ -31,7 +31,7 @@ __all__ = sorted(_LAZY)
 
 
 #: what the package needs but does not declare (torchrec's metadata would pull the CUDA fbgemm-gpu onto CPU users)
-_UNDECLARED = {"torchrec": "torchrec>=1.8.0,<1.10", "fbgemm_gpu": "fbgemm-gpu-cpu (CPU) or fbgemm-gpu (CUDA)"}
+_UNDECLARED = {"torchrec": "torchrec>=1.6.0,<1.10", "fbgemm_gpu": "fbgemm-gpu-cpu (CPU) or fbgemm-gpu (CUDA)"}
 
 
 def __getattr__(name: str) -> Any:
