@@ -144,3 +144,32 @@ def test_offline_install_into_a_venv_with_only_torch(tmp_path: Path) -> None:
     )
     assert plan.returncode == 0, plan.stderr[-2000:]
     assert json.loads(plan.stdout)["world_size"] == 4
+
+
+def test_gpu_check_offline_joins_the_parts_installs_and_checks(tmp_path: Path) -> None:
+    """scripts/gpu_check_offline.sh (docs/gpu-check.md) joins a wheelhouse cut into parts, runs its install.sh with the
+    python it is given and then the GPU check, whose summary lands in $OUT; here the wheelhouse is a stand-in whose
+    install.sh records its arguments, and the check is the dry run's lookup part."""
+    house = tmp_path / "house" / "torch2.11-cu13-py3.12"
+    house.mkdir(parents=True)
+    record = tmp_path / "install-args"
+    (house / "install.sh").write_text(f'echo "$@" > {record}\n')
+    (house / "padding.bin").write_bytes(os.urandom(5000))  # several parts
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    subprocess.run(f"tar -C {house.parent} -cf - {house.name} | split -b 2k - {parts}/wh.tar.", shell=True, check=True)
+    assert len(list(parts.iterdir())) > 3
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check_offline.sh"), str(parts), "--dry-run-cpu", "--parts", "d"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert record.read_text().split() == ["--python", sys.executable]
+    rows = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [r["check"] for r in rows] == ["d/lookups:exact_sgd", "d/lookups:exact_rowwise_adagrad"]
+    assert all(r["status"] == "pass" for r in rows)
