@@ -47,6 +47,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import ReadItem
 
+from .plan.files import FileTooLarge, open_regular, read_regular
+
 __all__ = [
     "MANIFEST_MAX_BYTES",
     "MANIFEST_NAME",
@@ -172,19 +174,10 @@ def _not_a_file(path: Path) -> str | None:
     return None
 
 
-def _open_regular(path: Path) -> io.BufferedReader:
-    """path opened for reading, refusing (OSError) a symbolic link or anything but a regular file, without blocking."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(f"{path} is not a regular file")
-    return os.fdopen(fd, "rb")
-
-
 def _file_digest(path: Path) -> tuple[int, str]:
     """Size and SHA-256 of a file, read in chunks (data files can be many GB)."""
     digest, size = hashlib.sha256(), 0
-    with _open_regular(path) as fh:
+    with open_regular(path, follow_links=False) as fh:
         while chunk := fh.read(_CHUNK):
             digest.update(chunk)
             size += len(chunk)
@@ -257,12 +250,14 @@ def _read_manifest(folder: Path) -> tuple[int, dict[str, tuple[int, str]]] | str
     if not_a_file is not None:
         return f"manifest {manifest} {not_a_file}"
     try:
-        with _open_regular(manifest) as fh:
-            raw = fh.read(MANIFEST_MAX_BYTES + 1)
-        if len(raw) > MANIFEST_MAX_BYTES:
-            return f"manifest {manifest} is larger than {MANIFEST_MAX_BYTES} bytes, far more than a save writes"
+        raw = read_regular(manifest, MANIFEST_MAX_BYTES, follow_links=False)
+    except FileTooLarge:
+        return f"manifest {manifest} is larger than {MANIFEST_MAX_BYTES} bytes, far more than a save writes"
+    except OSError as e:
+        return f"manifest {manifest} is unreadable: {_failure(e)}"
+    try:
         data = json.loads(raw.decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError, MemoryError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError, MemoryError) as e:
         return f"manifest {manifest} is unreadable: {_failure(e)}"
     if not isinstance(data, dict) or data.get("format") != _FORMAT:
         return f"manifest {manifest} is not in format {_FORMAT!r}"
