@@ -288,6 +288,31 @@ class Plan:
                         f"over its cap of {cap_bytes / 1e9:.2f} GB"
                     )
 
+    def check_replicated_precision(self) -> None:
+        """Refuses, by table and field, a data-parallel table's precision that would not run as written: its
+        gradients travel in DDP's all-reduce with the dense part, at the plan's allreduce_precision alone (fp8 is
+        none DDP runs), and it sends no embeddings forward (each rank looks up its own batch), so its forward is
+        fp32. A plan file's other precision was trained at the plan's without a word."""
+        for name, layout in self.tables.items():
+            if not layout.kind.replicated:
+                continue
+            where = f"table {name!r}"
+            if layout.precision.backward != self.allreduce_precision:
+                raise PlanError(
+                    f"data-parallel gradients at {layout.precision.backward}, but DDP all-reduces every data-parallel "
+                    f"table and the dense part at the plan's allreduce_precision {self.allreduce_precision} (one of "
+                    f"{list(ALLREDUCE_PRECISIONS)})",
+                    "precision.backward",
+                    where,
+                )
+            if layout.precision.forward != "fp32":
+                raise PlanError(
+                    "a data-parallel table sends no embeddings (each rank looks up its own batch), so it runs at "
+                    f"fp32, not {layout.precision.forward}",
+                    "precision.forward",
+                    where,
+                )
+
     def to_dict(self) -> dict[str, Any]:
         tables = {}
         for name, t in self.tables.items():
