@@ -384,20 +384,22 @@ def grid_from_shards(
     leaving a gap. The one parser of shard lists: plan files and the runtime's ShardMetadata."""
     row_bounds = sorted({b for s in shards for b in s.rows})
     col_bounds = sorted({b for s in shards for b in s.cols})
+    row_at = {b: i for i, b in enumerate(row_bounds)}  # a bound's index, in constant time: linear in cells overall
+    col_at = {b: i for i, b in enumerate(col_bounds)}
     cell: dict[tuple[int, int], int] = {}
     for s in shards:
         (r0, r1), (c0, c1) = s.rows, s.cols
         if r0 >= r1 or c0 >= c1:
             raise PlanError(f"{where}: empty shard rows {list(s.rows)} cols {list(s.cols)}")
-        for r in range(row_bounds.index(r0), row_bounds.index(r1)):
-            for c in range(col_bounds.index(c0), col_bounds.index(c1)):
+        for r in range(row_at[r0], row_at[r1]):
+            for c in range(col_at[c0], col_at[c1]):
                 if (r, c) in cell:
                     raise PlanError(
                         f"{where}: shards overlap at rows {row_bounds[r]}:{row_bounds[r + 1]} "
                         f"cols {col_bounds[c]}:{col_bounds[c + 1]}"
                     )
                 cell[(r, c)] = s.rank
-        if (row_bounds.index(r1) - row_bounds.index(r0)) * (col_bounds.index(c1) - col_bounds.index(c0)) != 1:
+        if (row_at[r1] - row_at[r0]) * (col_at[c1] - col_at[c0]) != 1:
             raise PlanError(
                 f"{where}: shard rows {list(s.rows)} cols {list(s.cols)} is not one cell of the table's grid"
             )
