@@ -542,10 +542,14 @@ def _read_holder(fd: int) -> Holder | None:
 def _claim(root: Path) -> Holder | None:
     """Rank 0: make root this process's (see the module's docstring); the holder taken over from, if any."""
     key = os.path.realpath(root)
+    owner = root / OWNER_NAME
     with _HELD_LOCK:
         if key in _HELD:
-            return None
-        owner = root / OWNER_NAME
+            fd, _ = _HELD[key]
+            if _locked_here(owner, fd):
+                return None
+            os.close(fd)  # the directory or its lock file was removed since: claim it again
+            del _HELD[key]
         try:
             root.mkdir(parents=True, exist_ok=True)
             fd = os.open(owner, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK, 0o644)
@@ -587,16 +591,21 @@ def _claim(root: Path) -> Holder | None:
         return previous
 
 
+def _locked_here(owner: Path, fd: int) -> bool:
+    """`owner` is still the file this process locked through `fd` (not removed, nor replaced by another)."""
+    try:
+        here, locked = os.stat(owner, follow_symlinks=False), os.fstat(fd)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (locked.st_dev, locked.st_ino)
+
+
 def _still_held(root: Path) -> None:
     """Rank 0, before publishing: root's owner file is still the one this process locked (not removed or replaced
     by someone else, who may be writing here too)."""
     fd, _ = _HELD[os.path.realpath(root)]
     owner = root / OWNER_NAME
-    try:
-        same = os.stat(owner, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
-    except OSError:
-        same = False
-    if not same:
+    if not _locked_here(owner, fd):
         raise CheckpointError(
             f"{owner}, which this run locked, was removed or replaced while it saved: another run may be writing "
             f"into {root}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -152,5 +153,18 @@ def test_a_record_of_a_live_process_with_a_free_lock_is_refused_and_a_dead_one_t
         sleeper.wait()
     try:
         assert claim_checkpoint_directory(directory) == live  # its process is gone now
+    finally:
+        ckpt.release_checkpoint_directory(directory)
+
+
+def test_a_directory_removed_and_made_again_is_claimed_again_by_the_same_process(tmp_path: Path) -> None:
+    """This process saved into a directory that was then removed (its lock file with it): the next save claims the
+    new directory instead of trusting its stale record, and publishes a step that verifies."""
+    directory = tmp_path / "ckpt"
+    try:
+        save_checkpoint(directory, _state(1), 1)
+        shutil.rmtree(directory)
+        assert verify_checkpoint(save_checkpoint(directory, _state(2), 2)) == []
+        assert (directory / ckpt.OWNER_NAME).exists()
     finally:
         ckpt.release_checkpoint_directory(directory)
