@@ -17,7 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Collection, Mapping, Sequence, TypeVar
 
-from .files import DOCUMENT_MAX_BYTES, FileTooLarge, NotARegularFile, read_regular
+from .files import DOCUMENT_MAX_BYTES, read_regular
 
 INT64_MAX = 2**63 - 1  # TorchRec holds sizes and offsets in int64 tensors
 
@@ -264,9 +264,7 @@ def read_document(path: str | Path, error: type[FieldError], allow_yaml: bool) -
     p = Path(path)
     try:
         raw = read_regular(p, DOCUMENT_MAX_BYTES)
-    except (NotARegularFile, FileTooLarge) as e:
-        raise error(str(e), file=str(p)) from None
-    except OSError as e:
+    except OSError as e:  # also NotARegularFile and FileTooLarge, whose message says which
         raise error(f"cannot read: {e.strerror or e}", file=str(p)) from None
     try:
         content = raw.decode("utf-8")

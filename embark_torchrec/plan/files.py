@@ -40,7 +40,7 @@ class FileTooLarge(OSError):
 def _refuse_special(mode: int) -> None:
     if not stat.S_ISREG(mode):
         kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
-        raise NotARegularFile(f"is {kind}, not a regular file")
+        raise NotARegularFile(f"{kind}, not a regular file")
 
 
 def open_regular(path: str | os.PathLike[str], follow_links: bool = True) -> BinaryIO:
@@ -64,7 +64,7 @@ def read_regular(path: str | os.PathLike[str], max_bytes: int, follow_links: boo
     with open_regular(path, follow_links) as fh:
         raw = fh.read(max_bytes + 1)
     if len(raw) > max_bytes:
-        raise FileTooLarge(f"is larger than {max_bytes} bytes ({_mib(max_bytes)}), the limit for it", max_bytes)
+        raise FileTooLarge(f"larger than {max_bytes} bytes ({_mib(max_bytes)}), the limit for it", max_bytes)
     return raw
 
 
