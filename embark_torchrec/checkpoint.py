@@ -625,11 +625,15 @@ def claim_checkpoint_directory(
 
 def release_checkpoint_directory(directory: str | os.PathLike[str]) -> None:
     """Give `directory` up before this process ends (a no-op where it does not hold it), so another run may save
-    into it; a process's directories are given up when it ends anyway."""
+    into it; a process's directories are given up when it ends anyway. Its record is emptied first: a record of a
+    live process with a free lock reads as a file system that does not enforce locks."""
     with _HELD_LOCK:
         held = _HELD.pop(os.path.realpath(directory), None)
     if held is not None:
-        os.close(held[0])  # closing the only descriptor of the open file drops its flock
+        try:
+            os.ftruncate(held[0], 0)
+        finally:
+            os.close(held[0])  # closing the only descriptor of the open file drops its flock
 
 
 def _saving(root: Path) -> threading.Lock:
