@@ -2,8 +2,9 @@
 
 * a --checkpoint-dir another live run holds stops this run on every rank before planning, naming the holder (two
   runs into one directory both exited 0, the second silently replacing the first's steps);
-* a --plan-out that cannot be written stops every rank before planning (it failed after planning on rank 0 alone,
-  and the other rank reported gloo's "Connection closed by peer" first);
+* a --checkpoint-dir that cannot be made, or a --plan-out that cannot be written, stops every rank before planning
+  (they failed after planning or at the first save, on rank 0 alone, and the other rank reported gloo's
+  "Connection closed by peer" first);
 * --resume from a checkpoint past --steps says so, trains nothing and reports steps_run 0 (it reported -10).
 """
 
@@ -72,6 +73,14 @@ def test_a_checkpoint_directory_another_run_holds_stops_every_rank_before_planni
     proc = _torchrun("--steps", "2", "--checkpoint-dir", str(directory), *SMALL)
     _stopped_before_planning(proc, "belongs to another run", f"pid {pid} ")
     assert sorted(p.name for p in directory.iterdir()) == [OWNER_NAME]
+
+
+def test_a_checkpoint_dir_that_cannot_be_made_stops_every_rank_before_planning(tmp_path: Path) -> None:
+    """A --checkpoint-dir that is a file failed only at the first save, after planning and training."""
+    taken = tmp_path / "a_file"
+    taken.write_text("")
+    proc = _torchrun("--steps", "2", "--checkpoint-dir", str(taken), *SMALL)
+    _stopped_before_planning(proc, f"checkpoint directory {taken} cannot be made this run's")
 
 
 def test_a_plan_out_that_cannot_be_written_stops_every_rank_before_planning(tmp_path: Path) -> None:
