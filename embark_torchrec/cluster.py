@@ -415,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"embark_torchrec.cluster: interrupted ({str(e) or 'Ctrl-C'}); stopped every node", file=sys.stderr)
         code = 128 + (e.signum if isinstance(e, _Signalled) else signal.SIGINT)
     finally:
-        if not keep and code == 0:
+        if not keep and (code == 0 or not any(log_dir.iterdir())):  # nothing to keep: a clean run, or none ran
             shutil.rmtree(log_dir, ignore_errors=True)
         elif not keep:
             print(f"embark_torchrec.cluster: the nodes' output is kept in {log_dir}", file=sys.stderr)

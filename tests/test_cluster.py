@@ -261,8 +261,8 @@ def _one_line_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], *words
 def test_user_errors_are_one_line_exit_2_before_anything_is_made(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """--log-dir naming a file (a FileExistsError traceback before), a missing or bad flag, no script: one line on
-    stderr, exit 2, and no cluster made."""
+    """--log-dir naming a file (a FileExistsError traceback before), a missing or bad flag, no script, not root: one
+    line on stderr (no "output is kept in" line after it), exit 2, and no cluster made."""
 
     def made(*args: Any) -> None:
         raise AssertionError("made a cluster before refusing the arguments")
@@ -277,6 +277,11 @@ def test_user_errors_are_one_line_exit_2_before_anything_is_made(
     _one_line_exit_2(capsys, ["--nodes", "two", "--gpus-per-node", "1", "--link-mbit", "1", "--", "x.py"], "--nodes")
     _one_line_exit_2(capsys, [*sizes[:4], "--link-mbit", "0", "--", "x.py"], "--link-mbit")
     _one_line_exit_2(capsys, sizes, "give the script")
+    monkeypatch.undo()  # not root: refused by __enter__'s preflight, before anything is made
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert cluster.main([*sizes, "--", "x.py"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs root" in err, err
 
 
 def test_a_signal_exits_128_plus_its_number(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
