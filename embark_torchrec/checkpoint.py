@@ -600,15 +600,15 @@ def _locked_here(owner: Path, fd: int) -> bool:
     return (here.st_dev, here.st_ino) == (locked.st_dev, locked.st_ino)
 
 
-def _still_held(root: Path) -> None:
+def _still_held(root: Path, failing: str) -> None:
     """Rank 0, before publishing: root's owner file is still the one this process locked (not removed or replaced
     by someone else, who may be writing here too)."""
     fd, _ = _HELD[os.path.realpath(root)]
     owner = root / OWNER_NAME
     if not _locked_here(owner, fd):
         raise CheckpointError(
-            f"{owner}, which this run locked, was removed or replaced while it saved: another run may be writing "
-            f"into {root}"
+            f"{failing}: {owner}, which this run locked, was removed or replaced while it saved: another run may be "
+            f"writing into {root}; {_UNPUBLISHED}"
         )
 
 
@@ -724,7 +724,7 @@ def _publish(root: Path, partial: Path, final: Path, step: int, listings: list[l
         raise CheckpointError(
             f"{failing}: writing the manifest of {partial}: {_cause(e, partial)}; {_UNPUBLISHED}"
         ) from e
-    _still_held(root)
+    _still_held(root, failing)
     changed = [rel for rel, size in files.items() if _size(partial / rel) != size]
     if changed or _listing(partial) != sorted(files):
         raise CheckpointError(

@@ -573,6 +573,28 @@ def test_a_step_whose_files_change_before_it_is_published_is_not_published(
     _unpublished(saved, 16)
 
 
+def test_a_step_is_not_published_once_another_run_replaced_the_lock(
+    saved: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """owner.lock removed and made again while the save ran (another run taking the directory over): the save
+    refuses to publish, naming the lock, instead of racing the other run's saves."""
+    real = ckpt._write_manifest
+
+    def write_then_lose_the_lock(folder: Path, step: int) -> dict[str, int]:
+        (saved / ckpt.OWNER_NAME).unlink()
+        (saved / ckpt.OWNER_NAME).write_text("")
+        return real(folder, step)
+
+    monkeypatch.setattr(ckpt, "_write_manifest", write_then_lose_the_lock)
+    with pytest.raises(
+        CheckpointError, match=f"saving step 16 .*{ckpt.OWNER_NAME}, which this run locked, was removed"
+    ):
+        save_checkpoint(saved, _state(16), 16)
+    monkeypatch.undo()
+    _unpublished(saved, 16)
+    ckpt.release_checkpoint_directory(saved)
+
+
 def _read_one_item_then_fail(failing: set[str]) -> Callable[..., Any]:
     """FileSystemReader.read_data that, in the folders named in `failing`, reads the first item of its plan (writing it
     into the state) and then fails: a read error half-way through a load."""
