@@ -21,23 +21,47 @@ rank moves on, so all ranks load the same step and none is left waiting. Older c
 not read; the skipped ones come back newest first with their reasons, then the folders that are never candidates
 (unfinished ``.partial`` saves, names that are not ``step_<int>``).
 
+One run at a time: the first save (or claim_checkpoint_directory, which a trainer calls before it plans) makes D
+this run's: rank 0 takes an exclusive flock(2) on ``D/owner.lock`` and writes its pid, host, process start and the
+time into it, and keeps the lock until its process ends (however it ends: the kernel drops the lock). Another run
+that saves into D is refused by name (which process holds D, since when) before it writes anything; a holder whose
+process is gone left its lock free, and the next run takes D over (claim_checkpoint_directory returns whom from). Saves
+within one process are serialised per directory; before a step is published, rank 0 checks that its lock file is
+still the one it holds and that every file its manifest lists is still there at its size, so a step is never
+published that verify would reject, whatever runs beside it.
+
+A save that fails (disk full, quota, permission, a read-only file system, an interrupted or failed write on any rank,
+any exception class DCP raises: its CheckpointException is a BaseException) raises CheckpointError on every rank,
+naming the folder, the step and the cause (a file system's errno, or a nearly full file system, first), and publishes
+nothing: the unfinished ``.partial`` folder is left for resume to skip and the next save of that step to replace.
+Every rank learns every rank's outcome before raising, so no rank is left waiting in a collective.
+
 Assumptions:
   * Every rank sees the same D: a shared file system, which DCP's FileSystemWriter with its single ``.metadata``
     file already needs. Rank 0 hashes the files all ranks wrote; a save where it cannot see another rank's files
     fails with a message saying so.
+  * The file system enforces flock(2) between the hosts that may run rank 0 (local file systems and NFS do; Lustre
+    needs its ``flock`` mount option). Where a lock is granted while the recorded holder is a live process on this
+    host, the claim is refused, saying that locks are not enforced there.
   * D is trusted. DCP's ``.metadata`` is a pickle, so loading a checkpoint can run code from it; the manifest
     catches damage (a flipped bit, a truncated or deleted file), not someone who can also rewrite the manifest.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import io
 import json
 import os
 import re
 import shutil
+import socket
 import stat
+import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any, NamedTuple, TypeVar
@@ -47,15 +71,21 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import ReadItem
 
+from .plan.files import FileTooLarge, open_regular, read_regular
+
 __all__ = [
     "MANIFEST_MAX_BYTES",
     "MANIFEST_NAME",
+    "OWNER_NAME",
     "CheckpointError",
+    "Holder",
     "Resumed",
     "Skipped",
     "checkpoint_path",
+    "claim_checkpoint_directory",
     "latest_verified_checkpoint",
     "load_checkpoint",
+    "release_checkpoint_directory",
     "resume_checkpoint",
     "save_checkpoint",
     "step_of",
@@ -63,6 +93,7 @@ __all__ = [
 ]
 
 MANIFEST_NAME = "manifest.json"
+OWNER_NAME = "owner.lock"  # in D: the flock(2) a run holds while D is its own, and who that run is
 LOAD_FAILED = "DCP could not load"  # how a skipped step that verified but did not load starts its reason
 MANIFEST_MAX_BYTES = 32 << 20  # ~300k files at ~110 bytes an entry; DCP writes one file per rank and writer thread
 _FORMAT = "embark-torchrec-checkpoint/1"
@@ -77,6 +108,17 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 _CHUNK = 1 << 20
 _SHORT = 200  # characters of a value or an error quoted in a reason: hostile content must not flood the log
 _NOT_CAUGHT = (KeyboardInterrupt, SystemExit, GeneratorExit)  # what a failure handler lets through
+_OWNER_MAX_BYTES = 1 << 16
+_LOW_SPACE = 1 << 20  # free bytes under which a failed save's cause is named as a full file system
+_ERRNO_CAUSES = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EROFS: "read-only file system",
+    errno.EIO: "input/output error",
+    errno.EINTR: "interrupted",
+}
 
 T = TypeVar("T")
 
@@ -98,6 +140,49 @@ class Resumed(NamedTuple):
     path: Path | None
     step: int | None
     skipped: list[Skipped]
+
+
+class Holder(NamedTuple):
+    """The run that holds a checkpoint directory: its rank 0's process (pid, host, command line, when the process
+    started) and since when it holds the directory (seconds since the epoch)."""
+
+    pid: int
+    host: str
+    command: str
+    started: float | None
+    since: float
+
+    @classmethod
+    def this_process(cls) -> "Holder":
+        return cls(
+            os.getpid(), socket.gethostname(), _short(" ".join(sys.argv)), _process_started(os.getpid()), time.time()
+        )
+
+    def describe(self) -> str:
+        started = f", started {_when(self.started)}" if self.started is not None else ""
+        return f"pid {self.pid} on host {self.host} (`{self.command}`{started}), holding it since {_when(self.since)}"
+
+    def running_here(self) -> bool:
+        """This process is still running on this host (the same pid started at the same time: not a reused pid)."""
+        if self.host != socket.gethostname() or self.pid == os.getpid():
+            return False
+        started = _process_started(self.pid)
+        return started is not None and (self.started is None or abs(started - self.started) < 1.0)
+
+
+def _when(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
+
+
+def _process_started(pid: int) -> float | None:
+    """When process `pid` of this host started (seconds since the epoch, from /proc), None where not known: no such
+    process, or no /proc."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        boot = next(line for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime "))
+        return round(int(boot.split()[1]) + ticks / os.sysconf("SC_CLK_TCK"), 2)
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 def checkpoint_path(directory: str | os.PathLike[str], step: int) -> Path:
@@ -172,19 +257,10 @@ def _not_a_file(path: Path) -> str | None:
     return None
 
 
-def _open_regular(path: Path) -> io.BufferedReader:
-    """path opened for reading, refusing (OSError) a symbolic link or anything but a regular file, without blocking."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(f"{path} is not a regular file")
-    return os.fdopen(fd, "rb")
-
-
 def _file_digest(path: Path) -> tuple[int, str]:
     """Size and SHA-256 of a file, read in chunks (data files can be many GB)."""
     digest, size = hashlib.sha256(), 0
-    with _open_regular(path) as fh:
+    with open_regular(path, follow_links=False) as fh:
         while chunk := fh.read(_CHUNK):
             digest.update(chunk)
             size += len(chunk)
@@ -215,8 +291,9 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _write_manifest(folder: Path, step: int) -> None:
-    """Hash every file of the save and write manifest.json atomically, so a manifest is either whole or absent."""
+def _write_manifest(folder: Path, step: int) -> dict[str, int]:
+    """Hash every file of the save and write manifest.json atomically, so a manifest is either whole or absent;
+    returns the size of each file it lists."""
     files = {}
     for rel in _listing(folder):
         size, sha = _file_digest(folder / rel)
@@ -228,6 +305,7 @@ def _write_manifest(folder: Path, step: int) -> None:
         os.fsync(fh.fileno())
     os.replace(tmp, folder / MANIFEST_NAME)
     _fsync_dir(folder)
+    return {rel: entry["size"] for rel, entry in files.items()}
 
 
 def _count(value: object) -> bool:
@@ -257,12 +335,14 @@ def _read_manifest(folder: Path) -> tuple[int, dict[str, tuple[int, str]]] | str
     if not_a_file is not None:
         return f"manifest {manifest} {not_a_file}"
     try:
-        with _open_regular(manifest) as fh:
-            raw = fh.read(MANIFEST_MAX_BYTES + 1)
-        if len(raw) > MANIFEST_MAX_BYTES:
-            return f"manifest {manifest} is larger than {MANIFEST_MAX_BYTES} bytes, far more than a save writes"
+        raw = read_regular(manifest, MANIFEST_MAX_BYTES, follow_links=False)
+    except FileTooLarge:
+        return f"manifest {manifest} is larger than {MANIFEST_MAX_BYTES} bytes, far more than a save writes"
+    except OSError as e:
+        return f"manifest {manifest} is unreadable: {_failure(e)}"
+    try:
         data = json.loads(raw.decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError, MemoryError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError, MemoryError) as e:
         return f"manifest {manifest} is unreadable: {_failure(e)}"
     if not isinstance(data, dict) or data.get("format") != _FORMAT:
         return f"manifest {manifest} is not in format {_FORMAT!r}"
@@ -441,6 +521,166 @@ def _every_rank(value: T, process_group: dist.ProcessGroup | None) -> list[T]:
     return out
 
 
+# ---------------------------------------------------------------- one run at a time
+
+_HELD: dict[str, tuple[int, Holder]] = {}  # directory (real path) -> the locked owner file's fd, and this process
+_HELD_LOCK = threading.Lock()
+_SAVING: dict[str, threading.Lock] = {}  # directory (real path) -> held while this process saves into it
+
+
+def _read_holder(fd: int) -> Holder | None:
+    """The holder recorded in an owner file, None when it is empty or not a record (being written, or damaged)."""
+    try:
+        record = json.loads(os.pread(fd, _OWNER_MAX_BYTES, 0).decode("utf-8"))
+        return Holder(
+            int(record["pid"]), str(record["host"]), str(record["command"]), record["started"], float(record["since"])
+        )
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def _claim(root: Path) -> Holder | None:
+    """Rank 0: make root this process's (see the module's docstring); the holder taken over from, if any."""
+    key = os.path.realpath(root)
+    owner = root / OWNER_NAME
+    with _HELD_LOCK:
+        if key in _HELD:
+            fd, _ = _HELD[key]
+            if _locked_here(owner, fd):
+                return None
+            os.close(fd)  # the directory or its lock file was removed since: claim it again
+            del _HELD[key]
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(owner, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK, 0o644)
+        except OSError as e:
+            raise CheckpointError(f"checkpoint directory {root} cannot be made this run's: {_cause(e, root)}") from e
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                who = holder.describe() if holder is not None else "a run whose record in it is not yet written"
+                raise CheckpointError(
+                    f"checkpoint directory {root} belongs to another run: {who} ({owner}); two runs saving into one "
+                    "directory replace each other's steps: wait for it to end, or save into another directory"
+                ) from None
+            except OSError as e:
+                raise CheckpointError(
+                    f"checkpoint directory {root} cannot be locked for this run ({owner}): {_failure(e)}; its file "
+                    "system must support flock(2) locks"
+                ) from e
+            previous = _read_holder(fd)
+            if previous is not None and previous.running_here():
+                raise CheckpointError(
+                    f"checkpoint directory {root} belongs to {previous.describe()}, which still runs on this host, "
+                    f"though its lock on {owner} is free: this file system does not enforce flock(2) locks"
+                )
+            me = Holder.this_process()
+            record = json.dumps(me._asdict()).encode("utf-8")
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, record, 0)
+                os.fsync(fd)
+            except OSError as e:
+                raise CheckpointError(f"checkpoint directory {root}: writing {owner}: {_cause(e, root)}") from e
+        except BaseException:
+            os.close(fd)
+            raise
+        _HELD[key] = (fd, me)
+        return previous
+
+
+def _locked_here(owner: Path, fd: int) -> bool:
+    """`owner` is still the file this process locked through `fd` (not removed, nor replaced by another)."""
+    try:
+        here, locked = os.stat(owner, follow_symlinks=False), os.fstat(fd)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (locked.st_dev, locked.st_ino)
+
+
+def _still_held(root: Path, failing: str) -> None:
+    """Rank 0, before publishing: root's owner file is still the one this process locked (not removed or replaced
+    by someone else, who may be writing here too)."""
+    fd, _ = _HELD[os.path.realpath(root)]
+    owner = root / OWNER_NAME
+    if not _locked_here(owner, fd):
+        raise CheckpointError(
+            f"{failing}: {owner}, which this run locked, was removed or replaced while it saved: another run may be "
+            f"writing into {root}; {_UNPUBLISHED}"
+        )
+
+
+def claim_checkpoint_directory(
+    directory: str | os.PathLike[str], *, process_group: dist.ProcessGroup | None = None
+) -> Holder | None:
+    """Make `directory` (created if missing) this run's until its rank 0's process ends; call on every rank, before
+    the work a refusal would waste (save_checkpoint claims it too). Returns the earlier holder whose process is gone
+    that this run took the directory over from (None: nobody held it, or this process already does). Raises
+    CheckpointError on every rank, naming the run that holds it and since when, or why it cannot be made (not
+    writable, not a folder)."""
+    return _on_rank0(lambda: _claim(Path(directory)), process_group)
+
+
+def release_checkpoint_directory(directory: str | os.PathLike[str]) -> None:
+    """Give `directory` up before this process ends (a no-op where it does not hold it), so another run may save
+    into it; a process's directories are given up when it ends anyway. Its record is emptied first: a record of a
+    live process with a free lock reads as a file system that does not enforce locks."""
+    with _HELD_LOCK:
+        held = _HELD.pop(os.path.realpath(directory), None)
+    if held is not None:
+        try:
+            os.ftruncate(held[0], 0)
+        finally:
+            os.close(held[0])  # closing the only descriptor of the open file drops its flock
+
+
+def _saving(root: Path) -> threading.Lock:
+    """The lock this process's saves into root hold: one at a time."""
+    with _HELD_LOCK:
+        return _SAVING.setdefault(os.path.realpath(root), threading.Lock())
+
+
+def _exceptions(e: BaseException) -> Iterator[BaseException]:
+    """e, what it was raised from or while handling, and each rank's exception in a DCP CheckpointException."""
+    seen: set[int] = set()
+    todo = [e]
+    while todo:
+        x = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        yield x
+        todo += [c for c in (x.__cause__, x.__context__) if c is not None]
+        if isinstance(x, CheckpointException):
+            todo += [exc for exc, _ in x.failures.values()]
+
+
+def _cause(e: BaseException, folder: Path) -> str:
+    """Why a save failed, in one line: what a file system error behind it means (DCP and torch.save wrap them: a
+    full disk reads "unexpected pos 704 vs 598"), else a nearly full file system under folder, then e itself."""
+    meanings = sorted(
+        {_ERRNO_CAUSES[x.errno] for x in _exceptions(e) if isinstance(x, OSError) and x.errno in _ERRNO_CAUSES}
+    )
+    if not meanings:
+        free = _free_bytes(folder)
+        if free is not None and free < _LOW_SPACE:
+            meanings = [f"the file system of {folder} is full ({free} bytes free)"]
+    return "; ".join([*meanings, _failure(e)])
+
+
+def _free_bytes(folder: Path) -> int | None:
+    """Bytes an unprivileged writer may still use on the file system of folder (or its nearest existing parent)."""
+    for path in (folder, *folder.parents):
+        try:
+            fs = os.statvfs(path)
+        except OSError:
+            continue
+        return fs.f_bavail * fs.f_frsize
+    return None
+
+
 # ---------------------------------------------------------------- save, load, resume
 
 
@@ -451,12 +691,21 @@ def _clear(path: Path) -> None:
         path.unlink()
 
 
-def _prepare(directory: Path, partial: Path) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    _clear(partial)  # a leftover of an earlier save of this step that stopped half-way
+def _begin(root: Path, partial: Path, failing: str) -> None:
+    """Rank 0, before any rank writes: root is this run's, and a leftover of an earlier save of this step that
+    stopped half-way is gone."""
+    try:
+        _claim(root)
+        _clear(partial)
+    except CheckpointError as e:
+        raise CheckpointError(f"{failing}: {e}") from e
+    except OSError as e:
+        raise CheckpointError(
+            f"{failing}: removing the unfinished {partial} of an earlier save: {_cause(e, root)}"
+        ) from e
 
 
-def _publish(partial: Path, final: Path, step: int, listings: list[list[str]]) -> None:
+def _publish(root: Path, partial: Path, final: Path, step: int, listings: list[list[str]], failing: str) -> None:
     """Rank 0, after every rank wrote: manifest last, then the rename that makes the step visible.
 
     A second save of a step (a rerun into the same directory) first moves the old one aside as step_<n>.replaced,
@@ -466,17 +715,44 @@ def _publish(partial: Path, final: Path, step: int, listings: list[list[str]]) -
         unseen = sorted(set(theirs) - mine)
         if unseen:
             raise CheckpointError(
-                f"saving {final}: rank {rank} wrote {', '.join(unseen)} in {partial}, which rank 0 does not see; "
+                f"{failing}: rank {rank} wrote {', '.join(unseen)} in {partial}, which rank 0 does not see; "
                 "the checkpoint directory must be on a file system that every rank shares"
             )
-    _write_manifest(partial, step)
+    try:
+        files = _write_manifest(partial, step)
+    except OSError as e:
+        raise CheckpointError(
+            f"{failing}: writing the manifest of {partial}: {_cause(e, partial)}; {_UNPUBLISHED}"
+        ) from e
+    _still_held(root, failing)
+    changed = [rel for rel, size in files.items() if _size(partial / rel) != size]
+    if changed or _listing(partial) != sorted(files):
+        raise CheckpointError(
+            f"{failing}: the files in {partial} changed while it was saved ({', '.join(changed) or 'files added'}): "
+            f"something else writes there; {_UNPUBLISHED}"
+        )
     replaced = final.with_name(final.name + _REPLACED)
-    if final.exists() or final.is_symlink():
-        _clear(replaced)
-        os.replace(final, replaced)
-    os.replace(partial, final)
-    _fsync_dir(final.parent)
-    _clear(replaced)  # also the only copy a save that stopped between the renames left, now superseded
+    try:
+        if final.exists() or final.is_symlink():
+            _clear(replaced)
+            os.replace(final, replaced)
+        os.replace(partial, final)
+        _fsync_dir(final.parent)
+        _clear(replaced)  # also the only copy a save that stopped between the renames left, now superseded
+    except OSError as e:
+        raise CheckpointError(
+            f"{failing}: renaming {partial} to {final}: {_cause(e, root)} (resume takes the verified copy it left)"
+        ) from e
+
+
+_UNPUBLISHED = "the step was not published (resume skips the unfinished folder; the next save of the step replaces it)"
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return os.stat(path, follow_symlinks=False).st_size
+    except OSError:
+        return None
 
 
 def save_checkpoint(
@@ -489,22 +765,32 @@ def save_checkpoint(
     """Save `state` (any DCP state dict: ShardedTensors, DTensors, tensors, picklable objects) as directory/step_<n>.
 
     Call on every rank of the group, like dcp.save. Returns the step folder, which exists with its manifest on every
-    rank's return and was never visible before. Saving a step that exists replaces it.
+    rank's return and was never visible before. Saving a step that exists replaces it. The first save makes the
+    directory this run's (claim_checkpoint_directory). Any failure raises CheckpointError on every rank, naming the
+    folder, the step and the cause, and publishes nothing (see the module's docstring).
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"checkpoint step must be a non-negative int, got {step!r} (directory {directory})")
-    final = checkpoint_path(directory, step)
+    root = Path(directory)
+    final = checkpoint_path(root, step)
     partial = final.with_name(final.name + _PARTIAL)
-    _on_rank0(lambda: _prepare(Path(directory), partial), process_group)
-    try:
-        dcp.save(state, checkpoint_id=partial, process_group=process_group)
-    except Exception as e:
-        raise CheckpointError(f"saving {final}: DCP failed writing {partial}: {e}") from e
-    listings: list[list[str]] = [_listing(partial)]
-    if _distributed():  # also the barrier: every rank has written before rank 0 hashes
-        listings = [[] for _ in range(dist.get_world_size(process_group))]
-        dist.all_gather_object(listings, _listing(partial), group=process_group)
-    _on_rank0(lambda: _publish(partial, final, step, listings), process_group)
+    failing = f"saving step {step} into {root} failed"
+    with _saving(root):
+        _on_rank0(lambda: _begin(root, partial, failing), process_group)
+        error = None
+        try:
+            dcp.save(state, checkpoint_id=partial, process_group=process_group)
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            if isinstance(e, _NOT_CAUGHT):
+                raise
+            error = f"DCP failed writing {partial}: {_cause(e, partial)}"
+        # also the barrier: every rank has written before rank 0 hashes, and every rank learns every rank's outcome
+        outcomes = _every_rank((error, _listing(partial) if error is None else []), process_group)
+        failed = {rank: e for rank, (e, _) in enumerate(outcomes) if e is not None}
+        if failed:
+            raise CheckpointError(f"{failing}: {_by_rank(failed, len(outcomes))}; {_UNPUBLISHED}")
+        listings = [listing for _, listing in outcomes]
+        _on_rank0(lambda: _publish(root, partial, final, step, listings, failing), process_group)
     return final
 
 

@@ -12,8 +12,10 @@ it models (InfiniBand, NVLink) are lossless, and a dropped segment at a message'
 0's address, with GLOO_SOCKET_IFNAME (and NCCL's and TensorPipe's) set to the node's veth, so a script runs
 unchanged as it would on N machines. It streams node 0's output (rank 0's lines; other ranks of node 0 print
 only on error, as the examples do), keeps the other nodes' output in log files (their tail is printed when
-they fail), returns the worst exit code (124 on --timeout-s) and always removes what it made: on success,
-error, timeout, SIGTERM or Ctrl-C.
+they fail), returns the worst exit code of any rank (each agent exits with its ranks' worst: cluster_agent.py; 124
+on --timeout-s; 128 + the signal that stopped it: 130 on Ctrl-C, 143 on SIGTERM) and always removes what it made: on
+success, error, timeout, SIGTERM or Ctrl-C. A user error (a flag, --log-dir naming a file, not root) is one line on
+stderr and exit 2.
 
 Everything it makes carries a per-run prefix (`ebk` + 6 hex digits): namespaces `<prefix>-hub`,
 `<prefix>-n<i>`; links `<prefix>n<i>` (node end) and `<prefix>h<i>` (hub end), bridge `<prefix>br`. Links are
@@ -41,6 +43,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
+from typing import NoReturn
 
 SUBNET = "10.213.0"  # node i is SUBNET.(i + 1)/24, inside this run's namespaces only
 MASTER_PORT = 29500
@@ -213,7 +216,7 @@ class EmulatedCluster:
         module = ["--module", *script[1:]] if script and script[0] == "-m" else list(script)
         return [
             "ip", "netns", "exec", self.namespace(node),
-            sys.executable, "-m", "torch.distributed.run",
+            sys.executable, "-m", "embark_torchrec.cluster_agent",  # torchrun, exiting with its worst rank's code
             "--nnodes", str(self.spec.nodes), "--node-rank", str(node),
             "--nproc-per-node", str(self.spec.gpus_per_node),
             "--master-addr", self.address(0), "--master-port", str(MASTER_PORT), *torchrun_args, *module,
@@ -269,7 +272,7 @@ class EmulatedCluster:
         while len(codes) < len(agents):
             for node, agent in enumerate(agents):
                 if node not in codes and agent.poll() is not None:
-                    codes[node] = _exit_code(agent.returncode)
+                    codes[node] = exit_code(agent.returncode)
                     if codes[node] != 0:  # the other nodes' agents would wait out torchrun's exit barrier
                         self._report(node, codes[node], log_dir)
                         return max(codes.values())
@@ -287,7 +290,7 @@ class EmulatedCluster:
             print("\n".join(f"[node {node}] {line}" for line in tail), file=sys.stderr)
 
 
-def _exit_code(returncode: int) -> int:
+def exit_code(returncode: int) -> int:
     """A signal's death as the shell reports it (128 + signal), so that the worst code is the largest."""
     return 128 - returncode if returncode < 0 else returncode
 
@@ -324,12 +327,32 @@ def _signals_deferred() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+class _Signalled(KeyboardInterrupt):
+    """A signal that stops the CLI as Ctrl-C does; it exits as the shell reports a death by it (128 + signal)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signal.Signals(signum).name}")
+        self.signum = signum
+
+
 def _raise_on_signal(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+    raise _Signalled(signum)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (no usage dump), exit 2, as every other user error of the CLI."""
+
+    def error(self, message: str) -> NoReturn:
+        _user_error(message)
+
+
+def _user_error(message: str) -> NoReturn:
+    print(f"embark_torchrec.cluster: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m embark_torchrec.cluster",
         description=__doc__.split("\n\n")[0],
         usage="%(prog)s --nodes N --gpus-per-node G --link-mbit R [options] -- SCRIPT [ARGS] | -m MODULE [ARGS]",
@@ -360,14 +383,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             link_mbit_intra=args.link_mbit_intra,
         )  # fmt: skip
     except ValueError as e:
-        print(f"embark_torchrec.cluster: {e}", file=sys.stderr)
-        return 2
+        _user_error(str(e))
+    if args.log_dir is not None and (args.log_dir.exists() or args.log_dir.is_symlink()) and not args.log_dir.is_dir():
+        _user_error(f"--log-dir {args.log_dir}: is not a folder")
+    try:
+        if args.log_dir is not None:
+            args.log_dir.mkdir(parents=True, exist_ok=True)
+        log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="embark_cluster_"))
+    except OSError as e:
+        _user_error(f"--log-dir {args.log_dir or tempfile.gettempdir()}: cannot be made: {e.strerror or e}")
     # SIGINT too: a shell's background job (and what it starts) inherits SIGINT ignored, and Python then keeps it so
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_on_signal)
     keep = args.log_dir is not None
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="embark_cluster_"))
     code = 1
     try:
         with EmulatedCluster(spec) as cluster:
@@ -384,9 +413,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = 2
     except KeyboardInterrupt as e:
         print(f"embark_torchrec.cluster: interrupted ({str(e) or 'Ctrl-C'}); stopped every node", file=sys.stderr)
-        code = 130
+        code = 128 + (e.signum if isinstance(e, _Signalled) else signal.SIGINT)
     finally:
-        if not keep and code == 0:
+        if not keep and (code == 0 or not any(log_dir.iterdir())):  # nothing to keep: a clean run, or none ran
             shutil.rmtree(log_dir, ignore_errors=True)
         elif not keep:
             print(f"embark_torchrec.cluster: the nodes' output is kept in {log_dir}", file=sys.stderr)

@@ -17,11 +17,14 @@ rank 1 alone makes both fall back), then one run of the DLRM example under torch
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +32,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, filesystem
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -199,7 +203,7 @@ def test_damage_in_every_newer_step_is_reported_newest_first(saved: Path) -> Non
 def test_save_writes_a_manifest_of_every_file_and_leaves_only_the_step_folder(saved: Path) -> None:
     """Each step folder holds DCP's files and a manifest with the size and SHA-256 of each of them (recomputed here);
     no temporary folder or file is left after a save."""
-    assert sorted(p.name for p in saved.iterdir()) == [f"step_{s:08d}" for s in STEPS]
+    assert sorted(p.name for p in saved.iterdir() if p.name != ckpt.OWNER_NAME) == [f"step_{s:08d}" for s in STEPS]
     folder = saved / "step_00000008"
     manifest = json.loads((folder / ckpt.MANIFEST_NAME).read_text())
     files = sorted(p.name for p in folder.iterdir() if p.name != ckpt.MANIFEST_NAME)
@@ -249,7 +253,7 @@ def test_saving_a_step_again_replaces_it_whole(saved: Path) -> None:
     state, and nothing else behind."""
     newer = _state(99)
     save_checkpoint(saved, newer, 12)
-    assert sorted(p.name for p in saved.iterdir()) == [f"step_{s:08d}" for s in STEPS]
+    assert sorted(p.name for p in saved.iterdir() if p.name != ckpt.OWNER_NAME) == [f"step_{s:08d}" for s in STEPS]
     state = _blank()
     assert resume_checkpoint(saved, state).step == 12
     _assert_bit_equal(state, newer)
@@ -397,6 +401,200 @@ def test_an_exception_of_any_class_from_dcp_falls_back(saved: Path, monkeypatch:
         resume_checkpoint(saved, _blank())
 
 
+# ---------------------------------------------------------------- failed saves: a named error, nothing published
+
+
+def _unpublished(saved: Path, step: int) -> None:
+    """The failed save of `step` left no step folder, and resume still loads step 12 bit for bit."""
+    assert not ckpt.checkpoint_path(saved, step).exists()
+    state = _blank()
+    assert resume_checkpoint(saved, state).step == 12
+    _assert_bit_equal(state, _state(12))
+
+
+def _disk_full_in_dcp(state: dict[str, Any], *, checkpoint_id: Path, **kwargs: Any) -> None:
+    """DCP as it fails on a full disk: some files written, then its CheckpointException (a BaseException) carrying
+    torch.save's error, raised from the OSError of the write."""
+    Path(checkpoint_id).mkdir()
+    (Path(checkpoint_id) / DATA).write_bytes(b"\0" * 100)
+    try:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    except OSError as full:
+        inner = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+        inner.__cause__ = full
+    raise CheckpointException("ranks:dict_keys([0])", {0: (inner, traceback.StackSummary())})
+
+
+def test_a_full_disk_in_dcp_is_a_named_error_with_folder_step_and_cause(
+    saved: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DCP's CheckpointException (a BaseException, which `except Exception` let through bare) becomes CheckpointError
+    naming the directory, the step and the cause (no space left), and no step_00000016 is published."""
+    monkeypatch.setattr(ckpt.dcp, "save", _disk_full_in_dcp)
+    with pytest.raises(CheckpointError) as raised:
+        save_checkpoint(saved, _state(16), 16)
+    message = str(raised.value)
+    for words in (
+        f"saving step 16 into {saved} failed",
+        "no space left on the device",
+        "unexpected pos",
+        "not published",
+    ):
+        assert words in message, message
+    _unpublished(saved, 16)
+
+
+@pytest.mark.parametrize(
+    "where, code, words",
+    [
+        ("manifest", errno.EDQUOT, "disk quota exceeded"),
+        ("manifest", errno.EIO, "input/output error"),
+        ("rename", errno.EACCES, "permission denied"),
+        ("clear", errno.EROFS, "read-only file system"),
+    ],
+)
+def test_a_file_system_error_anywhere_in_a_save_is_a_named_error(
+    saved: Path, monkeypatch: pytest.MonkeyPatch, where: str, code: int, words: str
+) -> None:
+    """Writing the manifest, renaming the finished folder, removing an earlier unfinished one: an OSError in any of
+    them was raised bare (on rank 0 only); now it is a CheckpointError with the folder, the step and its meaning,
+    and the step is not published."""
+    failure = OSError(code, os.strerror(code))
+
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise failure
+
+    if where == "manifest":
+        monkeypatch.setattr(ckpt, "_write_manifest", fail)
+    elif where == "rename":
+        real_replace = os.replace
+        monkeypatch.setattr(
+            ckpt.os, "replace", lambda src, dst: fail() if str(src).endswith(".partial") else real_replace(src, dst)
+        )
+    else:
+        (saved / "step_00000016.partial").mkdir()
+        monkeypatch.setattr(ckpt, "_clear", fail)
+    with pytest.raises(CheckpointError) as raised:
+        save_checkpoint(saved, _state(16), 16)
+    message = str(raised.value)
+    assert f"saving step 16 into {saved} failed" in message and words in message, message
+    monkeypatch.undo()
+    _unpublished(saved, 16)
+
+
+def test_an_exception_of_any_class_from_dcp_while_saving_is_a_named_error(
+    saved: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A BaseException subclass out of dcp.save becomes CheckpointError naming its class; KeyboardInterrupt passes."""
+
+    def unusual(state: dict[str, Any], **kwargs: Any) -> None:
+        raise _Unusual("from outside Exception")
+
+    monkeypatch.setattr(ckpt.dcp, "save", unusual)
+    with pytest.raises(CheckpointError, match="saving step 16 .* failed: DCP failed writing .*_Unusual: from outside"):
+        save_checkpoint(saved, _state(16), 16)
+    _unpublished(saved, 16)
+
+    def interrupted(state: dict[str, Any], **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt.dcp, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(saved, _state(16), 16)
+
+
+def test_an_unwritable_checkpoint_directory_is_a_named_error(
+    tmp_path: Path, one_rank: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A directory that cannot be made (permission denied; simulated, as root may write anywhere) or a file in its
+    place: CheckpointError naming it, before DCP writes anything."""
+    target = tmp_path / "ckpt"
+
+    def denied(self: Path, *args: Any, **kwargs: Any) -> None:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+
+    monkeypatch.setattr(Path, "mkdir", denied)
+    with pytest.raises(CheckpointError, match=f"saving step 1 into {target} failed: .*{target}.*permission denied"):
+        save_checkpoint(target, _state(1), 1)
+    monkeypatch.undo()
+    target.write_text("not a folder")
+    with pytest.raises(CheckpointError, match=f"saving step 1 into {target} failed: .*{target}"):
+        save_checkpoint(target, _state(1), 1)
+
+
+def test_a_really_full_disk_is_named_and_the_older_step_still_resumes(tmp_path: Path, one_rank: None) -> None:
+    """On a 2 MiB tmpfs (mounted where this test may: as root, else skipped), a small step saves and a 4 MiB one
+    fails: CheckpointError naming the step, the folder and a full file system (torch.save's own words were only
+    "unexpected pos"), and resume loads the small step."""
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = shutil.which("mount") is not None and (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(small)], capture_output=True).returncode
+        == 0
+    )
+    if not mounted:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    directory = small / "ckpt"
+    try:
+        save_checkpoint(directory, _state(1), 1)
+        with pytest.raises(CheckpointError) as raised:
+            save_checkpoint(directory, {**_state(2), "big": torch.randn(1 << 20)}, 2)
+        message = str(raised.value)
+        assert f"saving step 2 into {directory} failed" in message and "full" in message, message
+        assert not ckpt.checkpoint_path(directory, 2).exists()
+        state = _blank()
+        assert resume_checkpoint(directory, state).step == 1
+        _assert_bit_equal(state, _state(1))
+    finally:
+        ckpt.release_checkpoint_directory(directory)  # its open lock file would keep the mount busy
+        subprocess.run(["umount", str(small)], check=True)
+
+
+def _files_vanish_before_publishing(saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = ckpt._write_manifest
+
+    def write_then_lose_metadata(folder: Path, step: int) -> dict[str, int]:
+        files = real(folder, step)
+        (folder / ".metadata").unlink()  # what a concurrent writer clearing the same .partial did
+        return files
+
+    monkeypatch.setattr(ckpt, "_write_manifest", write_then_lose_metadata)
+
+
+def test_a_step_whose_files_change_before_it_is_published_is_not_published(
+    saved: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file removed between the manifest and the rename (a concurrent writer did it; verify would reject the step
+    at resume): the save refuses to publish it, by name."""
+    _files_vanish_before_publishing(saved, monkeypatch)
+    with pytest.raises(CheckpointError, match="saving step 16 .* changed while it was saved .*metadata"):
+        save_checkpoint(saved, _state(16), 16)
+    monkeypatch.undo()
+    _unpublished(saved, 16)
+
+
+def test_a_step_is_not_published_once_another_run_replaced_the_lock(
+    saved: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """owner.lock removed and made again while the save ran (another run taking the directory over): the save
+    refuses to publish, naming the lock, instead of racing the other run's saves."""
+    real = ckpt._write_manifest
+
+    def write_then_lose_the_lock(folder: Path, step: int) -> dict[str, int]:
+        (saved / ckpt.OWNER_NAME).unlink()
+        (saved / ckpt.OWNER_NAME).write_text("")
+        return real(folder, step)
+
+    monkeypatch.setattr(ckpt, "_write_manifest", write_then_lose_the_lock)
+    with pytest.raises(
+        CheckpointError, match=f"saving step 16 .*{ckpt.OWNER_NAME}, which this run locked, was removed"
+    ):
+        save_checkpoint(saved, _state(16), 16)
+    monkeypatch.undo()
+    _unpublished(saved, 16)
+    ckpt.release_checkpoint_directory(saved)
+
+
 def _read_one_item_then_fail(failing: set[str]) -> Callable[..., Any]:
     """FileSystemReader.read_data that, in the folders named in `failing`, reads the first item of its plan (writing it
     into the state) and then fails: a read error half-way through a load."""
@@ -446,9 +644,9 @@ def test_a_resave_stopped_between_its_two_renames_resumes_from_the_only_verified
     """Re-saving step 12 stops after step_00000012 became step_00000012.replaced, before the new save (.partial)
     became step_00000012: resume loads the .replaced copy as step 12, bit for bit, and reports the .partial; the
     next save of step 12 leaves only step_00000012. leave_rename_window leaves the same folders."""
-    with stopped_between_renames(), pytest.raises(OSError, match="stopped before renaming"):
+    with stopped_between_renames(), pytest.raises(CheckpointError, match="renaming .*stopped before renaming"):
         save_checkpoint(saved, _state(99), 12)
-    names = sorted(p.name for p in saved.iterdir())
+    names = sorted(p.name for p in saved.iterdir() if p.name != ckpt.OWNER_NAME)
     assert names == ["step_00000004", "step_00000008", "step_00000012.partial", "step_00000012.replaced"]
     state = _blank()
     resumed = resume_checkpoint(saved, state)
@@ -457,9 +655,9 @@ def test_a_resave_stopped_between_its_two_renames_resumes_from_the_only_verified
     assert [(s.path.name, s.reason.split(" ")[0]) for s in resumed.skipped] == [("step_00000012.partial", "unfinished")]
 
     save_checkpoint(saved, _state(99), 12)
-    assert sorted(p.name for p in saved.iterdir()) == [f"step_{s:08d}" for s in STEPS]
+    assert sorted(p.name for p in saved.iterdir() if p.name != ckpt.OWNER_NAME) == [f"step_{s:08d}" for s in STEPS]
     assert leave_rename_window(saved, 12) == saved / "step_00000012.replaced"
-    assert sorted(p.name for p in saved.iterdir()) == names
+    assert sorted(p.name for p in saved.iterdir() if p.name != ckpt.OWNER_NAME) == names
 
 
 def test_a_damaged_or_stale_replaced_copy_is_named(saved: Path) -> None:
@@ -575,6 +773,45 @@ def test_two_ranks_fall_back_together_when_one_rank_cannot_read_a_step(tmp_path:
     assert (fresh.path, fresh.step) == (None, None)
     assert [s.path.name for s in fresh.skipped] == ["step_00000003", "step_00000002", "step_00000001"]
     assert all("Missing key" in s.reason for s in fresh.skipped), fresh.skipped
+
+
+def _two_ranks_one_disk_full(directory: str) -> dict[str, Any]:
+    """Step 1 saves; rank 1 alone runs out of space writing step 2 (inside DCP's write, as a full disk does); then
+    what each rank raised, and step 3 saved after it."""
+    mesh = init_device_mesh("cpu", (2,))
+
+    def state(step: int) -> dict[str, Any]:
+        full = torch.randn(256, 64, generator=torch.Generator().manual_seed(step))
+        return {"w": distribute_tensor(full, mesh, [Shard(0)]), "step": torch.tensor(step)}
+
+    save_checkpoint(directory, state(1), 1)
+    real = filesystem._write_item
+    if dist.get_rank() == 1:
+
+        def full(*args: Any, **kwargs: Any) -> Any:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        filesystem._write_item = full
+    try:
+        save_checkpoint(directory, state(2), 2)
+        raised = None
+    except CheckpointError as e:
+        raised = str(e)
+    filesystem._write_item = real
+    save_checkpoint(directory, state(3), 3)
+    return {"raised": raised}
+
+
+def test_two_ranks_both_raise_a_named_error_when_one_rank_runs_out_of_space(tmp_path: Path) -> None:
+    """The run stops cleanly on every rank: both raise CheckpointError with the step, the folder and "no space left"
+    (rank 0's own write went well), neither hangs, step 2 is not published, and a later save works."""
+    results = run_ranks(_two_ranks_one_disk_full, 2, timeout_s=120, args=(str(tmp_path),))
+    for r in results:
+        message = r["raised"]
+        assert message is not None and f"saving step 2 into {tmp_path} failed" in message, message
+        assert "no space left on the device" in message, message
+    assert not (tmp_path / "step_00000002").exists()
+    assert verify_checkpoint(tmp_path / "step_00000003") == []
 
 
 # ---------------------------------------------------------------- the DLRM example

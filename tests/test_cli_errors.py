@@ -19,6 +19,7 @@ from embark_torchrec.plan.ranges import (
     HARDWARE_RANGES,
     MAX_BATCH_SIZE,
     MAX_DIM,
+    MAX_PLANNED_WORLD_SIZE,
     MAX_POOLING,
     MAX_ZIPF_ALPHA,
     MIN_UNIQUE_RATIO,
@@ -96,6 +97,14 @@ def test_bad_world_sizes_are_one_line(
 ) -> None:
     """A world size of 0 and a missing --local-world-size are argument errors (one line, no usage dump)."""
     _user_error(capsys, [str(spec_file), *sizes], "world-size")
+
+
+def test_a_world_size_beyond_what_plans_in_minutes_is_one_line_before_planning(
+    spec_file: Path, capsys: pytest.CaptureFixture[str], no_planning: None
+) -> None:
+    """--world-size 1000000 passed the argument check (2**20) and then planned for longer than anyone waits."""
+    argv = [str(spec_file), "--world-size", "1000000", "--local-world-size", "8"]
+    _user_error(capsys, argv, "--world-size", f"at most {MAX_PLANNED_WORLD_SIZE} ranks", "1000000")
 
 
 def test_local_world_size_must_divide_world_size(spec_file: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -198,14 +198,18 @@ def test_cli_failing_script_returns_its_code_and_leaves_nothing(
     before = _network_state()
     start = time.monotonic()
     proc = subprocess.run(_cli("--", str(script)), capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and time.monotonic() - start < 60
-    assert "node 1's torchrun exited" in proc.stderr
+    assert proc.returncode == 3 and time.monotonic() - start < 60, proc.stderr[-3000:]
+    assert "node 1's torchrun exited 3" in proc.stderr
     assert _network_state() == before
 
 
-def test_cli_interrupted_leaves_nothing(emulated: cluster.EmulatedCluster, tmp_path: Path) -> None:
-    """Ctrl-C (SIGINT) while the script runs: exit 130, no namespace, link or process left; also when the CLI
-    starts with SIGINT ignored, as a shell's background job (and all it starts) does."""
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_cli_interrupted_leaves_nothing(
+    emulated: cluster.EmulatedCluster, tmp_path: Path, sig: signal.Signals, code: int
+) -> None:
+    """Ctrl-C (SIGINT) or SIGTERM while the script runs: exit 128 + the signal (SIGTERM exited 130), no namespace,
+    link or process left; also when the CLI starts with SIGINT ignored, as a shell's background job (and all it
+    starts) does."""
     script = tmp_path / "sleep.py"
     script.write_text("import time\ntime.sleep(120)\n")
     before = _network_state()
@@ -221,9 +225,9 @@ def test_cli_interrupted_leaves_nothing(emulated: cluster.EmulatedCluster, tmp_p
         time.sleep(0.2)
     assert _network_state() != before, "the cluster never came up"
     time.sleep(3)  # the agents start
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
+    assert proc.returncode == code, err
     assert _network_state() == before
     assert not _processes_running(script)
 
@@ -239,3 +243,89 @@ def test_refusals_name_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
         cluster.preflight()
     with pytest.raises(ValueError, match="--link-mbit"):
         cluster.ClusterSpec(nodes=2, gpus_per_node=1, link_mbit=0)
+
+
+# ---------------------------------------------------------------- the CLI's edges, without namespaces
+
+
+def _one_line_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], *words: str) -> None:
+    with pytest.raises(SystemExit) as raised:
+        cluster.main(argv)
+    out, err = capsys.readouterr()
+    assert raised.value.code == 2 and out == "", (raised.value.code, out, err)
+    assert err.count("\n") == 1 and err.startswith("embark_torchrec.cluster: ") and "Traceback" not in err, err
+    for word in words:
+        assert word in err, err
+
+
+def test_user_errors_are_one_line_exit_2_before_anything_is_made(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--log-dir naming a file (a FileExistsError traceback before), a missing or bad flag, no script, not root: one
+    line on stderr (no "output is kept in" line after it), exit 2, and no cluster made."""
+
+    def made(*args: Any) -> None:
+        raise AssertionError("made a cluster before refusing the arguments")
+
+    monkeypatch.setattr(cluster.EmulatedCluster, "__enter__", made)
+    a_file = tmp_path / "taken"
+    a_file.write_text("")
+    sizes = ["--nodes", "2", "--gpus-per-node", "1", "--link-mbit", "100"]
+    _one_line_exit_2(capsys, [*sizes, "--log-dir", str(a_file), "--", "x.py"], "--log-dir", str(a_file), "not a folder")
+    _one_line_exit_2(capsys, [*sizes, "--log-dir", str(a_file / "sub"), "--", "x.py"], "--log-dir", "cannot be made")
+    _one_line_exit_2(capsys, ["--gpus-per-node", "1", "--link-mbit", "100", "--", "x.py"], "--nodes")
+    _one_line_exit_2(capsys, ["--nodes", "two", "--gpus-per-node", "1", "--link-mbit", "1", "--", "x.py"], "--nodes")
+    _one_line_exit_2(capsys, [*sizes[:4], "--link-mbit", "0", "--", "x.py"], "--link-mbit")
+    _one_line_exit_2(capsys, sizes, "give the script")
+    monkeypatch.undo()  # not root: refused by __enter__'s preflight, before anything is made
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert cluster.main([*sizes, "--", "x.py"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs root" in err, err
+
+
+def test_a_signal_exits_128_plus_its_number(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """SIGTERM while the job runs: exit 143 (it was 130, as for Ctrl-C); SIGHUP 129; the cluster is left."""
+
+    class Signalling:
+        """Stands in for the namespaces: the job receives `sig` while it runs."""
+
+        left = False
+
+        def __init__(self, spec: cluster.ClusterSpec) -> None:
+            self.prefix = "fake"
+
+        def __enter__(self) -> "Signalling":
+            return self
+
+        def __exit__(self, *exc: Any) -> None:
+            Signalling.left = True
+
+        def run(self, script: list[str], **kwargs: Any) -> int:
+            os.kill(os.getpid(), sig)
+            time.sleep(10)
+            return 0
+
+    monkeypatch.setattr(cluster, "EmulatedCluster", Signalling)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        for sig, code in ((signal.SIGTERM, 143), (signal.SIGHUP, 129), (signal.SIGINT, 130)):
+            Signalling.left = False
+            argv = ["--nodes", "1", "--gpus-per-node", "1", "--link-mbit", "1", "--log-dir", str(tmp_path), "--", "x"]
+            assert cluster.main(argv) == code, sig
+            assert Signalling.left
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+
+
+def test_the_agent_exits_with_its_worst_ranks_code(tmp_path: Path) -> None:
+    """torchrun exits 1 for any failed rank; the cluster's agent (torchrun's launcher) exits with the rank's own
+    code, 3 here, so that the CLI can return the worst one."""
+    script = tmp_path / "fail.py"
+    script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
+    cmd = [sys.executable, "-m", "embark_torchrec.cluster_agent", "--standalone", "--nproc-per-node", "2", str(script)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "exitcode  : 3" in proc.stderr, proc.stderr[-3000:]

@@ -32,7 +32,13 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from embark_torchrec.checkpoint import MANIFEST_NAME, checkpoint_path, save_checkpoint, verify_checkpoint
+from embark_torchrec.checkpoint import (
+    MANIFEST_NAME,
+    checkpoint_path,
+    release_checkpoint_directory,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from embark_torchrec.testing.checkpoints import HOSTILE_MANIFESTS, leave_rename_window
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,6 +158,7 @@ def _plant_what_resume_must_skip(directory: Path) -> list[str]:
     """Newer steps that verify but are another model's, or whose manifest is hostile, and the last good step left in
     the rename window; returns the starts of the lines resume must print about them."""
     save_checkpoint(directory, {"other_model": torch.zeros(3)}, STEPS)
+    release_checkpoint_directory(directory)  # this process saved into it: give it back for run C
     hostile = {2 * EVERY + 2: "deeply_nested_json", 2 * EVERY + 1: "5000_digit_step"}
     for step, name in hostile.items():
         shutil.copytree(checkpoint_path(directory, 2 * EVERY), checkpoint_path(directory, step))

@@ -33,6 +33,7 @@ from embark_torchrec.plan.groups import builtin_sharding_type
 from embark_torchrec.plan.layout import Plan, TableLayout, WirePrecision, sharding_type_name
 from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.plan.planner import TORCHREC_DEFAULT, EmbarkPlanner, default_hardware
+from embark_torchrec.plan.ranges import MAX_PLANNED_WORLD_SIZE
 from embark_torchrec.plan.search import SearchConfig
 from embark_torchrec.sharding.parameter_sharding import module_sharding_plan
 from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
@@ -877,3 +878,18 @@ def test_a_plan_whose_cost_is_not_finite_is_refused_by_name(monkeypatch: pytest.
     with pytest.raises(plan_model_module.CostError, match=words):
         planner.plan(_ebc(TABLES[:2]), [EmbarkEmbeddingBagCollectionSharder()])
     assert planner.plans == {}
+
+
+def test_a_world_size_beyond_what_plans_in_minutes_is_refused_up_front() -> None:
+    """EmbarkPlanner(world_size=10**6, local_world_size=8).plan(...) had not returned after 120 s (the argument check
+    allowed 2**20): the planner refuses above MAX_PLANNED_WORLD_SIZE on construction, and a job's own world size
+    read at plan time, naming the limit and why; at the limit it constructs."""
+    with pytest.raises(SpecError, match=rf"field 'world_size'.*at most {MAX_PLANNED_WORLD_SIZE} ranks, got 1000000.*"):
+        EmbarkPlanner(world_size=10**6, local_world_size=8)
+    EmbarkPlanner(world_size=MAX_PLANNED_WORLD_SIZE, local_world_size=8)
+    module = EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=10, feature_names=["f"])],
+        device=torch.device("meta"),
+    )
+    with fake_world(MAX_PLANNED_WORLD_SIZE * 2), pytest.raises(SpecError, match="at most"):
+        EmbarkPlanner(batch_size=8).plan(module, [EmbarkEmbeddingBagCollectionSharder()])

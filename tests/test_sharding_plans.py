@@ -7,6 +7,7 @@ One 4-rank spawn (2 nodes x 2) trains all four models; the load_plan tests need 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from torchrec.distributed.types import ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from embark_torchrec.plan.layout import Plan, PlanError, TableLayout
+from embark_torchrec.plan.layout import Plan, PlanError, TableLayout, WirePrecision
 from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.plan.groups import builtin_sharding_type
 from embark_torchrec.sharding.parameter_sharding import module_sharding_plan
@@ -233,6 +234,48 @@ def test_load_plan_refuses_mismatches(case: str, tmp_path: Path) -> None:
     SMALL_PLAN.save(path)
     with pytest.raises(PlanError, match=message):
         load_plan(path, _Model(tables), world_size=world_size, compute_device="cpu")
+
+
+@pytest.mark.parametrize(
+    "precision, allreduce, field, words",
+    [
+        (WirePrecision("fp32", "fp8"), "fp32", "precision.backward", "data-parallel gradients at fp8"),
+        (WirePrecision("fp32", "fp16"), "fp32", "precision.backward", "allreduce_precision fp32"),
+        (WirePrecision("fp8", "fp16"), "fp16", "precision.forward", "runs at fp32, not fp8"),
+    ],
+)
+def test_load_plan_refuses_a_data_parallel_precision_that_would_not_run_by_table_and_field(
+    tmp_path: Path, precision: WirePrecision, allreduce: str, field: str, words: str
+) -> None:
+    """A plan file's data-parallel table at fp8 (or at another precision than the plan's all-reduce) was accepted
+    and trained at fp32 without a word: the example passed a precision string to the DDP wrapper, so the per-table
+    check never ran. load_plan, the path every plan file takes, refuses it naming the file, table and field."""
+    layouts = {**SMALL_PLAN.tables, "dp": TableLayout.data_parallel(precision)}
+    path = tmp_path / "plan.json"
+    Plan(SMALL_PLAN.world_size, SMALL_PLAN.local_world_size, layouts, {}, allreduce).save(path)
+    with pytest.raises(PlanError) as raised:
+        load_plan(path, _Model(SMALL), world_size=WORLD_SIZE, compute_device="cpu")
+    message = str(raised.value)
+    assert message.startswith(f"{path}: table 'dp': field '{field}': ") and words in message, message
+
+
+def test_load_plan_of_50000_cells_takes_seconds(tmp_path: Path) -> None:
+    """A hand-made plan of one table cut into 25 x 2,000 cells loads in seconds (~5 s on a 2-core box): load_plan is
+    linear in cells. It took minutes (100,000 cells in 100 x 1,000: 128 s), as torch's EnumerableShardingSpec compared
+    each cell with its whole row and the grid reader searched the bounds for every cell; the bound is loose, for
+    loaded machines."""
+    rows, cols = 25, 2000
+    # cells taller than wide: torch's sweep line then runs along the rows, comparing each cell with its whole row
+    table = EmbeddingBagConfig(name="wide", num_embeddings=rows * 8, embedding_dim=cols * 4, feature_names=["w"])
+    ranks = tuple(tuple(r * cols + c for c in range(cols)) for r in range(rows))
+    layout = TableLayout("rb", tuple(range(0, rows * 8 + 1, 8)), tuple(range(0, cols * 4 + 1, 4)), ranks)
+    path = tmp_path / "plan.json"
+    Plan(rows * cols, cols, {"wide": layout}).save(path)
+    start = time.perf_counter()
+    sharding = load_plan(path, _Model([table]), world_size=rows * cols, compute_device="cpu", local_world_size=cols)
+    seconds = time.perf_counter() - start
+    assert len(sharding.plan["sparse.ebc"]["wide"].sharding_spec.shards) == rows * cols
+    assert seconds < 60, f"load_plan took {seconds:.1f} s for {rows * cols} cells"
 
 
 def test_load_plan_refuses_the_wrong_process_group_size() -> None:

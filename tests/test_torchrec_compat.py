@@ -16,6 +16,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     ComputeDevice,
     SplitTableBatchedEmbeddingBagsCodegen,
 )
+from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
 from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
 
 from embark_torchrec.sharding.torchrec_compat import (
@@ -23,6 +24,7 @@ from embark_torchrec.sharding.torchrec_compat import (
     fbgemm_release,
     lookup_tbes,
     supports_variable_batch,
+    tiled_sharding_spec,
 )
 
 pytestmark = pytest.mark.torchrec_version
@@ -277,3 +279,9 @@ def test_input_exchange_internals_exist() -> None:
     assert list(inspect.signature(KJTListSplitsAwaitable.__init__).parameters)[1:3] == ["awaitables", "ctx"]
     assert "self.awaitables = awaitables" in inspect.getsource(KJTListSplitsAwaitable.__init__)
     assert "if isinstance(awaitable, KJTSplitsAllToAllMeta)" in inspect.getsource(FusedKJTListSplitsAwaitable.__init__)
+
+
+def test_tiled_sharding_spec_equals_the_spec_torch_validates() -> None:
+    """tiled_sharding_spec skips only EnumerableShardingSpec's overlap check: for a grid it equals torch's own."""
+    shards = [ShardMetadata([r, c], [2, 4], f"rank:{r + c // 4}/cpu") for r in (0, 2) for c in (0, 4)]
+    assert tiled_sharding_spec(shards) == EnumerableShardingSpec(shards)

@@ -30,7 +30,7 @@ from .plan_model import check_finite, plan_model
 from .report import ProgressLine, ScoredPlan, plot_rank_loads, progress_line, render, summary
 from .spec import ModelSpec, SpecError, builtin_model, load_model_spec
 from .hardware_file import HardwareError, resolve_hardware
-from .ranges import MAX_BATCH_SIZE, MAX_HBM_GB, MAX_WORLD_SIZE
+from .ranges import MAX_BATCH_SIZE, MAX_HBM_GB, MAX_WORLD_SIZE, planned_world_size_refusal
 from .topology import DEFAULT_HARDWARE, PRESETS, Hardware, Topology
 
 
@@ -100,7 +100,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _check_output(flag: str, path: Path | None) -> None:
+def check_output(flag: str, path: Path | None) -> None:
     """Refuses, before planning, an output path that cannot be written: its directory missing or
     read-only, or the path an existing directory or read-only file."""
     if path is None:
@@ -146,8 +146,11 @@ def _run(args: argparse.Namespace) -> int:
     unknown = sorted(set(compare) - set(BASELINES))
     if unknown:
         raise UsageError(f"unknown baselines {unknown}; known: {sorted(BASELINES)}")
-    _check_output("--out", args.out)
-    _check_output("--plot", args.plot)
+    too_many = planned_world_size_refusal(args.world_size)
+    if too_many is not None:
+        raise UsageError(f"--world-size: {too_many}")
+    check_output("--out", args.out)
+    check_output("--plot", args.plot)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs matplotlib (pip install 'embark-torchrec[plot]')")
     hardware = _load_hardware(args.hardware, args.hbm_gb)

@@ -17,6 +17,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Collection, Mapping, Sequence, TypeVar
 
+from .files import DOCUMENT_MAX_BYTES, read_regular
+
 INT64_MAX = 2**63 - 1  # TorchRec holds sizes and offsets in int64 tensors
 
 # Every attribute of an empty torch.nn.ModuleDict (torch 2.13): TorchRec keeps a collection's tables in
@@ -256,12 +258,13 @@ def table_kind(value: Any, field: str) -> str:
 
 def read_document(path: str | Path, error: type[FieldError], allow_yaml: bool) -> Any:
     """The parsed contents of a JSON file (YAML when allow_yaml and it ends in .yaml/.yml). An
-    unreadable file, bytes that are not UTF-8, an empty file, invalid or too deeply nested JSON/YAML
+    unreadable file, anything but a regular file (a FIFO would block every rank that opens it), a file over
+    DOCUMENT_MAX_BYTES, bytes that are not UTF-8, an empty file, invalid or too deeply nested JSON/YAML
     and a key given twice in one object are all `error`s naming the file."""
     p = Path(path)
     try:
-        raw = p.read_bytes()
-    except OSError as e:
+        raw = read_regular(p, DOCUMENT_MAX_BYTES)
+    except OSError as e:  # also NotARegularFile and FileTooLarge, whose message says which
         raise error(f"cannot read: {e.strerror or e}", file=str(p)) from None
     try:
         content = raw.decode("utf-8")

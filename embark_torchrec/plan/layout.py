@@ -288,6 +288,31 @@ class Plan:
                         f"over its cap of {cap_bytes / 1e9:.2f} GB"
                     )
 
+    def check_replicated_precision(self) -> None:
+        """Refuses, by table and field, a data-parallel table's precision that would not run as written: its
+        gradients travel in DDP's all-reduce with the dense part, at the plan's allreduce_precision alone (fp8 is
+        none DDP runs), and it sends no embeddings forward (each rank looks up its own batch), so its forward is
+        fp32. A plan file's other precision was trained at the plan's without a word."""
+        for name, layout in self.tables.items():
+            if not layout.kind.replicated:
+                continue
+            where = f"table {name!r}"
+            if layout.precision.backward != self.allreduce_precision:
+                raise PlanError(
+                    f"data-parallel gradients at {layout.precision.backward}, but DDP all-reduces every data-parallel "
+                    f"table and the dense part at the plan's allreduce_precision {self.allreduce_precision} (one of "
+                    f"{list(ALLREDUCE_PRECISIONS)})",
+                    "precision.backward",
+                    where,
+                )
+            if layout.precision.forward != "fp32":
+                raise PlanError(
+                    "a data-parallel table sends no embeddings (each rank looks up its own batch), so it runs at "
+                    f"fp32, not {layout.precision.forward}",
+                    "precision.forward",
+                    where,
+                )
+
     def to_dict(self) -> dict[str, Any]:
         tables = {}
         for name, t in self.tables.items():
@@ -359,20 +384,22 @@ def grid_from_shards(
     leaving a gap. The one parser of shard lists: plan files and the runtime's ShardMetadata."""
     row_bounds = sorted({b for s in shards for b in s.rows})
     col_bounds = sorted({b for s in shards for b in s.cols})
+    row_at = {b: i for i, b in enumerate(row_bounds)}  # a bound's index, in constant time: linear in cells overall
+    col_at = {b: i for i, b in enumerate(col_bounds)}
     cell: dict[tuple[int, int], int] = {}
     for s in shards:
         (r0, r1), (c0, c1) = s.rows, s.cols
         if r0 >= r1 or c0 >= c1:
             raise PlanError(f"{where}: empty shard rows {list(s.rows)} cols {list(s.cols)}")
-        for r in range(row_bounds.index(r0), row_bounds.index(r1)):
-            for c in range(col_bounds.index(c0), col_bounds.index(c1)):
+        for r in range(row_at[r0], row_at[r1]):
+            for c in range(col_at[c0], col_at[c1]):
                 if (r, c) in cell:
                     raise PlanError(
                         f"{where}: shards overlap at rows {row_bounds[r]}:{row_bounds[r + 1]} "
                         f"cols {col_bounds[c]}:{col_bounds[c + 1]}"
                     )
                 cell[(r, c)] = s.rank
-        if (row_bounds.index(r1) - row_bounds.index(r0)) * (col_bounds.index(c1) - col_bounds.index(c0)) != 1:
+        if (row_at[r1] - row_at[r0]) * (col_at[c1] - col_at[c0]) != 1:
             raise PlanError(
                 f"{where}: shard rows {list(s.rows)} cols {list(s.cols)} is not one cell of the table's grid"
             )

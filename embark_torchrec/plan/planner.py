@@ -26,7 +26,7 @@ from .layout import SHARDING_TYPE_PREFIX, Plan, PlanError, TableLayout
 from .torchrec_types import ceil_row_bounds
 from .report import ScoredPlan, render
 from .plan_model import PlannedModel, plan_model
-from .ranges import MAX_WORLD_SIZE
+from .ranges import MAX_WORLD_SIZE, planned_world_size_refusal
 from .search import SearchConfig
 from .spec import IdDistribution, ModelSpec, SpecError, module_tables
 from .hardware_file import resolve_hardware
@@ -324,6 +324,9 @@ def _check_arguments(
                 raise FieldError(f"{value} contradicts the topology's {name} {given}; give one of them", name)
         world = world_size or getattr(topology, "world_size", None)
         local = local_world_size or getattr(topology, "local_world_size", None)
+        too_many = planned_world_size_refusal(world) if isinstance(world, int) else None
+        if too_many is not None:
+            raise FieldError(too_many, "world_size")
         if world is not None and local is not None and world % local:
             raise FieldError(f"{local} does not divide the world size {world} into nodes", "local_world_size")
         device = compute_device if compute_device is not None else getattr(topology, "compute_device", None)
@@ -457,6 +460,9 @@ class EmbarkPlanner(ShardingPlanner):
             dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         )
         lws = self.local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", str(ws)))
+        too_many = planned_world_size_refusal(ws)
+        if too_many is not None:  # the job's own world size, read here (the arguments' was checked on construction)
+            raise SpecError(f"EmbarkPlanner: {too_many}")
         return Topology(ws, lws, self.hardware)
 
     def _progress(self) -> bool | None:

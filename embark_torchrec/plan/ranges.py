@@ -15,6 +15,11 @@ MAX_DIM = 2**16  # embedding width: 65,536 (fbgemm's kernels stop at a few thous
 MAX_POOLING = 1e6  # IDs per sample of one table (a sequence table's mean length)
 MAX_BATCH_SIZE = 2**31 - 1  # global samples per step
 MAX_WORLD_SIZE = 2**20  # ranks of one job, and of one node: a million (the largest jobs run ~1e5 GPUs)
+# ranks the planner plans for (EmbarkPlanner, the plan CLI); plan files and load_plan take up to MAX_WORLD_SIZE.
+# Planning prices every candidate layout over every rank, so its time grows with the ranks (and the tables): 8
+# tables (EmbarkPlanner.plan, 10k-80k rows x 64) on the shared 2-core box (load 7-9) planned in 37 s at 512 ranks,
+# 54 s at 1,024, 66 s at 2,048, 241 s at 4,096 and 434 s at 8,192; at 10**6 ranks it had not returned after 120 s.
+MAX_PLANNED_WORLD_SIZE = 8192
 MIN_UNIQUE_RATIO = 1e-9  # distinct / total IDs in one rank's batch: at least 1 in 1e9 (and at most 1)
 MAX_ZIPF_ALPHA = 10.0  # Zipf's exponent (real ID streams: ~0.5..2; at 10, 99.9% of the draws are the hottest ID)
 
@@ -47,3 +52,15 @@ HARDWARE_RANGES: dict[str, tuple[float, float, bool]] = {
     "collective_us": (0.0, MAX_COLLECTIVE_US, True),
     "host_cores": (0, MAX_HOST_CORES, True),
 }
+
+
+def planned_world_size_refusal(world_size: int) -> str | None:
+    """Why the planner will not plan for `world_size` ranks, or None: above MAX_PLANNED_WORLD_SIZE its time (which
+    grows with the ranks) is no longer minutes, and a planner that does not return is worse than a refusal."""
+    if world_size <= MAX_PLANNED_WORLD_SIZE:
+        return None
+    return (
+        f"the planner plans for at most {MAX_PLANNED_WORLD_SIZE} ranks, got {world_size}: its time grows with the "
+        f"ranks (minutes at {MAX_PLANNED_WORLD_SIZE}: ~7 for 8 tables on 2 cores), so beyond that it would not "
+        f"return in useful time; plan files and load_plan take up to {MAX_WORLD_SIZE} ranks"
+    )

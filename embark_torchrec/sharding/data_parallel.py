@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.types import ShardedModule, ShardingEnv
 
-from ..plan.layout import ALLREDUCE_PRECISIONS, Plan, PlanError
+from ..plan.layout import ALLREDUCE_PRECISIONS, Plan
 from .torchrec_compat import data_parallel_lookup_ddps
 
 COMPRESS_HOOKS: dict[str, Callable[..., Any]] = {
@@ -59,15 +59,11 @@ class PlanPrecisionDataParallelWrapper(DefaultDataParallelWrapper):
 
 def data_parallel_wrapper(plan: Plan | str) -> PlanPrecisionDataParallelWrapper:
     """DMP's DDP wrapper all-reducing at `plan`'s allreduce_precision (or the precision given by name). A plan
-    whose data-parallel tables' gradients are at another precision is refused by table: one precision runs for all."""
+    whose data-parallel tables are at another precision is refused by table and field (Plan.check_replicated_precision,
+    which load_plan runs too): one precision runs for all."""
     if isinstance(plan, Plan):
+        plan.check_replicated_precision()
         precision = plan.allreduce_precision
-        for name, layout in plan.tables.items():
-            if layout.kind.replicated and layout.precision.backward != precision:
-                raise PlanError(
-                    f"table {name!r}: data-parallel gradients at {layout.precision.backward}, but DDP all-reduces "
-                    f"every data-parallel table and the dense part at the plan's allreduce_precision {precision}"
-                )
     else:
         precision = plan
     return PlanPrecisionDataParallelWrapper(precision)

@@ -41,8 +41,10 @@ def load_plan(
     intra-node groups and our hierarchical reduction use: LOCAL_WORLD_SIZE as torchrun sets it), a table
     the module lacks or a module table the plan lacks, a table named in two collections, a table the
     plan records as another kind (sequence / pooled) than its collection's, layouts that do not tile
-    the module's tables exactly, and a rank whose embedding weights alone exceed `memory_cap_bytes`
-    (default: the compute device's memory, a GPU's total or this host's on CPU), naming the rank, its
+    the module's tables exactly, a data-parallel table at a precision DDP would not run it at
+    (Plan.check_replicated_precision: fp8, or other than the plan's allreduce_precision), and a rank
+    whose embedding weights alone exceed `memory_cap_bytes` (default: the compute device's memory, a
+    GPU's total or this host's on CPU), naming the rank, its
     largest table and the sizes. Optimizer state is not counted (the sharder's optimizer is not known
     here), so a plan that passes may still not fit; one that fails cannot.
     """
@@ -77,6 +79,7 @@ def _sharding_plan(
     if expected_ws is not None and loaded.world_size != expected_ws:
         raise PlanError(f"the plan is for world size {loaded.world_size}, but this job has {expected_ws} ranks")
     _check_node_size(loaded, local_world_size)
+    loaded.check_replicated_precision()
     device = compute_device or ("cuda" if torch.cuda.is_available() else "cpu")
     owners: dict[str, str] = {}
     collections = [(path, m) for path, m in module.named_modules() if isinstance(m, _COLLECTIONS)]

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
+from torch.distributed._shard.sharding_spec import ShardMetadata
 from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSharding
 
 from ..plan.groups import DATA_PARALLEL, sharding_type
 from ..plan.layout import Plan
 from ..plan.spec import ModelSpec
+from .torchrec_compat import tiled_sharding_spec
 
 
 def module_sharding_plan(plan: Plan, spec: ModelSpec, compute_device: str = "cuda") -> Any:
@@ -44,7 +45,7 @@ def module_sharding_plan(plan: Plan, spec: ModelSpec, compute_device: str = "cud
             sharding_type=kind,
             compute_kernel="fused",
             ranks=[s.rank for s in shards],
-            sharding_spec=EnumerableShardingSpec(metadata),
+            sharding_spec=tiled_sharding_spec(metadata),
         )
     return out
 

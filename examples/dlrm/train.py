@@ -54,6 +54,7 @@ from embark_torchrec import EmbarkEmbeddingBagCollectionSharder, EmbarkPlanner, 
 from embark_torchrec import calibrate as calibration
 from embark_torchrec import checkpoint
 from embark_torchrec.plan.baselines import table_row_wise_plan
+from embark_torchrec.plan.cli import UsageError, check_output
 from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.layout import ALLREDUCE_PRECISIONS, PRECISIONS, Plan, WirePrecision
 from embark_torchrec.plan.profile import profile_features
@@ -193,11 +194,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--eval-batches", type=_at_least(1), default=d.eval_batches, help="held-out batches per rank for AUROC"
     )
     p.add_argument(
-        "--checkpoint-dir", type=Path, help="torch.distributed.checkpoint directory (a step_<n> folder per save)"
+        "--checkpoint-dir",
+        type=Path,
+        help="torch.distributed.checkpoint directory (a step_<n> folder per save); one run at a time: a run whose "
+        "directory another live run holds stops before planning, naming that run",
     )
     p.add_argument("--save-every", type=_at_least(0), default=0, help="steps between checkpoints (0: only at the end)")
     p.add_argument(
-        "--resume", action="store_true", help="continue from the latest complete checkpoint in --checkpoint-dir"
+        "--resume",
+        action="store_true",
+        help="continue from the latest complete checkpoint in --checkpoint-dir; one at or past --steps trains "
+        "nothing: the run says so and ends (exit 0, steps_run 0, nothing saved)",
     )
     p.add_argument(
         "--pg-timeout-s",
@@ -515,6 +522,7 @@ class Trainer:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.world = world = init_distributed(args.local_world_size, args.pg_timeout_s, "examples/dlrm/train.py")
+        self._claim_outputs()
         torch.manual_seed(args.seed)  # the same dense initial weights on every rank and for every planner
         spec = load_spec(args.model, CriteoData.columns(args.data) if args.data else None).with_batch_size(
             args.batch_size * world.world_size
@@ -563,6 +571,28 @@ class Trainer:
         self.stats.reset()
         self.progress = Progress()
 
+    def _claim_outputs(self) -> None:
+        """What this run will write, checked on every rank before planning (a bad path surfaced only after planning,
+        on rank 0, and the other ranks reported gloo's "Connection closed by peer" first): rank 0 checks --plan-out
+        and tells every rank; --checkpoint-dir becomes this run's (checkpoint.claim_checkpoint_directory)."""
+        problem: list[str | None] = [None]
+        if self.world.rank == 0:
+            try:
+                check_output("--plan-out", self.args.plan_out)
+            except UsageError as e:
+                problem[0] = str(e)
+        dist.broadcast_object_list(problem, src=0)
+        if problem[0] is not None:
+            raise SystemExit(problem[0])
+        if self.args.checkpoint_dir:
+            previous = checkpoint.claim_checkpoint_directory(self.args.checkpoint_dir)
+            if previous is not None and self.world.rank == 0:
+                print(
+                    f"checkpoint directory {self.args.checkpoint_dir}: taken over from {previous.describe()}, "
+                    "whose process is gone",
+                    flush=True,
+                )
+
     def _report(self, plan: Plan | None, plan_s: float, spec: ModelSpec, topology: Topology) -> float | None:
         """Rank 0 prints the plan report (and writes --plan-out); returns the plan's estimated step ms."""
         if self.world.rank != 0:
@@ -593,15 +623,23 @@ class Trainer:
         step = int(state["step"])
         if self.world.rank == 0:
             print(f"resumed from {found.path} at step {step}", flush=True)
+            if step >= self.args.steps:
+                print(
+                    f"the checkpoint's step {step} is at or past --steps {self.args.steps}: nothing to train",
+                    flush=True,
+                )
         return step
 
     def train(self) -> None:
+        """Train from the resumed step to --steps; nothing when the checkpoint is at or past --steps."""
+        if self.start_step >= self.args.steps:
+            return
         self.model, self.progress = train(self.args, self.model, self.optimizer, self.data, self.world, self.start_step)
 
     def finish(self) -> None:
         args, world, progress = self.args, self.world, self.progress
         comm = comm_totals(self.stats, world.device)
-        steps_run = args.steps - self.start_step
+        steps_run = max(args.steps - self.start_step, 0)
         if args.checkpoint_dir and steps_run > 0:
             save_checkpoint(args.checkpoint_dir, self.model, self.optimizer, args.steps)
         auc = heldout_auroc(self.model, self.data, args.eval_batches, world)
@@ -639,9 +677,14 @@ class Trainer:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    trainer = Trainer(parse_args(argv))
-    trainer.train()
-    trainer.finish()
+    """One run; a checkpoint that cannot be claimed or saved ends it on every rank with one line naming the folder,
+    the step and the cause (every rank raises CheckpointError at the same point, so none waits on another)."""
+    try:
+        trainer = Trainer(parse_args(argv))
+        trainer.train()
+        trainer.finish()
+    except checkpoint.CheckpointError as e:
+        raise SystemExit(f"examples/dlrm/train.py: {e}") from None
 
 
 if __name__ == "__main__":
