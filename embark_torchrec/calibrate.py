@@ -754,7 +754,9 @@ def calibrate(
     measured |= measure_lookups(job, settings, optimizer)
     measured |= measure_dp_steps(job, settings, optimizer)
     so_far = _hardware(base_hw, measured, job)
-    measured |= measure_sharded_steps(job, settings, optimizer, replace(so_far, collective_us=0.0))
+    measured |= measure_sharded_steps(
+        job, settings, optimizer, replace(so_far, collective_us=0.0, oversubscribed_collective_us=0.0)
+    )
     if dense is not None:
         measured |= measure_dense(job, settings, dense)
     memory = _device_memory_gb(job)
@@ -782,6 +784,7 @@ def _hardware(
     if "unique_ns_per_id" in measured:
         figures["unique_ns_per_id"] = max(measured["unique_ns_per_id"]["median"], measured["dedup_ns_per_id"]["median"])
     figures["host_cores"] = job.shared_host_cores
+    figures["shared_host_ranks"] = job.world_size if job.shared_host_cores else 0
     if dense is not None:
         figures["dense_params_mb"] = dense.params * 4 / 1e6  # fp32 gradients
     if memory_gb is not None:
@@ -817,7 +820,7 @@ def _document(
 ) -> dict[str, Any]:
     sources = {field.name: "preset" for field in fields(Hardware)}
     sources |= {field: "measured" for field in (*_MEASURED_FIELDS, "unique_ns_per_id") if field in measured}
-    sources["host_cores"] = "machine"
+    sources["host_cores"] = sources["shared_host_ranks"] = "machine"
     if dense is not None:
         sources["dense_params_mb"] = "model"
     if memory_gb is not None:

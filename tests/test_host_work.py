@@ -45,7 +45,9 @@ OUR_CASES = [f"{kind}:{p}" for kind in OURS for p in PRECISIONS]
 BASELINE = "table_wise:fp32"
 OPS_GROWTH, OPS_SLACK = 1.5, 10  # aten ops at 16 tables <= ops at 4 tables * growth + slack
 SYNC_MARGIN = 4  # our syncs <= TorchRec table-wise's + margin
-OPS_RATIO = 2.0  # our aten ops <= TorchRec table-wise's x ratio
+# our aten ops <= TorchRec table-wise's x ratio: 2.0 until the input check's cheap path (rows alike, issue 41) took the
+# same 9 ops off both, which left UB at fp8 94 ops and the flat grid 92 against table-wise's 44 at 4 tables
+OPS_RATIO = 2.2
 # TorchRec's types below fp32 from the plan, each against the same type at fp32 with the sharder's codec registry:
 # case -> (the plan's precision, that registry). fp16: QCommsConfig(fp16)'s. Table-wise at fp8 (where the plan chose
 # TorchRec's sharding): our row-scaled codec told the width (QCommsConfig(FP8, fp8_quantize_dim)'s fbgemm codec has no

@@ -120,19 +120,19 @@ def test_groups_add_up(counted: list[dict[str, int]]) -> None:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_cost_model_charges_what_runs(counted: list[dict[str, int]], case: str) -> None:
     """The cost model's collectives for each case's plan are the ones its step issued (its groups' and the module's
-    split exchange), priced at collective_us."""
+    split exchange), each priced at the topology's collective_us (on cpu-gloo's shared host, at this world size)."""
     tables, layouts = CASES[case]
-    hw = PRESETS["cpu-gloo"]
+    topology = Topology(WS, LWS, PRESETS["cpu-gloo"])
     specs = tuple(TableSpec(t.name, t.num_embeddings, t.embedding_dim, 1.0, tuple(t.feature_names)) for t in tables)
-    step = CostModel(ModelSpec("m", WS * BATCH, specs), Topology(WS, LWS, hw)).evaluate(Plan(WS, LWS, dict(layouts)))
-    assert [step.collective_ms] * WS == pytest.approx([c[case] * hw.collective_us / 1e3 for c in counted])
+    step = CostModel(ModelSpec("m", WS * BATCH, specs), topology).evaluate(Plan(WS, LWS, dict(layouts)))
+    assert [step.collective_ms] * WS == pytest.approx([c[case] * topology.collective_us / 1e3 for c in counted])
 
 
 def test_cost_model_charges_each_distinct_group_once() -> None:
     """Each distinct group adds its own collectives to the plan's, once, whatever the number of tables in it."""
-    hw = PRESETS["cpu-gloo"]
     spec = ModelSpec("m", WS * 8, tuple(TableSpec(f"t{i}", ROWS, DIM, 2.0) for i in range(3)))
-    cost = CostModel(spec, Topology(WS, LWS, hw))
+    cost = CostModel(spec, Topology(WS, LWS, PRESETS["cpu-gloo"]))
+    price = cost.topology.collective_us / 1e3
 
     def collective_ms(layouts: Mapping[str, TableLayout]) -> float:
         return cost.evaluate(Plan(WS, LWS, dict(layouts))).collective_ms
@@ -140,15 +140,17 @@ def test_cost_model_charges_each_distinct_group_once() -> None:
     tw = {f"t{i}": TableLayout.table_wise(ROWS, DIM, i) for i in range(3)}
     one_group = collective_ms(tw)
     assert one_group > 0
-    dp_group = collectives_per_step("data_parallel") * hw.collective_us / 1e3  # its own DDP's all-reduce
+    dp_group = collectives_per_step("data_parallel") * price  # its own DDP's all-reduce
     assert collective_ms({**tw, "t2": TableLayout.data_parallel()}) == pytest.approx(one_group + dp_group)
     mixed = {**tw, "t1": LAYOUTS["embark_ub"][0], "t2": LAYOUTS["embark_rb_hier"][0]}
-    assert collective_ms(mixed) == pytest.approx(one_group + (4 + 6) * hw.collective_us / 1e3)
+    assert collective_ms(mixed) == pytest.approx(one_group + (4 + 6) * price)
     step = cost.evaluate(Plan(WS, LWS, mixed))
     assert step.step_ms == pytest.approx(
         step.lookup_ms + step.comm_ms + step.collective_ms + step.dp_allreduce_ms + step.dense_ms
     )
-    free = CostModel(spec, Topology(WS, LWS, hw.with_overrides(collective_us=0.0)))
+    free = CostModel(
+        spec, Topology(WS, LWS, PRESETS["cpu-gloo"].with_overrides(collective_us=0.0, oversubscribed_collective_us=0.0))
+    )
     assert free.evaluate(Plan(WS, LWS, mixed)).collective_ms == 0.0
 
 

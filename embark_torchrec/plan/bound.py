@@ -122,7 +122,7 @@ def step_lower_bound(
         least_group = max(least_group, _least_group_ms(cost, allowed_clusters(c)))
     collectives = max(sum(cost.group_ms(k) for k in fixed_kinds), least_group)
     idle = cost.step_cost(RankLoad.zeros(w))  # no table: the dense part alone
-    dense_compute = cost.local_batch / 1000.0 * hw.dense_ms_per_ksample
+    dense_compute = cost.dense_compute_ms
     dense_allreduce = idle.dense_ms - dense_compute
     # DDP's all-reduces hide behind the backward's share `hidden` of the compute, up to their length
     # (StepCost.overlap_ms), so a step is at least its compute with nothing of the all-reduces ...
@@ -141,4 +141,4 @@ def step_lower_bound(
 
 def _least_group_ms(cost: CostModel, clusters: tuple[str, ...]) -> float:
     """The fewest collectives a group of a table in these clusters issues, priced."""
-    return min(cluster_kind(k).fewest_collectives() for k in clusters) * cost.topology.hardware.collective_us / 1e3
+    return min(cluster_kind(k).fewest_collectives() for k in clusters) * cost.topology.collective_us / 1e3

@@ -442,7 +442,7 @@ class CostModel:
     def group_ms(self, kind: str) -> float:
         """What one sharding group of this sharding type (SEQUENCE_GROUP + type for sequence tables)
         costs per step in collective launches."""
-        return collectives_per_step(kind.removeprefix(SEQUENCE_GROUP)) * self.topology.hardware.collective_us / 1e3
+        return collectives_per_step(kind.removeprefix(SEQUENCE_GROUP)) * self.topology.collective_us / 1e3
 
     def collectives_ms(self, groups: Mapping[str, int]) -> float:
         """What a plan's sharding groups (RankLoad.groups) cost per step in collective launches: each group's
@@ -452,7 +452,13 @@ class CostModel:
         sequence = [kind.removeprefix(SEQUENCE_GROUP) for kind in kinds if kind.startswith(SEQUENCE_GROUP)]
         pooled = [kind for kind in kinds if not kind.startswith(SEQUENCE_GROUP)]
         count = module_collectives_per_step(pooled) + module_collectives_per_step(sequence)
-        return count * self.topology.hardware.collective_us / 1e3
+        return count * self.topology.collective_us / 1e3
+
+    @property
+    def dense_compute_ms(self) -> float:
+        """The dense part's forward + backward + optimizer on one rank's batch, scaled by the host's share on one
+        shared host."""
+        return self.local_batch / 1000.0 * self.topology.hardware.dense_ms_per_ksample * self.topology.host_share
 
     def rank_load(self, plan: Plan | Mapping[str, TableLayout]) -> RankLoad:
         tables = plan.tables if isinstance(plan, Plan) else plan
@@ -510,10 +516,10 @@ class CostModel:
         dense_bytes = hw.dense_params_mb * 1e6 / WEIGHT_BYTES * ELEMENT_BYTES[allreduce_precision]
         dense_ar = self.ring_allreduce_ms(*self.ring_allreduce_bytes(dense_bytes))
         if hw.dense_params_mb > 0:
-            dense_ar += DENSE_COLLECTIVES * hw.collective_us / 1e3
+            dense_ar += DENSE_COLLECTIVES * self.topology.collective_us / 1e3
         slowest = float(lookup.max())
         lookup_ms = max(slowest, float(lookup.sum()) / hw.host_cores) if hw.host_cores else slowest
-        dense_compute = self.local_batch / 1000.0 * hw.dense_ms_per_ksample
+        dense_compute = self.dense_compute_ms
         backward = (lookup_ms + dense_compute) * BACKWARD_COMPUTE_MULTIPLIER / (1.0 + BACKWARD_COMPUTE_MULTIPLIER)
         return StepCost(
             lookup_ms=lookup_ms,

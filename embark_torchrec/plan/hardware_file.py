@@ -49,7 +49,7 @@ VERSION = 1
 # measured here; read off the machine (memory, cores); counted in the model (dense parameters); from `base`
 SOURCES = ("measured", "machine", "model", "preset")
 
-OPTIONAL_FIELDS = ("update_ns_per_row", "inter_node_paired_ratio")
+OPTIONAL_FIELDS = ("update_ns_per_row", "inter_node_paired_ratio", "shared_host_ranks", "oversubscribed_collective_us")
 _TOP_KEYS = ("format", "version", "hardware", "base", "sources", "measurements", "run")
 _STAT_NUMBERS = ("median", "p25", "p75", "min", "max")
 _STAT_KEYS = (*_STAT_NUMBERS, "samples", "unit", "what")
@@ -156,6 +156,16 @@ def check_document(d: Any, file: str = "") -> Hardware:
 def load_hardware(path: str | Path) -> Hardware:
     """The Hardware of a hardware file; any problem is a HardwareError naming the file and the field."""
     return check_document(read_document(path, HardwareError, allow_yaml=False), str(path))
+
+
+def hardware_sources(value: str | Hardware) -> dict[str, str] | None:
+    """Which figures a hardware file's document says were measured ("sources"), for the plan report; None for a
+    preset, a Hardware, or a file without sources."""
+    if not isinstance(value, str) or not names_a_file(value):
+        return None
+    document = read_document(value, HardwareError, allow_yaml=False)
+    check_document(document, value)
+    return dict(document["sources"]) if "sources" in document else None
 
 
 def save_hardware(path: str | Path, document: Mapping[str, Any]) -> None:

@@ -29,7 +29,7 @@ from .plan_model import PlannedModel, plan_model
 from .ranges import MAX_WORLD_SIZE, planned_world_size_refusal
 from .search import SearchConfig
 from .spec import IdDistribution, ModelSpec, SpecError, module_tables
-from .hardware_file import resolve_hardware
+from .hardware_file import hardware_sources, resolve_hardware
 from .topology import CPU_HARDWARE, DEFAULT_HARDWARE, Hardware, Topology
 
 
@@ -444,6 +444,7 @@ class EmbarkPlanner(ShardingPlanner):
         chosen = hardware if hardware is not None else default_hardware(self.compute_device)
         base = resolve_hardware(chosen)  # a Hardware, a preset name, or a hardware file's path
         self.hardware = hardware_from_torchrec(base, topology, storage_reservation)
+        self.hardware_sources = hardware_sources(chosen)  # a hardware file's measured figures, for the report
         self.id_distribution = id_distribution
         self.config = config or SearchConfig()
         self.optimizer = optimizer
@@ -602,7 +603,9 @@ class EmbarkPlanner(ShardingPlanner):
                 "nothing planned yet: call plan() or collective_plan() first (on rank 0 for collective_plan)"
             )
         return "\n\n".join(
-            render([ScoredPlan("embark", p.plan, p.cost, p.seconds)], p.topology, path or "model")
+            render(
+                [ScoredPlan("embark", p.plan, p.cost, p.seconds)], p.topology, path or "model", self.hardware_sources
+            )
             for path, p in self.plans.items()
         )
 

@@ -51,6 +51,8 @@ HARDWARE_RANGES: dict[str, tuple[float, float, bool]] = {
     },
     "collective_us": (0.0, MAX_COLLECTIVE_US, True),
     "host_cores": (0, MAX_HOST_CORES, True),
+    "shared_host_ranks": (0, MAX_WORLD_SIZE, True),
+    "oversubscribed_collective_us": (0.0, MAX_COLLECTIVE_US, True),
 }
 
 

@@ -9,14 +9,14 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence, TextIO
+from typing import Any, Callable, Mapping, Sequence, TextIO
 
 import numpy as np
 
 from .cost import StepCost
 from .fields import SEQUENCE
 from .layout import Plan, TableLayout
-from .topology import Topology
+from .topology import PRESET_CHECKS, PRESETS, Hardware, Topology
 
 _ALL_RANKS_UP_TO = 16
 _COSTLIEST_SHOWN = 8
@@ -160,8 +160,32 @@ def comparison_table(plans: Sequence[ScoredPlan]) -> str:
     return "\n".join(lines)
 
 
-def render(plans: Sequence[ScoredPlan], topology: Topology, model_name: str) -> str:
-    """The full text report: the first plan's ranks and clusters, then the comparison."""
+def hardware_line(hardware: Hardware, sources: Mapping[str, str] | None = None) -> str:
+    """Where the figures under the estimate come from, so a reader knows how far to trust it: a hardware file's
+    measured and preset figures (its "sources"), or a preset's, with how far off it has been measured to be."""
+    if sources:
+        measured = [f for f, s in sources.items() if s != "preset" and f != "name"]
+        preset = [f for f, s in sources.items() if s == "preset" and f != "name"]
+        return (
+            f"hardware figures measured (calibrate, on this machine or model): {', '.join(measured) or 'none'}; "
+            f"from the base preset: {', '.join(preset) or 'none'}"
+        )
+    if PRESETS.get(hardware.name) == hardware:
+        return (
+            f"hardware figures: all the {hardware.name} preset's, none measured on this machine; "
+            f"{PRESET_CHECKS[hardware.name]}"
+        )
+    return (
+        f"hardware figures: {hardware.name!r}, a preset with figures overridden or a hardware file given without its "
+        "sources: which were measured is not known here"
+    )
+
+
+def render(
+    plans: Sequence[ScoredPlan], topology: Topology, model_name: str, sources: Mapping[str, str] | None = None
+) -> str:
+    """The full text report: the first plan's ranks and clusters, then the comparison; `sources`: a hardware file's
+    (which figures were measured), for the hardware line."""
     main = plans[0]
     s = summary(main)
     hw = topology.hardware
@@ -173,6 +197,7 @@ def render(plans: Sequence[ScoredPlan], topology: Topology, model_name: str) -> 
         f"estimated step {s['step_ms']:.3f} ms = lookups {s['lookup_ms']:.3f} + embedding comm {s['comm_ms']:.3f} "
         f"+ collectives {s['collective_ms']:.3f} + DP all-reduce {s['dp_allreduce_ms']:.3f} "
         f"+ dense {s['dense_ms']:.3f}",
+        hardware_line(hw, sources),
         f"imbalance (max/mean load) {s['imbalance']:.2f}; clusters {s['clusters']}; tables by layout {s['kinds']}; "
         f"{s['shards']} shards; {s['hierarchical_tables']} tables reduce inside nodes first"
         + (f"; {s['sequence_tables']} sequence tables (one vector per ID)" if s["sequence_tables"] else "")

@@ -34,6 +34,13 @@ class Hardware:
     update_ns_per_row: float = 0.0
     dp_ns_per_element: float = 0.0  # per element of a data-parallel table per step: its dense gradient and update
     host_cores: int = 0  # > 0: every rank runs on one host with this many cores, so lookups share them
+    # with host_cores: the ranks that shared the host when dense_ms_per_ksample and collective_us were measured (each
+    # a rank's own host work); a plan for another number of ranks scales both by the cores a rank gets (Topology.
+    # host_share); 0: not scaled
+    shared_host_ranks: int = 0
+    # with shared_host_ranks: what each rank beyond the host's cores adds to a collective (its peers wait for it to be
+    # scheduled), a part of collective_us where the figures were measured with more ranks than cores
+    oversubscribed_collective_us: float = 0.0
 
     def with_overrides(self, **overrides: Any) -> "Hardware":
         known = {f.name for f in fields(self)}
@@ -100,12 +107,17 @@ PRESETS: dict[str, Hardware] = {
     ),
     # Gloo over loopback on a CPU box: what our CPU tests and the e2e benchmark run on. The medians of three runs
     # of python -m embark_torchrec.calibrate with 4 ranks as 2 nodes x 2 on this 2-core host on 2026-12-01, each
-    # field's median over the runs (README, "The cost model"): a sharding group's collective costs ~6.2 ms of a
-    # real DMP step (a bare all-to-all ~2 ms), all-to-all at ~0.62 GB/s per rank inside a "node" and ~0.71 GB/s
-    # across (both loopback), TBE lookups (forward + backward, fused row-wise Adagrad) at ~317 ns per ID plus
-    # ~10.3 GB/s of lookup bytes on rank 0 alone (the ranks share the 2 cores: host_cores), unique-based
+    # field's median over the runs (README, "The cost model"): all-to-all at ~0.62 GB/s per rank inside a "node" and
+    # ~0.71 GB/s across (both loopback), TBE lookups (forward + backward, fused row-wise Adagrad) at ~317 ns per ID
+    # plus ~10.3 GB/s of lookup bytes on rank 0 alone (the ranks share the 2 cores: host_cores), unique-based
     # tables' own host work at ~292 ns per ID; a data-parallel table's step (dense gradient, Adagrad over every row)
-    # at ~11.4 ns per element (one run, the fourth). The dense figure is not calibrated (it is the same for every plan).
+    # at ~11.4 ns per element (one run, the fourth). At the DLRM demo's shape (2 ranks, one per core:
+    # shared_host_ranks 2; issue 41): the dense figure is the example's --calibrate on the idle box at 4 ranks
+    # (41.3 ms per 1000 samples, benchmarks/e2e_calibrated.hardware.json) on a core of its own, half; collective_us
+    # is what is left of the demo's step measured on the idle box (25.9 ms, issue 41) after the lookups, bytes and
+    # dense part priced by these figures, per collective (5); each rank beyond the cores adds
+    # oversubscribed_collective_us to a collective, so that 4 ranks price the 7,126 us that calibration measured
+    # there. README "The cost model" says how far off these figures have been measured to be.
     "cpu-gloo": Hardware(
         name="cpu-gloo",
         hbm_gb=16.0,
@@ -113,12 +125,31 @@ PRESETS: dict[str, Hardware] = {
         hbm_bw_gbps=10.3,
         intra_node_bw_gbps=0.62,
         inter_node_bw_gbps=0.71,
-        dense_ms_per_ksample=50.0,
+        dense_ms_per_ksample=20.66,
         unique_ns_per_id=292.0,
-        collective_us=6150.0,
+        collective_us=824.0,
         lookup_ns_per_id=317.0,
         dp_ns_per_element=11.4,
         host_cores=2,
+        shared_host_ranks=2,
+        oversubscribed_collective_us=2739.0,
+    ),
+}
+# What each preset's estimate has been measured against, for the plan report (report.hardware_line)
+_PUBLIC = (
+    "public figures (README, 'The cost model'), not yet checked against a measured step of this project's on such a "
+    "GPU: measure your cluster (python -m embark_torchrec.calibrate) before trusting the estimate"
+)
+PRESET_CHECKS: dict[str, str] = {
+    "dgx-h100": _PUBLIC,
+    "dgx-a100": _PUBLIC,
+    "h200": _PUBLIC,
+    "cpu-gloo": (
+        "derived at the DLRM demo's shape on this project's idle 2-core box (issue 41): the demo's estimate is its "
+        "measured step at 2 ranks by construction (25.9 ms, to which collective_us was fitted) and 0.92x the step "
+        "measured at 4 ranks as 2 nodes x 2 (78.7 against 85.5 ms); a busy or other host differs "
+        "(benchmarks/demo_estimate.py measures it): the example's --calibrate, or python -m embark_torchrec.calibrate, "
+        "measures this one"
     ),
 }
 DEFAULT_HARDWARE = "dgx-h100"
@@ -145,6 +176,28 @@ class Topology:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if self.local_world_size < 1 or self.world_size % self.local_world_size:
             raise ValueError(f"local_world_size {self.local_world_size} must divide world_size {self.world_size}")
+
+    @property
+    def host_share(self) -> float:
+        """On one host whose cores every rank shares: how much longer a rank's own host work (its dense step, its
+        dists' work around each collective) takes at this world size than at the shared_host_ranks the figures were
+        measured with, as each rank gets cores / ranks of a core once ranks outnumber cores. 1 elsewhere."""
+        hw = self.hardware
+        if not hw.host_cores or not hw.shared_host_ranks:
+            return 1.0
+        return max(self.world_size, hw.host_cores) / max(hw.shared_host_ranks, hw.host_cores)
+
+    @property
+    def collective_us(self) -> float:
+        """One collective's cost at this world size: the hardware's collective_us, except on one shared host with
+        the ranks it was measured at, where its own part scales with host_share and each rank beyond the cores adds
+        oversubscribed_collective_us (both parts as measured at shared_host_ranks)."""
+        hw = self.hardware
+        if not hw.host_cores or not hw.shared_host_ranks:
+            return hw.collective_us
+        measured_over = max(0, hw.shared_host_ranks - hw.host_cores)
+        own = max(0.0, hw.collective_us - hw.oversubscribed_collective_us * measured_over)
+        return own * self.host_share + hw.oversubscribed_collective_us * max(0, self.world_size - hw.host_cores)
 
     @property
     def num_nodes(self) -> int:

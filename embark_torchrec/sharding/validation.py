@@ -101,7 +101,10 @@ class InputValidator:
     One host sync per batch: the IDs per key come from the KJT's own length_per_key (which TorchRec's input dist
     reads anyway, and the KJT caches), and every device-side check (negative lengths, IDs out of range, non-finite
     weights) is read back at once; dtypes are checked on the host. Per key order, the missing features and each
-    key's table rows are worked out once. Features are indexed in the module's config order, the same on every rank.
+    key's table rows are worked out once. Where every key of the batch is a feature of tables of one row count (all
+    of dlrm_main.py's 26, say), the range check is the IDs' smallest and largest and the sign check the lengths'
+    smallest (three ops, where a bound per ID takes eight); the bound per ID is built only to name or repair a bad
+    batch. Features are indexed in the module's config order, the same on every rank.
     """
 
     def __init__(
@@ -133,25 +136,29 @@ class InputValidator:
         self._policy = invalid_ids
         self._uniform_only = set(uniform_batch_features)
         self._weighted, self._collection = weighted, collection
-        # per key order: each key's table rows (-1: not ours), or the features missing from it
-        self._rows: Dict[tuple, torch.Tensor | List[str]] = {}
+        # per key order: each key's table rows (-1: not ours) and their one count when every key is ours and they
+        # agree, or the key order's fault
+        self._rows: Dict[tuple, Tuple[torch.Tensor, Optional[int]] | InputFault] = {}
 
-    def _rows_of(self, keys: List[str], device: torch.device) -> torch.Tensor | InputFault:
-        """Each key's table rows (-1: not ours), or the key order's fault: features missing, or given twice (TorchRec
-        would read the first and drop the other's IDs)."""
+    def _rows_of(self, keys: List[str], device: torch.device) -> Tuple[torch.Tensor, Optional[int]] | InputFault:
+        """Each key's table rows (-1: not ours) and, when every key is ours and of one row count, that count; or the
+        key order's fault: features missing, or given twice (TorchRec would read the first and drop the other's
+        IDs)."""
         order = tuple(keys)
         rows = self._rows.get(order)
-        if rows is None or (isinstance(rows, torch.Tensor) and rows.device != device):
+        if rows is None or (isinstance(rows, tuple) and rows[0].device != device):
             known = self._feature_tables
             present = set(keys)
             missing = [self._index[f] for f in known if f not in present]
             twice = [self._index[k] for k in dict.fromkeys(keys) if k in known and keys.count(k) > 1]
+            counts = [self._table_rows[known[k]] if k in known else -1 for k in keys]
+            alike = counts[0] if len(set(counts)) == 1 and counts[0] >= 0 else None
             rows = self._rows[order] = (
                 _naming(MISSING, missing)
                 if missing
                 else _naming(DUPLICATE_KEYS, twice)
                 if twice
-                else torch.tensor([self._table_rows[known[k]] if k in known else -1 for k in keys], device=device)
+                else (torch.tensor(counts, device=device), alike)
             )
         return rows
 
@@ -180,9 +187,10 @@ class InputValidator:
             uniform = [k for k in keys if k in self._uniform_only]
             if uniform:
                 return kjt, InputFault(VARIABLE_BATCH, self._index[uniform[0]])
-        rows = self._rows_of(keys, values.device)
-        if not isinstance(rows, torch.Tensor):
-            return kjt, rows
+        found = self._rows_of(keys, values.device)
+        if isinstance(found, InputFault):
+            return kjt, found
+        rows, alike = found
         bags = sum(kjt.stride_per_key()) if variable else len(keys) * kjt.stride()
         if lengths.numel() != bags:  # TorchRec's length_per_key would fail on this rank alone
             return kjt, InputFault(LENGTHS_COUNT, numbers=(lengths.numel(), bags, len(keys)))
@@ -199,20 +207,30 @@ class InputValidator:
         if total != values.numel() or (weights is not None and weights.numel() != values.numel()):
             counts = (total, values.numel(), -1 if weights is None else weights.numel())
             return kjt, InputFault(COUNTS, numbers=counts)
-        limit = rows.repeat_interleave(torch.tensor(per_key, device=values.device), output_size=total)
-        bad = (limit >= 0) & ((values < 0) | (values >= limit))
-        flags = [(lengths < 0).any(), bad.any()]
+        bounds = None if alike is not None and total else _bounds(rows, per_key, values, total)
+        # one row count: the lengths' least, the IDs' least and greatest; else any negative length, any ID out of bounds
+        flags = [lengths.min(), *torch.aminmax(values)] if bounds is None else [(lengths < 0).any(), bounds[1].any()]
         if inverse is not None:
             flags.append(_outside(*inverse).any())
         if weights is not None:
             flags.append(weights.isfinite().all())
         read = torch.stack(flags).tolist()
-        negative, any_bad = read[0], read[1]
+        checks = 3 if bounds is None else 2
+        if bounds is None:
+            assert alike is not None
+            negative, any_bad = read[0] < 0, read[1] < 0 or read[2] >= alike
+        else:
+            negative, any_bad = bool(read[0]), bool(read[1])
         if negative:
             return kjt, self._negative_lengths(kjt)
-        if inverse is not None and read[2]:
+        if inverse is not None and read[checks]:
             return kjt, self._inverse_outside(kjt, *inverse)
-        if weights is not None and not read[-1]:
+        finite = weights is None or bool(read[-1])
+        if not any_bad and finite:
+            return kjt, None
+        limit, bad = bounds or _bounds(rows, per_key, values, total)
+        if not finite:
+            assert weights is not None
             fault = self._non_finite_weights(keys, per_key, weights, limit)
             if fault is not None:  # else only keys this module does not read have them
                 return kjt, fault
@@ -415,6 +433,14 @@ class InputValidator:
 def _naming(kind: int, features: List[int]) -> InputFault:
     """A fault that names features (indices into the module's): how many, and the first few."""
     return InputFault(kind, numbers=(len(features), 0, 0), shown=tuple(features[:_SHOWN]))
+
+
+def _bounds(
+    rows: torch.Tensor, per_key: List[int], values: torch.Tensor, total: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Each ID's table rows (-1: a key this module does not read), and which IDs lie outside [0, rows)."""
+    limit = rows.repeat_interleave(torch.tensor(per_key, device=values.device), output_size=total)
+    return limit, (limit >= 0) & ((values < 0) | (values >= limit))
 
 
 def _outside(index: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:

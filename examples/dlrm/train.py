@@ -63,7 +63,7 @@ from embark_torchrec.plan.report import ScoredPlan, render
 from embark_torchrec.plan.search import SearchConfig
 from embark_torchrec.plan.wire import ELEMENT_BYTES
 from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec, builtin_model, load_model_spec
-from embark_torchrec.plan.hardware_file import check_document, resolve_hardware, save_hardware
+from embark_torchrec.plan.hardware_file import check_document, hardware_sources, resolve_hardware, save_hardware
 from embark_torchrec.plan.topology import Hardware, Topology
 from embark_torchrec.sharding.comm_stats import enable_comm_stats
 from embark_torchrec.sharding.parameter_sharding import module_sharding_plan
@@ -309,17 +309,20 @@ def dense_step(model: DLRMTrain, batch_size: int, dense_features: int, device: t
     return calibration.DenseStep(step=step, samples=batch_size, params=sum(p.numel() for p in dense.parameters()))
 
 
-def job_hardware(args: argparse.Namespace, world: World, dense: calibration.DenseStep | None) -> Hardware:
+def job_hardware(
+    args: argparse.Namespace, world: World, dense: calibration.DenseStep | None
+) -> tuple[Hardware, dict[str, str] | None]:
     """--hardware (a preset or a hardware file) or, with --calibrate, what every rank of this job measures,
     this model's dense part included (rank 0 writes the hardware file next to --plan-out, else in a temporary
-    directory)."""
+    directory); and which of its figures were measured (a hardware file's sources; None for a preset)."""
     chosen = args.hardware or (GPU_HARDWARE if world.device.type == "cuda" else CPU_HARDWARE)
     try:
         base = resolve_hardware(chosen)
+        sources = hardware_sources(chosen)
     except ValueError as e:  # HardwareError names the file and the field
         raise SystemExit(f"--hardware: {e}") from None
     if not args.calibrate:
-        return base
+        return base, sources
     settings = calibration.GPU_SETTINGS if world.device.type == "cuda" else calibration.CPU_SETTINGS
     settings = calibration.quick(settings) if args.calibrate == "quick" else settings
     document = calibration.calibrate(settings, chosen, dense=dense)
@@ -332,7 +335,7 @@ def job_hardware(args: argparse.Namespace, world: World, dense: calibration.Dens
         save_hardware(out, document)
         print(calibration.summary(document), flush=True)
         print(f"hardware file written to {out}", flush=True)
-    return check_document(document)
+    return check_document(document), dict(document["sources"])
 
 
 def allreduce_precision(args: argparse.Namespace) -> str:
@@ -537,7 +540,7 @@ class Trainer:
         spec = profile_features(profiled, spec, world_size=world.world_size).spec
         model = build_model(spec, self.data.dense_features, world.device)
         dense = dense_step(model, args.batch_size, self.data.dense_features, world.device) if args.calibrate else None
-        hardware = job_hardware(args, world, dense)
+        hardware, self.hardware_sources = job_hardware(args, world, dense)
         topology = Topology(world.world_size, world.local_world_size, hardware)
         sharder = EmbarkEmbeddingBagCollectionSharder(
             fused_params={
@@ -599,7 +602,8 @@ class Trainer:
             return None
         assert plan is not None
         cost = CostModel(spec, topology).evaluate(plan)
-        print(render([ScoredPlan(self.planner_name, plan, cost, plan_s)], topology, spec.name), flush=True)
+        scored = [ScoredPlan(self.planner_name, plan, cost, plan_s)]
+        print(render(scored, topology, spec.name, self.hardware_sources), flush=True)
         if self.args.plan_out:
             plan.save(self.args.plan_out)
             print(f"plan file written to {self.args.plan_out}", flush=True)
