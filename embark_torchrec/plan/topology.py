@@ -112,12 +112,11 @@ PRESETS: dict[str, Hardware] = {
     # plus ~10.3 GB/s of lookup bytes on rank 0 alone (the ranks share the 2 cores: host_cores), unique-based
     # tables' own host work at ~292 ns per ID; a data-parallel table's step (dense gradient, Adagrad over every row)
     # at ~11.4 ns per element (one run, the fourth). At the DLRM demo's shape (2 ranks, one per core:
-    # shared_host_ranks 2; issue 41): the dense figure is the example's --calibrate on the idle box at 4 ranks
-    # (41.3 ms per 1000 samples, benchmarks/e2e_calibrated.hardware.json) on a core of its own, half; collective_us
-    # is what is left of the demo's step measured on the idle box (25.9 ms, issue 41) after the lookups, bytes and
-    # dense part priced by these figures, per collective (5); each rank beyond the cores adds
-    # oversubscribed_collective_us to a collective, so that 4 ranks price the 7,126 us that calibration measured
-    # there. README "The cost model" says how far off these figures have been measured to be.
+    # shared_host_ranks 2; issue 41): dense_ms_per_ksample and collective_us are the example's own --calibrate
+    # (full, not quick) at 2 ranks on the idle box on 2026-12-06 (27.21 ms per 1000 samples of its dense part, every
+    # rank at once; 2,125 us per collective of a table-wise DMP step, IQR 1,961-2,289); each rank beyond the cores
+    # adds oversubscribed_collective_us to a collective, so that 4 ranks price the 7,126 us the 4-rank calibration of
+    # 2026-12-01 measured there. README "The cost model" says how far off these figures have been measured to be.
     "cpu-gloo": Hardware(
         name="cpu-gloo",
         hbm_gb=16.0,
@@ -125,14 +124,14 @@ PRESETS: dict[str, Hardware] = {
         hbm_bw_gbps=10.3,
         intra_node_bw_gbps=0.62,
         inter_node_bw_gbps=0.71,
-        dense_ms_per_ksample=20.66,
+        dense_ms_per_ksample=27.21,
         unique_ns_per_id=292.0,
-        collective_us=824.0,
+        collective_us=2125.0,
         lookup_ns_per_id=317.0,
         dp_ns_per_element=11.4,
         host_cores=2,
         shared_host_ranks=2,
-        oversubscribed_collective_us=2739.0,
+        oversubscribed_collective_us=1438.0,
     ),
 }
 # What each preset's estimate has been measured against, for the plan report (report.hardware_line)
@@ -145,9 +144,9 @@ PRESET_CHECKS: dict[str, str] = {
     "dgx-a100": _PUBLIC,
     "h200": _PUBLIC,
     "cpu-gloo": (
-        "derived at the DLRM demo's shape on this project's idle 2-core box (issue 41): the demo's estimate is its "
-        "measured step at 2 ranks by construction (25.9 ms, to which collective_us was fitted) and 0.92x the step "
-        "measured at 4 ranks as 2 nodes x 2 (78.7 against 85.5 ms); a busy or other host differs "
+        "calibrated at the DLRM demo's shape (2 ranks) on this project's idle 2-core box (issue 41): the demo's "
+        "estimate was 0.95x its measured step at 2 ranks (35.8 against 37.5 ms) and 1.02x at 4 ranks as 2 nodes x 2 "
+        "(85.4 against 83.5 ms), medians of 3 runs on 2026-12-06; a busy or other host differs "
         "(benchmarks/demo_estimate.py measures it): the example's --calibrate, or python -m embark_torchrec.calibrate, "
         "measures this one"
     ),
