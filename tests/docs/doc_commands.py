@@ -109,6 +109,7 @@ def check_pip(cmd: Command, pins: dict[str, str]) -> str | None:
     if cmd.argv[1:2] != ("install",):
         return f"{cmd}: only pip install is dry-run"
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    own: dict[str, str] = {}
     args = iter(cmd.argv[2:])
     for arg in args:
         if arg in ("--index-url", "--extra-index-url", "--find-links"):
@@ -122,7 +123,10 @@ def check_pip(cmd: Command, pins: dict[str, str]) -> str | None:
             name, sep, pinned = arg.partition("==")
             if name not in _STACK_PACKAGES or not sep:
                 return f"{cmd}: {arg}: the docs install the stack's packages pinned (torch, fbgemm-gpu[-cpu], torchrec)"
-            pins[name] = pinned
+            own[name] = pinned
+    if not own:
+        return None
+    pins.update(own)
     matching = [minor for minor, s in stacks().items() if all(s[_STACK_PACKAGES[n]] == v for n, v in pins.items())]
     return None if matching else f"{cmd}: pins {pins} are not one tested stack of pyproject.toml ({stacks()})"
 
