@@ -151,7 +151,7 @@ def _module_plan(kind: str, module: Any, sharder: Any, world_size: int, local_wo
 
     from embark_torchrec.plan.groups import sharding_type
     from embark_torchrec.plan.layout import Plan
-    from embark_torchrec.sharding.parameter_sharding import module_sharding_plan
+    from embark_torchrec.planner.parameter_sharding import module_sharding_plan
     from embark_torchrec.plan.spec import ModelSpec
 
     base, _, precision = kind.partition(":")

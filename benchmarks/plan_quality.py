@@ -43,7 +43,7 @@ from typing import Any, Iterable
 from embark_torchrec.plan.baselines import table_row_wise_plan
 from embark_torchrec.plan.balance import comm_imbalance
 from embark_torchrec.plan.bound import step_lower_bound
-from embark_torchrec.sharding.torchrec_plans import torchrec_default_plan
+from embark_torchrec.planner.torchrec_plans import torchrec_default_plan
 from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.layout import Plan
 from embark_torchrec.plan.plan_model import plan_model

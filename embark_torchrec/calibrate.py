@@ -606,7 +606,7 @@ def _ub_round_times(job: Job, s: Settings, optimizer: str) -> tuple[list[float],
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from .sharding.parameter_sharding import module_sharding_plan
+    from .planner.parameter_sharding import module_sharding_plan
     from .sharding.sharder import EmbarkEmbeddingBagCollectionSharder
     from .testing.training import SparseArch
 
@@ -904,8 +904,8 @@ def _check_output(path: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from .plan.planner import default_hardware
-    from .sharding.nodes import simulate_nodes
+    from .planner.planner import default_hardware
+    from .nodes import simulate_nodes
 
     args = parse_args(argv)
     if "RANK" not in os.environ:

@@ -33,7 +33,7 @@ from embark_torchrec.plan.hardware_file import (
     save_hardware,
 )
 from embark_torchrec.plan.plan_model import plan_model
-from embark_torchrec.plan.planner import EmbarkPlanner
+from embark_torchrec.planner.planner import EmbarkPlanner
 from embark_torchrec.plan.spec import ModelSpec, TableSpec
 from embark_torchrec.plan.topology import PRESETS, Hardware, Topology
 from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder

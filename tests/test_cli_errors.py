@@ -77,6 +77,8 @@ ARGUMENT_ERRORS: dict[str, tuple[list[str], list[str]]] = {
     "hbm within the reserve": (["--hardware", "cpu-gloo", "--hbm-gb", "4"], ["--hbm-gb 4", "reserve of 4 GB"]),
     "unknown hardware": (["--hardware", "tpu"], ["--hardware"]),
     "unknown baseline": (["--compare", "trw,fancy"], ["'fancy'"]),
+    # this command imports no torchrec: TorchRec's planner is refused by the command that has it, not dropped
+    "torchrec baseline": (["--compare", "trw,torchrec"], ["--compare torchrec", "python -m embark_torchrec.planner"]),
     "unknown option": (["--wrld-size", "2"], ["--wrld-size"]),
 }
 

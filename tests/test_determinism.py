@@ -26,10 +26,10 @@ import torch.distributed as dist
 from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-from embark_torchrec.sharding.torchrec_plans import from_sharding_plan
+from embark_torchrec.planner.torchrec_plans import from_sharding_plan
 from embark_torchrec.plan.constraints import TableConstraints
 from embark_torchrec.plan.layout import TableLayout
-from embark_torchrec.plan.planner import EmbarkPlanner
+from embark_torchrec.planner.planner import EmbarkPlanner
 from embark_torchrec.plan.spec import IdDistribution
 from embark_torchrec.plan.topology import PRESETS, Hardware, Topology
 from embark_torchrec.testing import run_ranks

@@ -400,7 +400,7 @@ def test_load_plan_refuses_a_fractional_row_bound() -> None:
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    from embark_torchrec.sharding.load_plan import load_plan
+    from embark_torchrec.planner.load_plan import load_plan
 
     ebc = EmbeddingBagCollection(
         tables=[

@@ -21,7 +21,7 @@ from embark_torchrec.plan.layout import Plan, TableLayout
 from embark_torchrec.plan.spec import ModelSpec
 from embark_torchrec.sharding.codecs import decode, encode, encoded_size
 from embark_torchrec.sharding.comm_stats import enable_comm_stats
-from embark_torchrec.sharding.parameter_sharding import module_sharding_plan
+from embark_torchrec.planner.parameter_sharding import module_sharding_plan
 from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 from embark_torchrec.testing import global_kjt_batch, run_ranks
 from embark_torchrec.testing.host_work import HostWorkCounter

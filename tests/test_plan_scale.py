@@ -206,7 +206,7 @@ def test_progress_only_where_asked() -> None:
 def test_planner_shows_progress_on_rank_zero_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """EmbarkPlanner's default: rank 0 decides by its terminal, other ranks draw nothing; asked for
     (True) or not (False), every rank does as told."""
-    from embark_torchrec.plan.planner import EmbarkPlanner
+    from embark_torchrec.planner.planner import EmbarkPlanner
 
     for rank, expected in (("0", None), ("3", False)):
         monkeypatch.setenv("RANK", rank)

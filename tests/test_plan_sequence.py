@@ -35,15 +35,16 @@ from embark_torchrec.plan import cli
 from embark_torchrec.plan.constraints import TableConstraints
 from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.layout import Plan, PlanError, TableLayout, WirePrecision
-from embark_torchrec.plan.planner import EmbarkPlanner
+from embark_torchrec.planner.planner import EmbarkPlanner
 from embark_torchrec.plan.profile import profile_features
 from embark_torchrec.plan.spec import ModelSpec, SpecError, TableSpec
 from embark_torchrec.plan.topology import Topology, hardware_preset
 from embark_torchrec.plan.traffic import table_messages
 from embark_torchrec.plan.wire import LENGTH_BYTES, vector_bytes
-from embark_torchrec.sharding import torchrec_plans
+from embark_torchrec.planner import cli as planner_cli
+from embark_torchrec.planner import torchrec_plans
 from embark_torchrec.sharding.comm_stats import enable_comm_stats
-from embark_torchrec.sharding.load_plan import load_plan
+from embark_torchrec.planner.load_plan import load_plan
 from embark_torchrec.sharding.sharded_ec import EmbarkEmbeddingCollectionSharder
 from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 from embark_torchrec.sharding.torchrec_counting import ALL_TABLES
@@ -348,8 +349,9 @@ def test_load_plan_names_the_file_module_and_table_of_a_wrong_kind_or_missing_ta
 def test_cli_compares_with_torchrec_planning_sequence_tables_as_an_embedding_collection(
     tmp_path: Any, capsys: Any, monkeypatch: Any
 ) -> None:
-    """--compare torchrec runs TorchRec's planner on an EmbeddingCollection for the sequence table (with TorchRec's
-    EmbeddingCollectionSharder), so its plan uses a type TorchRec's EC runs; our cost model scores it as sequence."""
+    """--compare torchrec (python -m embark_torchrec.planner) runs TorchRec's planner on an EmbeddingCollection for
+    the sequence table (with TorchRec's EmbeddingCollectionSharder), so its plan uses a type TorchRec's EC runs; our
+    cost model scores it as sequence."""
     seen: list[ShardingPlan] = []
 
     class Recording(torchrec_plans.EmbeddingShardingPlanner):
@@ -361,7 +363,7 @@ def test_cli_compares_with_torchrec_planning_sequence_tables_as_an_embedding_col
     path = tmp_path / "seq.json"
     path.write_text(json.dumps(SEQUENCE_AND_BAG))
     argv = [str(path), "--world-size", "4", "--local-world-size", "2", "--hardware", "cpu-gloo"]
-    assert cli.main([*argv, "--compare", "torchrec", "--json"]) == 0
+    assert planner_cli.main([*argv, "--compare", "torchrec", "--json"]) == 0
     scored = json.loads(capsys.readouterr().out)["plans"]["torchrec"]
     assert scored["sequence_tables"] == 1
     (theirs,) = seen

@@ -315,7 +315,7 @@ def test_from_module_reads_rows_dim_pooling_and_features() -> None:
 def test_from_module_round_trips_multi_feature_pooling() -> None:
     """spec -> (meta_module, torchrec_constraints) -> from_module gives back the spec's pooling, also for a
     table with several features, so the cost model sees the same IDs per sample as torchrec's planner."""
-    from embark_torchrec.sharding.torchrec_plans import meta_module, torchrec_constraints
+    from embark_torchrec.planner.torchrec_plans import meta_module, torchrec_constraints
 
     spec = ModelSpec.from_dict(_base())
     back = ModelSpec.from_module(meta_module(spec)["pooled"], torchrec_constraints(spec), batch_size=spec.batch_size)

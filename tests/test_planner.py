@@ -27,15 +27,15 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConf
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from embark_torchrec.plan.baselines import table_row_wise_plan
-from embark_torchrec.sharding.torchrec_plans import from_sharding_plan
+from embark_torchrec.planner.torchrec_plans import from_sharding_plan
 from embark_torchrec.plan.constraints import TableConstraints
 from embark_torchrec.plan.groups import builtin_sharding_type
 from embark_torchrec.plan.layout import Plan, TableLayout, WirePrecision, sharding_type_name
 from embark_torchrec.plan.plan_model import plan_model
-from embark_torchrec.plan.planner import TORCHREC_DEFAULT, EmbarkPlanner, default_hardware
+from embark_torchrec.planner.planner import TORCHREC_DEFAULT, EmbarkPlanner, default_hardware
 from embark_torchrec.plan.ranges import MAX_PLANNED_WORLD_SIZE
 from embark_torchrec.plan.search import SearchConfig
-from embark_torchrec.sharding.parameter_sharding import module_sharding_plan
+from embark_torchrec.planner.parameter_sharding import module_sharding_plan
 from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 from embark_torchrec.plan.spec import ModelSpec, SpecError, TableSpec
 from embark_torchrec.plan.topology import PRESETS, Topology
@@ -600,7 +600,7 @@ def test_constraints_for_tables_of_other_modules_are_left_alone(caplog: pytest.L
     sharders = [EmbarkEmbeddingBagCollectionSharder()]
     expected = _summary(EmbarkPlanner(world_size=4, local_world_size=2).plan(_WithSequence(), sharders))
     constraints = {"seq": ParameterConstraints(sharding_types=["row_wise"])}
-    with caplog.at_level(logging.WARNING, logger="embark_torchrec.plan.planner"):
+    with caplog.at_level(logging.WARNING, logger="embark_torchrec.planner.planner"):
         got = EmbarkPlanner(world_size=4, local_world_size=2, constraints=constraints).plan(_WithSequence(), sharders)
     assert _summary(got) == expected and set(got.plan) == {"pooled.sparse"}
     logged = [r.getMessage() for r in caplog.records if "left unused" in r.getMessage()]
@@ -615,7 +615,7 @@ def test_constraints_on_tables_the_model_lacks_are_ignored_with_one_warning(capl
     kept = {"big": ParameterConstraints(sharding_types=["row_wise"])}
     expected = _summary(EmbarkPlanner(world_size=4, local_world_size=2, constraints=kept).plan(_Model(), sharders))
     lacking = {"bgi": ParameterConstraints(sharding_types=["table_wise"]), "zzzz": ParameterConstraints()}
-    with caplog.at_level(logging.WARNING, logger="embark_torchrec.plan.planner"):
+    with caplog.at_level(logging.WARNING, logger="embark_torchrec.planner.planner"):
         planner = EmbarkPlanner(world_size=4, local_world_size=2, constraints=kept | lacking)
         got = planner.plan(_Model(), sharders)
     assert _summary(got) == expected
@@ -812,9 +812,9 @@ _CRIPPLED = SearchConfig(max_rounds=0, polish_moves=0, improve_evaluations=0)
 
 def _torchrec_planner(monkeypatch: pytest.MonkeyPatch, candidate: Any, **kwargs: Any) -> EmbarkPlanner:
     """A planner whose TorchRec default plan is `candidate` (a function of the joint spec and topology)."""
-    import embark_torchrec.sharding.torchrec_plans as torchrec_plans
+    import embark_torchrec.planner.planner as planner_module
 
-    monkeypatch.setattr(torchrec_plans, "torchrec_default_plan", candidate)
+    monkeypatch.setattr(planner_module, "torchrec_default_plan", candidate)
     return EmbarkPlanner(world_size=8, local_world_size=4, batch_size=512, hardware="dgx-h100", **kwargs)
 
 
@@ -845,7 +845,7 @@ def test_torchrec_planner_by_default_only_on_cuda_and_its_failure_leaves_the_sea
     cpu.plan(_Model(), [EmbarkEmbeddingBagCollectionSharder()])
     assert calls == [] and cpu.plans["sparse"].source != TORCHREC_DEFAULT
     cuda = _torchrec_planner(monkeypatch, failing, compute_device="cuda")
-    with caplog.at_level(logging.WARNING, logger="embark_torchrec.plan.planner"):
+    with caplog.at_level(logging.WARNING, logger="embark_torchrec.planner.planner"):
         cuda.plan(_Model(), [EmbarkEmbeddingBagCollectionSharder()])
     assert calls == [8] and "no plan" in caplog.text
     assert cuda.plans["sparse"].source != TORCHREC_DEFAULT

@@ -188,7 +188,7 @@ def test_hand_made_sequence_plan_with_mixed_widths_on_a_rank_is_refused_by_name(
     from torchrec.modules.embedding_modules import EmbeddingCollection
 
     from embark_torchrec.plan.layout import Plan, PlanError
-    from embark_torchrec.sharding.parameter_sharding import sequence_sharding_plan
+    from embark_torchrec.planner.parameter_sharding import sequence_sharding_plan
 
     ec = EmbeddingCollection(
         tables=[EmbeddingConfig(name="t", num_embeddings=40, embedding_dim=16, feature_names=["f"])],

@@ -24,7 +24,7 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 
 from embark_torchrec.plan.layout import Plan, TableLayout
-from embark_torchrec.sharding.parameter_sharding import sequence_sharding_plan
+from embark_torchrec.planner.parameter_sharding import sequence_sharding_plan
 from embark_torchrec.sharding.sharded_ec import EmbarkEmbeddingCollectionSharder
 from embark_torchrec.testing import copy_global_weights, global_kjt_batch, run_ranks
 from embark_torchrec.testing.training import OPTIMIZERS, _reference_optimizer

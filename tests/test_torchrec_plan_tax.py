@@ -23,7 +23,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embark_torchrec.plan.layout import Plan, TableLayout
 from embark_torchrec.plan.spec import ModelSpec
-from embark_torchrec.sharding.parameter_sharding import module_sharding_plan
+from embark_torchrec.planner.parameter_sharding import module_sharding_plan
 from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 from embark_torchrec.sharding.validation import InputValidator
 from embark_torchrec.testing import global_kjt_batch, run_ranks

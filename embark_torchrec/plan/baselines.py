@@ -1,7 +1,7 @@
 """The table-row-wise (TWRW) baseline, the EMBark paper's, as a Plan so that one cost model scores
 it with ours: table i on node i mod N, its rows split over that node's GPUs in torchrec's ceil blocks,
 partial sums reduced inside the node first. (TorchRec's default plan needs torchrec to run its
-planner: sharding/torchrec_plans.py.)
+planner: planner/torchrec_plans.py.)
 """
 
 from __future__ import annotations

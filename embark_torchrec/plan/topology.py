@@ -153,6 +153,7 @@ PRESET_CHECKS: dict[str, str] = {
 }
 DEFAULT_HARDWARE = "dgx-h100"
 CPU_HARDWARE = "cpu-gloo"
+COMPUTE_DEVICES = ("cpu", "cuda")  # the devices our plans place shards on
 
 
 def hardware_preset(name: str) -> Hardware:

@@ -40,7 +40,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from .. import checkpoint
 from ..plan.layout import Plan, TableLayout
-from ..sharding.parameter_sharding import module_sharding_plan
+from ..planner.parameter_sharding import module_sharding_plan
 from ..plan.spec import ModelSpec
 from ..sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 from .batches import global_kjt_batch

@@ -66,8 +66,8 @@ from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec, buil
 from embark_torchrec.plan.hardware_file import check_document, hardware_sources, resolve_hardware, save_hardware
 from embark_torchrec.plan.topology import Hardware, Topology
 from embark_torchrec.sharding.comm_stats import enable_comm_stats
-from embark_torchrec.sharding.parameter_sharding import module_sharding_plan
-from embark_torchrec.sharding.torchrec_plans import from_sharding_plan, torchrec_constraints, torchrec_topology
+from embark_torchrec.planner.parameter_sharding import module_sharding_plan
+from embark_torchrec.planner.torchrec_plans import from_sharding_plan, torchrec_constraints, torchrec_topology
 
 from dlrm_data import CriteoData, DataSource, SyntheticData  # the example's own data module, next to this file
 

@@ -50,7 +50,7 @@ from embark_torchrec.plan.profile import profile_features
 from embark_torchrec.plan.spec import ModelSpec
 from embark_torchrec.plan.topology import Topology, hardware_preset
 from embark_torchrec.sharding.comm_stats import enable_comm_stats
-from embark_torchrec.sharding.torchrec_plans import torchrec_topology
+from embark_torchrec.planner.torchrec_plans import torchrec_topology
 
 from sequence_data import HISTORY, PooledFeature, SequenceBatch, SequenceData  # the example's data, next to this file
 

@@ -308,7 +308,7 @@ def make_plan(case: Case, tables: HarnessTables, model: nn.Module, pg: Any) -> A
     from embark_torchrec.plan.layout import Plan
     from embark_torchrec.plan.spec import ModelSpec
     from embark_torchrec.plan.topology import PRESETS
-    from embark_torchrec.sharding.parameter_sharding import module_sharding_plan
+    from embark_torchrec.planner.parameter_sharding import module_sharding_plan
 
     world_size, fused = case.world_size, _fused_params(case.optimizer)
     ebcs = {f"sparse.{k}": m for k, m in model.sparse.named_children() if k in ("ebc", "weighted_ebc")}

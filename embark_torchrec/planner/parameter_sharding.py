@@ -10,7 +10,7 @@ from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSha
 from ..plan.groups import DATA_PARALLEL, sharding_type
 from ..plan.layout import Plan
 from ..plan.spec import ModelSpec
-from .torchrec_compat import tiled_sharding_spec
+from ..sharding.torchrec_compat import tiled_sharding_spec
 
 
 def module_sharding_plan(plan: Plan, spec: ModelSpec, compute_device: str = "cuda") -> Any:

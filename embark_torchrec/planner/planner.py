@@ -1,7 +1,7 @@
 """EmbarkPlanner: a torchrec ShardingPlanner that plans with EMBark's clusters and 3D search.
 
 It wraps `plan_model` (spec + topology -> Plan) for torchrec modules and turns the Plan into the
-ShardingPlan that DistributedModelParallel takes (sharding/parameter_sharding.py). Every
+ShardingPlan that DistributedModelParallel takes (parameter_sharding.py). Every
 EmbeddingBagCollection (pooled tables) and EmbeddingCollection (sequence tables) that a given sharder
 shards is planned in one search: their tables share the ranks' memory, lookups and links.
 """
@@ -19,23 +19,32 @@ from typing import Any, Mapping
 import torch
 from torchrec.distributed.types import ShardingPlan, ShardingPlanner
 
-from .constraints import TableConstraints, from_torchrec
-from .cost import CostModel, OptimizerMemory
-from .fields import FieldError, boolean, choice, integer, reading, shown
-from .layout import SHARDING_TYPE_PREFIX, Plan, PlanError, TableLayout
-from .torchrec_types import ceil_row_bounds
-from .report import ScoredPlan, render
-from .plan_model import PlannedModel, plan_model
-from .ranges import MAX_WORLD_SIZE, planned_world_size_refusal
-from .search import SearchConfig
-from .spec import IdDistribution, ModelSpec, SpecError, module_tables
-from .hardware_file import hardware_sources, resolve_hardware
-from .topology import CPU_HARDWARE, DEFAULT_HARDWARE, Hardware, Topology
+from ..plan.constraints import TableConstraints, from_torchrec
+from ..plan.cost import CostModel, OptimizerMemory
+from ..plan.fields import FieldError, boolean, choice, integer, reading, shown
+from ..plan.layout import SHARDING_TYPE_PREFIX, Plan, PlanError, TableLayout
+from ..plan.torchrec_types import ceil_row_bounds
+from ..plan.report import ScoredPlan, render
+from ..plan.plan_model import PlannedModel, plan_model
+from ..plan.ranges import MAX_WORLD_SIZE, planned_world_size_refusal
+from ..plan.search import SearchConfig
+from ..plan.spec import IdDistribution, ModelSpec, SpecError, module_tables
+from ..plan.hardware_file import hardware_sources, resolve_hardware
+from ..plan.topology import COMPUTE_DEVICES, CPU_HARDWARE, DEFAULT_HARDWARE, Hardware, Topology
+from ..sharding.sharded_ec import EmbarkEmbeddingCollectionSharder
+from ..sharding.sharder import EmbarkEmbeddingBagCollectionSharder
+from ..sharding.torchrec_compat import (
+    has_rowwise_state,
+    in_backward_optimizers,
+    managed_collision_embeddings,
+    storage_reservation_share,
+)
+from .parameter_sharding import module_sharding_plan
+from .torchrec_plans import torchrec_default_plan
 
 
 logger = logging.getLogger(__name__)
 
-COMPUTE_DEVICES = ("cpu", "cuda")  # the devices our plans place shards on
 TORCHREC_DEFAULT = "torchrec"  # the candidate name of TorchRec's default plan (PlannedModel.source)
 TORCHREC_CANDIDATE_WORK = 512  # tables x ranks up to which plan() compares TorchRec's plan by default (on CUDA)
 
@@ -74,8 +83,6 @@ def hardware_from_torchrec(base: Hardware, topology: Any, storage_reservation: A
         if topology.inter_host_bw != CROSS_NODE_BANDWIDTH:
             overrides["inter_node_bw_gbps"] = topology.inter_host_bw / 1e6
     if storage_reservation is not None:
-        from ..sharding.torchrec_compat import storage_reservation_share
-
         percentage = float(storage_reservation_share(storage_reservation))
         overrides["hbm_reserve_gb"] = percentage * overrides.get("hbm_gb", base.hbm_gb)
     return base.with_overrides(**overrides) if overrides else base
@@ -84,9 +91,6 @@ def hardware_from_torchrec(base: Hardware, topology: Any, storage_reservation: A
 def _check_sharders(result: Any, modules: list["_Planned"], sharders: list[Any]) -> None:
     """Refuses, before any module is sharded, a plan that uses our sharding types on a module whose
     given sharders cannot run them (TorchRec's own would fail deep inside DistributedModelParallel)."""
-    from ..sharding.sharded_ec import EmbarkEmbeddingCollectionSharder
-    from ..sharding.sharder import EmbarkEmbeddingBagCollectionSharder
-
     for m in modules:
         needed = (
             EmbarkEmbeddingCollectionSharder if m.spec.tables[0].is_sequence else EmbarkEmbeddingBagCollectionSharder
@@ -113,8 +117,6 @@ def _sharders_accept(module: Any, sharders: list[Any]) -> bool:
 def _collection(module: Any) -> Any:
     """The table collection a module plans: an EmbeddingBagCollection or EmbeddingCollection itself,
     or the one inside a managed-collision module (None for other modules)."""
-    from ..sharding.torchrec_compat import managed_collision_embeddings
-
     inner = managed_collision_embeddings(module)
     if inner is not None:
         return inner
@@ -259,8 +261,6 @@ def _without_grids(
     torchrec_compat.has_rowwise_state); a table whose constraints (`raw`: as the user gave them) ask
     for a grid then is a PlanError naming the table, the optimizer and what to change, at plan time
     rather than when DistributedModelParallel shards it."""
-    from ..sharding.torchrec_compat import has_rowwise_state, in_backward_optimizers
-
     here = {k: v for k, v in constraints.items() if k in names}
     given = [(s.fused_params or {}).get("optimizer") for s in sharders if isinstance(module, s.module_type)]
     optimizers = [(o, "the sharder's fused_params") for o in given]
@@ -301,8 +301,6 @@ def _check_arguments(
     that are None or a bool (progress, torchrec_candidate)."""
     from torchrec.distributed.planner.types import ParameterConstraints, StorageReservation
     from torchrec.distributed.planner.types import Topology as TorchrecTopology
-
-    from ..sharding.torchrec_compat import storage_reservation_share
 
     kinds = {
         "id_distribution": IdDistribution,
@@ -391,7 +389,7 @@ class EmbarkPlanner(ShardingPlanner):
     True on every rank that plans, False never.
     `torchrec_candidate`: whether plan() also runs TorchRec's own EmbeddingShardingPlanner (its
     default sharders and options, on the same tables, batch and hardware figures: the plan
-    `python -m embark_torchrec.plan --compare torchrec` scores) and passes its plan to plan_model as a
+    `python -m embark_torchrec.planner --compare torchrec` scores) and passes its plan to plan_model as a
     candidate, which returns it when our cost model prices it faster than the search's and it honours
     every table's constraints: the plan returned is then never slower than TorchRec's default under
     the cost model. TorchRec's planner takes seconds to minutes (on this project's CPU box: 8 s for
@@ -525,8 +523,6 @@ class EmbarkPlanner(ShardingPlanner):
             )
         if not wanted:
             return {}
-        from ..sharding.torchrec_plans import torchrec_default_plan
-
         try:
             return {TORCHREC_DEFAULT: torchrec_default_plan(joint, topology)}
         except Exception as e:  # noqa: BLE001  TorchRec's planner failing leaves the search's plan
@@ -561,8 +557,6 @@ class EmbarkPlanner(ShardingPlanner):
             )
 
     def plan(self, module: Any, sharders: list[Any]) -> ShardingPlan:
-        from ..sharding.parameter_sharding import module_sharding_plan  # the TorchRec adapter lives with the runtime
-
         topology = self._topology()
         found = _found(module, sharders)
         modules = self._modules(found, topology)
@@ -615,7 +609,6 @@ class EmbarkPlanner(ShardingPlanner):
         one broadcast there is anyway (were it to raise alone, the other ranks would wait in the
         broadcast until their peer's connection closed, an error that names nothing)."""
         import torch.distributed as dist
-        from ..sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 
         sharders = sharders or [EmbarkEmbeddingBagCollectionSharder()]
         pg = pg or dist.GroupMember.WORLD

@@ -16,7 +16,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 
 from ..plan.fields import FieldError, choice, integer, number, reading, shown
 from ..plan.layout import Plan, PlanError
-from ..plan.planner import COMPUTE_DEVICES
+from ..plan.topology import COMPUTE_DEVICES
 from ..plan.spec import ModelSpec, module_tables
 from .parameter_sharding import module_sharding_plan
 
