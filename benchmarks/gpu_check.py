@@ -152,7 +152,7 @@ def _module_plan(kind: str, module: Any, sharder: Any, world_size: int, local_wo
     from embark_torchrec.plan.groups import sharding_type
     from embark_torchrec.plan.layout import Plan
     from embark_torchrec.planner.parameter_sharding import module_sharding_plan
-    from embark_torchrec.plan.spec import ModelSpec
+    from embark_torchrec.plan.model.spec import ModelSpec
 
     base, _, precision = kind.partition(":")
     precision = _plan_precision(precision)
@@ -470,7 +470,7 @@ def check_lookups(kind: str, device: Any) -> dict[str, Any]:
         quick,
         tbe_step_estimate_ms,
     )
-    from embark_torchrec.plan.topology import PRESETS
+    from embark_torchrec.plan.model.topology import PRESETS
 
     settings = quick(GPU_SETTINGS if device.type == "cuda" else CPU_SETTINGS)
     job = Job(0, 1, 1, device, (socket.gethostname(),))

@@ -47,8 +47,8 @@ from embark_torchrec.planner.torchrec_plans import torchrec_default_plan
 from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.layout import Plan
 from embark_torchrec.plan.plan_model import plan_model
-from embark_torchrec.plan.spec import ModelSpec, builtin_model, load_model_spec
-from embark_torchrec.plan.topology import DEFAULT_HARDWARE, PRESETS, Hardware, Topology
+from embark_torchrec.plan.model.spec import ModelSpec, builtin_model, load_model_spec
+from embark_torchrec.plan.model.topology import DEFAULT_HARDWARE, PRESETS, Hardware, Topology
 from yardstick import Yardstick, YardstickConfig, YardstickResult, plan_differences
 
 BENCHMARKS = Path(__file__).resolve().parent

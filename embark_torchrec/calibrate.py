@@ -68,9 +68,9 @@ import torch
 import torch.distributed as dist
 
 from .plan.cluster_kinds import REDUCTION_KIND, UNIQUE_KIND
-from .plan.constants import BACKWARD_COMPUTE_MULTIPLIER, WEIGHT_BYTES
-from .plan.hardware_file import FORMAT, VERSION, HardwareError, hardware_to_dict, resolve_hardware, save_hardware
-from .plan.topology import Hardware
+from .plan.model.constants import BACKWARD_COMPUTE_MULTIPLIER, WEIGHT_BYTES
+from .plan.model.hardware_file import FORMAT, VERSION, HardwareError, hardware_to_dict, resolve_hardware, save_hardware
+from .plan.model.topology import Hardware
 
 OPTIMIZERS = ("exact_rowwise_adagrad", "exact_adagrad", "exact_sgd")  # fbgemm's EmbOptimType values by name
 NARROW, WIDE, FEW, MANY = 8, 128, 5, 20  # TBE widths and poolings
@@ -486,8 +486,8 @@ def tbe_step_estimate_ms(hardware: Hardware, s: Settings) -> float:
     predict for a step that was measured."""
     from .plan.cost import CostModel
     from .plan.layout import Plan, TableLayout
-    from .plan.spec import ModelSpec, TableSpec
-    from .plan.topology import Topology
+    from .plan.model.spec import ModelSpec, TableSpec
+    from .plan.model.topology import Topology
 
     table = TableSpec("tbe", rows=s.lookup_rows, dim=WIDE, pooling=float(MANY))
     model = CostModel(ModelSpec("tbe-step", s.lookup_batch, (table,)), Topology(1, 1, hardware))
@@ -575,7 +575,7 @@ def _reference_plan(job: Job, s: Settings, cluster: str) -> Any:
 def _reference_spec(job: Job, s: Settings) -> Any:
     """The reference step's tables: ub_tables one-hot tables (table t<i> read by feature f<i>) whose IDs never
     repeat within a rank's batch, at the job's global batch."""
-    from .plan.spec import ModelSpec, TableSpec
+    from .plan.model.spec import ModelSpec, TableSpec
 
     tables = tuple(
         TableSpec(f"t{i}", rows=s.ub_rows, dim=s.ub_dim, pooling=1.0, feature_names=(f"f{i}",), unique_ratio=1.0)
@@ -589,7 +589,7 @@ def _reference_estimate_ms(job: Job, s: Settings, hardware: Hardware) -> tuple[f
     collectives it issues per step (its one sharding group's and its module's split exchange)."""
     from .plan.cost import CostModel
     from .plan.groups import module_collectives_per_step
-    from .plan.topology import Topology
+    from .plan.model.topology import Topology
 
     model = CostModel(_reference_spec(job, s), Topology(job.world_size, job.local_world_size, hardware))
     load = model.rank_load(_reference_plan(job, s, REDUCTION_KIND.name))

@@ -24,7 +24,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from embark_torchrec.plan import cli
-from embark_torchrec.plan.hardware_file import (
+from embark_torchrec.plan.model.hardware_file import (
     FORMAT,
     HardwareError,
     hardware_to_dict,
@@ -34,8 +34,8 @@ from embark_torchrec.plan.hardware_file import (
 )
 from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.planner.planner import EmbarkPlanner
-from embark_torchrec.plan.spec import ModelSpec, TableSpec
-from embark_torchrec.plan.topology import PRESETS, Hardware, Topology
+from embark_torchrec.plan.model.spec import ModelSpec, TableSpec
+from embark_torchrec.plan.model.topology import PRESETS, Hardware, Topology
 from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -307,7 +307,7 @@ def test_tbe_step_estimate_prices_the_measured_step_as_the_cost_model_does() -> 
     """What benchmarks/gpu_check.py sets against tbe_step_ms: the cost model's lookups of that very step (lookup_batch
     bags of MANY IDs into one table of width WIDE), bytes at hbm_bw_gbps plus lookup_ns_per_id per ID."""
     from embark_torchrec import calibrate
-    from embark_torchrec.plan.constants import BACKWARD_COMPUTE_MULTIPLIER, WEIGHT_BYTES
+    from embark_torchrec.plan.model.constants import BACKWARD_COMPUTE_MULTIPLIER, WEIGHT_BYTES
 
     settings = calibrate.GPU_SETTINGS
     ids = settings.lookup_batch * calibrate.MANY

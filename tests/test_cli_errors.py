@@ -15,7 +15,7 @@ import pytest
 
 from embark_torchrec.plan import cli
 from embark_torchrec.plan.layout import Plan
-from embark_torchrec.plan.ranges import (
+from embark_torchrec.plan.model.ranges import (
     HARDWARE_RANGES,
     MAX_BATCH_SIZE,
     MAX_DIM,
@@ -24,7 +24,7 @@ from embark_torchrec.plan.ranges import (
     MAX_ZIPF_ALPHA,
     MIN_UNIQUE_RATIO,
 )
-from embark_torchrec.plan.topology import PRESETS
+from embark_torchrec.plan.model.topology import PRESETS
 
 SIZES = ["--world-size", "2", "--local-world-size", "2"]
 

@@ -27,8 +27,8 @@ import pytest
 
 from embark_torchrec import cluster
 from embark_torchrec.plan.cost import CostModel
-from embark_torchrec.plan.spec import ModelSpec, TableSpec
-from embark_torchrec.plan.topology import Topology
+from embark_torchrec.plan.model.spec import ModelSpec, TableSpec
+from embark_torchrec.plan.model.topology import Topology
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "examples" / "dlrm" / "train.py"

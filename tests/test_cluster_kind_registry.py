@@ -26,8 +26,8 @@ from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.groups import collectives_per_step, sharding_type
 from embark_torchrec.plan.layout import Plan, PlanError, TableLayout
 from embark_torchrec.plan.plan_model import plan_model
-from embark_torchrec.plan.spec import ModelSpec, TableSpec
-from embark_torchrec.plan.topology import PRESETS, Topology
+from embark_torchrec.plan.model.spec import ModelSpec, TableSpec
+from embark_torchrec.plan.model.topology import PRESETS, Topology
 from embark_torchrec.plan.torchrec_types import FLAT_COLLECTIVES, HIERARCHICAL_COLLECTIVES
 from embark_torchrec.plan.traffic import table_messages
 from embark_torchrec.testing import run_ranks

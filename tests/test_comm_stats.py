@@ -36,8 +36,8 @@ import test_sharding_pipeline as P
 from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.groups import sharding_type
 from embark_torchrec.plan.layout import TableLayout, WirePrecision
-from embark_torchrec.plan.spec import ModelSpec, TableSpec
-from embark_torchrec.plan.topology import Topology
+from embark_torchrec.plan.model.spec import ModelSpec, TableSpec
+from embark_torchrec.plan.model.topology import Topology
 from embark_torchrec.plan.traffic import Message, split_exchange_messages, table_messages
 from embark_torchrec.plan.wire import intra_node_reduction_precision
 from embark_torchrec.sharding import input_exchange

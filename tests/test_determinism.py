@@ -30,8 +30,8 @@ from embark_torchrec.planner.torchrec_plans import from_sharding_plan
 from embark_torchrec.plan.constraints import TableConstraints
 from embark_torchrec.plan.layout import TableLayout
 from embark_torchrec.planner.planner import EmbarkPlanner
-from embark_torchrec.plan.spec import IdDistribution
-from embark_torchrec.plan.topology import PRESETS, Hardware, Topology
+from embark_torchrec.plan.model.spec import IdDistribution
+from embark_torchrec.plan.model.topology import PRESETS, Hardware, Topology
 from embark_torchrec.testing import run_ranks
 from embark_torchrec.testing.checkpoints import (
     dense_optimizer,

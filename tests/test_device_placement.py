@@ -51,7 +51,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from embark_torchrec.plan.groups import sharding_type
 from embark_torchrec.plan.layout import Plan, TableLayout, WirePrecision
 from embark_torchrec.planner.parameter_sharding import module_sharding_plan
-from embark_torchrec.plan.spec import ModelSpec
+from embark_torchrec.plan.model.spec import ModelSpec
 from embark_torchrec.sharding.comm_stats import enable_comm_stats
 from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 from embark_torchrec.testing import fake_world

@@ -20,7 +20,7 @@ from torchmetrics.functional.classification import binary_auroc
 
 from embark_torchrec.checkpoint import OWNER_NAME
 from embark_torchrec.plan.layout import Plan
-from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec
+from embark_torchrec.plan.model.spec import IdDistribution, ModelSpec, TableSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples" / "dlrm"))

@@ -16,12 +16,12 @@ from typing import Any, Callable
 import pytest
 
 from embark_torchrec.plan.constraints import TableConstraints, from_torchrec
-from embark_torchrec.plan.fields import MODULE_DICT_ATTRIBUTES
-from embark_torchrec.plan.hardware_file import HardwareError, check_document, hardware_fields, load_hardware
+from embark_torchrec.plan.model.fields import MODULE_DICT_ATTRIBUTES
+from embark_torchrec.plan.model.hardware_file import HardwareError, check_document, hardware_fields, load_hardware
 from embark_torchrec.plan.layout import Plan, PlanError, TableLayout, WirePrecision
-from embark_torchrec.plan.ranges import HARDWARE_RANGES
-from embark_torchrec.plan.spec import IdDistribution, ModelSpec, SpecError, TableSpec, load_model_spec
-from embark_torchrec.plan.topology import PRESETS
+from embark_torchrec.plan.model.ranges import HARDWARE_RANGES
+from embark_torchrec.plan.model.spec import IdDistribution, ModelSpec, SpecError, TableSpec, load_model_spec
+from embark_torchrec.plan.model.topology import PRESETS
 
 ROOT = Path(__file__).resolve().parent.parent
 

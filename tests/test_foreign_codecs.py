@@ -18,7 +18,7 @@ from torchrec.distributed.types import QuantizedCommCodec, QuantizedCommCodecs, 
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from embark_torchrec.plan.layout import Plan, TableLayout
-from embark_torchrec.plan.spec import ModelSpec
+from embark_torchrec.plan.model.spec import ModelSpec
 from embark_torchrec.sharding.codecs import decode, encode, encoded_size
 from embark_torchrec.sharding.comm_stats import enable_comm_stats
 from embark_torchrec.planner.parameter_sharding import module_sharding_plan

@@ -19,7 +19,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from embark_torchrec import EmbarkEmbeddingBagCollectionSharder, EmbarkPlanner
 from embark_torchrec.plan.layout import PlanError
-from embark_torchrec.plan.spec import ModelSpec, SpecError
+from embark_torchrec.plan.model.spec import ModelSpec, SpecError
 
 TYPES = {
     "t_rw": ["row_wise"],

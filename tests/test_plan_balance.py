@@ -17,8 +17,8 @@ from embark_torchrec.plan.cost import CostModel, StepCost
 from embark_torchrec.plan.moves import exchanged
 from embark_torchrec.plan.search import GreedySearch, SearchConfig
 from embark_torchrec.plan.search_state import SearchState, Snapshot
-from embark_torchrec.plan.spec import ModelSpec, builtin_model, load_model_spec
-from embark_torchrec.plan.topology import PRESETS, Topology
+from embark_torchrec.plan.model.spec import ModelSpec, builtin_model, load_model_spec
+from embark_torchrec.plan.model.topology import PRESETS, Topology
 
 Climbed = tuple[SearchState, Snapshot, StepCost]
 MODELS = Path(__file__).resolve().parent.parent / "benchmarks" / "models"

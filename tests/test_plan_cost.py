@@ -13,8 +13,8 @@ from embark_torchrec.plan.cost import (
     OptimizerMemory,
 )
 from embark_torchrec.plan.layout import Plan, TableLayout, WirePrecision
-from embark_torchrec.plan.spec import ModelSpec, TableSpec
-from embark_torchrec.plan.topology import PRESETS, Topology
+from embark_torchrec.plan.model.spec import ModelSpec, TableSpec
+from embark_torchrec.plan.model.topology import PRESETS, Topology
 from embark_torchrec.plan.traffic import Message, table_messages
 from embark_torchrec.plan.wire import vector_bytes
 

@@ -29,8 +29,8 @@ from embark_torchrec.plan.groups import (
 from embark_torchrec.plan.layout import Plan, TableLayout
 from embark_torchrec.plan.torchrec_types import FLAT_COLLECTIVES, HIERARCHICAL_COLLECTIVES
 from embark_torchrec.plan.plan_model import plan_model
-from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec
-from embark_torchrec.plan.topology import PRESETS, Topology
+from embark_torchrec.plan.model.spec import IdDistribution, ModelSpec, TableSpec
+from embark_torchrec.plan.model.topology import PRESETS, Topology
 from embark_torchrec.testing import global_kjt_batch, run_ranks
 from embark_torchrec.testing.training import sharded_model
 

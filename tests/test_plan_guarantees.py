@@ -16,8 +16,8 @@ from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.layout import Plan
 from embark_torchrec.plan.plan_model import EMBARK, TABLE_ROW_WISE, plan_model
 from embark_torchrec.plan.search import SearchConfig
-from embark_torchrec.plan.spec import ModelSpec, builtin_model, load_model_spec
-from embark_torchrec.plan.topology import PRESETS, Topology
+from embark_torchrec.plan.model.spec import ModelSpec, builtin_model, load_model_spec
+from embark_torchrec.plan.model.topology import PRESETS, Topology
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 # benchmarks/plan_quality.py's DEFAULT_CASES: the public models at 64 and 128 GPUs, the adversarial ones

@@ -15,7 +15,7 @@ from embark_torchrec.plan.bound import allowed_clusters, step_lower_bound
 from embark_torchrec.plan.clusters import assign_clusters
 from embark_torchrec.plan.constraints import TableConstraints
 from embark_torchrec.plan.cost import CostModel
-from embark_torchrec.plan.fields import SEQUENCE
+from embark_torchrec.plan.model.fields import SEQUENCE
 from embark_torchrec.plan.improve import Improvement
 from embark_torchrec.plan.layout import Plan, TableLayout, WirePrecision
 from embark_torchrec.plan.moves import dp_batch, reshapes, spreads
@@ -23,8 +23,8 @@ from embark_torchrec.plan.plan_model import PlannedModel, plan_model
 from embark_torchrec.plan.report import ScoredPlan, render
 from embark_torchrec.plan.search import GreedySearch, SearchConfig
 from embark_torchrec.plan.search_state import SearchState
-from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec, builtin_model
-from embark_torchrec.plan.topology import PRESETS, Hardware, Topology
+from embark_torchrec.plan.model.spec import IdDistribution, ModelSpec, TableSpec, builtin_model
+from embark_torchrec.plan.model.topology import PRESETS, Hardware, Topology
 
 H100 = PRESETS["dgx-h100"]
 _FREE = TableConstraints()

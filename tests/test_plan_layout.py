@@ -12,8 +12,8 @@ import pytest
 
 from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.layout import PLAN_FORMAT, PLAN_VERSION, Plan, PlanError, TableLayout, WirePrecision
-from embark_torchrec.plan.spec import ModelSpec, TableSpec
-from embark_torchrec.plan.topology import Topology
+from embark_torchrec.plan.model.spec import ModelSpec, TableSpec
+from embark_torchrec.plan.model.topology import Topology
 
 W, L = 8, 4
 

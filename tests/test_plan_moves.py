@@ -15,8 +15,8 @@ from embark_torchrec.plan.layout import TableLayout
 from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.plan.search import SearchConfig
 from embark_torchrec.plan.search_state import SearchState
-from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec, load_model_spec
-from embark_torchrec.plan.topology import PRESETS, Topology
+from embark_torchrec.plan.model.spec import IdDistribution, ModelSpec, TableSpec, load_model_spec
+from embark_torchrec.plan.model.topology import PRESETS, Topology
 
 MODELS = Path(__file__).resolve().parent.parent / "benchmarks" / "models"
 HOT = TableSpec("hot", 4_000_000, 128, 60.0)

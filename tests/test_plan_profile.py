@@ -15,9 +15,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.plan_model import plan_model
-from embark_torchrec.plan.profile import profile_features
-from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec
-from embark_torchrec.plan.topology import Topology
+from embark_torchrec.plan.model.profile import profile_features
+from embark_torchrec.plan.model.spec import IdDistribution, ModelSpec, TableSpec
+from embark_torchrec.plan.model.topology import Topology
 
 
 def _kjt(features: dict[str, list[list[int]]], weighted: bool = False) -> KeyedJaggedTensor:

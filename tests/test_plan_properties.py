@@ -10,8 +10,8 @@ import pytest
 from embark_torchrec.plan.layout import Plan, PlanError
 from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.plan.search import SearchConfig
-from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec
-from embark_torchrec.plan.topology import PRESETS, Topology
+from embark_torchrec.plan.model.spec import IdDistribution, ModelSpec, TableSpec
+from embark_torchrec.plan.model.topology import PRESETS, Topology
 
 CASES = 40
 # The invariants hold move by move, whatever the climb's budget: a quarter of the default budget still takes

@@ -22,8 +22,8 @@ from embark_torchrec.plan.plan_model import PlannedModel, plan_model
 from embark_torchrec.plan.report import ProgressLine, progress_line
 from embark_torchrec.plan.search import SearchConfig, SearchStats, SplitRounds
 from embark_torchrec.plan.search_state import SearchState
-from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec
-from embark_torchrec.plan.topology import PRESETS, Topology
+from embark_torchrec.plan.model.spec import IdDistribution, ModelSpec, TableSpec
+from embark_torchrec.plan.model.topology import PRESETS, Topology
 
 ROOT = Path(__file__).resolve().parent.parent
 # (tables, ranks): 16x the tables at 16 ranks, 16x the ranks at 200 tables

@@ -17,8 +17,8 @@ from embark_torchrec.plan.cost import CostModel, OptimizerMemory
 from embark_torchrec.plan.layout import Plan, PlanError, TableLayout, WirePrecision
 from embark_torchrec.plan.plan_model import PlannedModel, plan_model
 from embark_torchrec.plan.search import SearchConfig
-from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec, builtin_model
-from embark_torchrec.plan.topology import PRESETS, Hardware, Topology
+from embark_torchrec.plan.model.spec import IdDistribution, ModelSpec, TableSpec, builtin_model
+from embark_torchrec.plan.model.topology import PRESETS, Hardware, Topology
 
 H100 = PRESETS["dgx-h100"]
 

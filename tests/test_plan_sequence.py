@@ -36,9 +36,9 @@ from embark_torchrec.plan.constraints import TableConstraints
 from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.layout import Plan, PlanError, TableLayout, WirePrecision
 from embark_torchrec.planner.planner import EmbarkPlanner
-from embark_torchrec.plan.profile import profile_features
-from embark_torchrec.plan.spec import ModelSpec, SpecError, TableSpec
-from embark_torchrec.plan.topology import Topology, hardware_preset
+from embark_torchrec.plan.model.profile import profile_features
+from embark_torchrec.plan.model.spec import ModelSpec, SpecError, TableSpec
+from embark_torchrec.plan.model.topology import Topology, hardware_preset
 from embark_torchrec.plan.traffic import table_messages
 from embark_torchrec.plan.wire import LENGTH_BYTES, vector_bytes
 from embark_torchrec.planner import cli as planner_cli

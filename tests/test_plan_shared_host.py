@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from embark_torchrec.plan.cost import CostModel
-from embark_torchrec.plan.hardware_file import hardware_fields, hardware_sources, hardware_to_dict, save_hardware
+from embark_torchrec.plan.model.hardware_file import hardware_fields, hardware_sources, hardware_to_dict, save_hardware
 from embark_torchrec.plan.layout import Plan, TableLayout
 from embark_torchrec.plan.report import ScoredPlan, hardware_line, render
-from embark_torchrec.plan.spec import ModelSpec, TableSpec
-from embark_torchrec.plan.topology import PRESET_CHECKS, PRESETS, Topology
+from embark_torchrec.plan.model.spec import ModelSpec, TableSpec
+from embark_torchrec.plan.model.topology import PRESET_CHECKS, PRESETS, Topology
 
 CPU = PRESETS["cpu-gloo"]
 

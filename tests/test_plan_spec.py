@@ -11,11 +11,11 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
-from embark_torchrec.plan import ranges
+from embark_torchrec.plan.model import ranges
 from embark_torchrec.plan.bound import step_lower_bound
 from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.plan_model import plan_model
-from embark_torchrec.plan.spec import (
+from embark_torchrec.plan.model.spec import (
     IdDistribution,
     ModelSpec,
     SpecError,
@@ -23,7 +23,7 @@ from embark_torchrec.plan.spec import (
     builtin_model,
     load_model_spec,
 )
-from embark_torchrec.plan.topology import PRESETS, Topology
+from embark_torchrec.plan.model.topology import PRESETS, Topology
 
 SHIPPED = {"dcnv2": 26, "t180": 177, "t200": 200, "t510": 510}
 

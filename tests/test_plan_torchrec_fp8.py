@@ -17,8 +17,8 @@ from embark_torchrec.plan.layout import Plan, TableLayout, WirePrecision
 from embark_torchrec.plan.plan_model import EMBARK, plan_model
 from embark_torchrec.plan.report import ScoredPlan, render, summary
 from embark_torchrec.plan.search import SearchConfig
-from embark_torchrec.plan.spec import ModelSpec, TableSpec
-from embark_torchrec.plan.topology import Topology
+from embark_torchrec.plan.model.spec import ModelSpec, TableSpec
+from embark_torchrec.plan.model.topology import Topology
 from embark_torchrec.plan.torchrec_fp8 import torchrec_fp8_groups
 
 WS, LWS = 8, 4

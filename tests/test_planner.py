@@ -33,12 +33,12 @@ from embark_torchrec.plan.groups import builtin_sharding_type
 from embark_torchrec.plan.layout import Plan, TableLayout, WirePrecision, sharding_type_name
 from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.planner.planner import TORCHREC_DEFAULT, EmbarkPlanner, default_hardware
-from embark_torchrec.plan.ranges import MAX_PLANNED_WORLD_SIZE
+from embark_torchrec.plan.model.ranges import MAX_PLANNED_WORLD_SIZE
 from embark_torchrec.plan.search import SearchConfig
 from embark_torchrec.planner.parameter_sharding import module_sharding_plan
 from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
-from embark_torchrec.plan.spec import ModelSpec, SpecError, TableSpec
-from embark_torchrec.plan.topology import PRESETS, Topology
+from embark_torchrec.plan.model.spec import ModelSpec, SpecError, TableSpec
+from embark_torchrec.plan.model.topology import PRESETS, Topology
 from embark_torchrec.testing import fake_world, threaded_ranks
 
 # collectives free: the unconstrained plans below then cut tables and replicate small ones (each a sharding group of

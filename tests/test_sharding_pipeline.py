@@ -29,7 +29,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from embark_torchrec.plan.layout import Plan, TableLayout
 from embark_torchrec.sharding.comm_stats import enable_comm_stats
 from embark_torchrec.planner.parameter_sharding import module_sharding_plan
-from embark_torchrec.plan.spec import ModelSpec
+from embark_torchrec.plan.model.spec import ModelSpec
 from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 from embark_torchrec.testing import copy_global_weights, global_kjt_batch, run_ranks
 

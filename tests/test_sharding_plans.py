@@ -21,7 +21,7 @@ from embark_torchrec.plan.layout import Plan, PlanError, TableLayout, WirePrecis
 from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.plan.groups import builtin_sharding_type
 from embark_torchrec.planner.parameter_sharding import module_sharding_plan
-from embark_torchrec.plan.spec import ModelSpec, builtin_model
+from embark_torchrec.plan.model.spec import ModelSpec, builtin_model
 from embark_torchrec.planner.load_plan import load_plan
 from embark_torchrec.testing import fake_world, run_ranks
 from embark_torchrec.testing.scaled import cpu_topology, ebc_tables, scaled_spec

@@ -22,7 +22,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embark_torchrec.plan.layout import Plan, TableLayout
-from embark_torchrec.plan.spec import ModelSpec
+from embark_torchrec.plan.model.spec import ModelSpec
 from embark_torchrec.planner.parameter_sharding import module_sharding_plan
 from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 from embark_torchrec.sharding.validation import InputValidator

@@ -16,8 +16,8 @@ from embark_torchrec.plan.baselines import table_row_wise_plan
 from embark_torchrec.plan.constraints import TableConstraints
 from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.plan_model import plan_model
-from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec
-from embark_torchrec.plan.topology import PRESETS, Topology
+from embark_torchrec.plan.model.spec import IdDistribution, ModelSpec, TableSpec
+from embark_torchrec.plan.model.topology import PRESETS, Topology
 
 ROOT = Path(__file__).resolve().parent.parent
 EVALUATIONS = 600

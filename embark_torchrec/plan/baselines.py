@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from .layout import Plan, TableLayout
 from .torchrec_types import ceil_row_bounds
-from .spec import ModelSpec
-from .topology import Topology
+from .model.spec import ModelSpec
+from .model.topology import Topology
 
 
 def table_row_wise_plan(spec: ModelSpec, topology: Topology) -> Plan:

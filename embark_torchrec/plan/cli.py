@@ -27,14 +27,14 @@ from typing import Callable, Mapping, NoReturn, Sequence
 from .baselines import table_row_wise_plan
 from .bound import step_lower_bound
 from .cost import CostModel
-from .fields import INT64_MAX, integer, number
+from .model.fields import INT64_MAX, integer, number
 from .layout import Plan
 from .plan_model import check_finite, plan_model
 from .report import ProgressLine, ScoredPlan, plot_rank_loads, progress_line, render, summary
-from .spec import ModelSpec, SpecError, builtin_model, load_model_spec
-from .hardware_file import HardwareError, resolve_hardware
-from .ranges import MAX_BATCH_SIZE, MAX_HBM_GB, MAX_WORLD_SIZE, planned_world_size_refusal
-from .topology import DEFAULT_HARDWARE, PRESETS, Hardware, Topology
+from .model.spec import ModelSpec, SpecError, builtin_model, load_model_spec
+from .model.hardware_file import HardwareError, resolve_hardware
+from .model.ranges import MAX_BATCH_SIZE, MAX_HBM_GB, MAX_WORLD_SIZE, planned_world_size_refusal
+from .model.topology import DEFAULT_HARDWARE, PRESETS, Hardware, Topology
 
 
 class UsageError(Exception):

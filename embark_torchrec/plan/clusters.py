@@ -20,7 +20,7 @@ from .cost import CostModel
 from .groups import sharding_type
 from .layout import TableLayout
 from .report import Progress
-from .spec import TableSpec
+from .model.spec import TableSpec
 
 _FREE = TableConstraints()
 RB, UB = REDUCTION_KIND.name, UNIQUE_KIND.name  # the model-parallel kinds a free table chooses between

@@ -85,11 +85,11 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from .constants import BACKWARD_COMPUTE_MULTIPLIER, WEIGHT_BYTES
+from .model.constants import BACKWARD_COMPUTE_MULTIPLIER, WEIGHT_BYTES
 from .groups import DENSE_COLLECTIVES, collectives_per_step, id_bytes, module_collectives_per_step, sharding_type
 from .layout import Plan, TableLayout
-from .spec import IdDistribution, ModelSpec, TableSpec
-from .topology import Topology
+from .model.spec import IdDistribution, ModelSpec, TableSpec
+from .model.topology import Topology
 from .wire import ELEMENT_BYTES
 
 SEQUENCE_GROUP = "sequence/"  # prefixes the sharding groups of sequence tables in RankLoad.groups

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from .cluster_kinds import DATA_PARALLEL_KIND, REDUCTION_KIND, ClusterKind, cluster_kind, cluster_kind_names
-from .fields import (
+from .model.fields import (
     POOLED,
     SEQUENCE,
     FieldError,

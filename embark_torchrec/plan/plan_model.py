@@ -26,8 +26,8 @@ from .cost import CostModel, OptimizerMemory, StepCost
 from .layout import Plan, PlanError, TableLayout
 from .report import Progress, progress_line
 from .search import GreedySearch, SearchConfig, SearchStats
-from .spec import ModelSpec, TableSpec
-from .topology import Topology
+from .model.spec import ModelSpec, TableSpec
+from .model.topology import Topology
 from .torchrec_fp8 import torchrec_fp8_groups
 
 logger = logging.getLogger(__name__)

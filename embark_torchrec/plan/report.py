@@ -14,9 +14,9 @@ from typing import Any, Callable, Mapping, Sequence, TextIO
 import numpy as np
 
 from .cost import StepCost
-from .fields import SEQUENCE
+from .model.fields import SEQUENCE
 from .layout import Plan, TableLayout
-from .topology import PRESET_CHECKS, PRESETS, Hardware, Topology
+from .model.topology import PRESET_CHECKS, PRESETS, Hardware, Topology
 
 _ALL_RANKS_UP_TO = 16
 _COSTLIEST_SHOWN = 8

@@ -14,10 +14,10 @@ from torchrec.distributed.types import ShardingPlan
 from torchrec.modules.embedding_configs import DATA_TYPE_NUM_BITS
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
-from ..plan.fields import FieldError, choice, integer, number, reading, shown
+from ..plan.model.fields import FieldError, choice, integer, number, reading, shown
 from ..plan.layout import Plan, PlanError
-from ..plan.topology import COMPUTE_DEVICES
-from ..plan.spec import ModelSpec, module_tables
+from ..plan.model.topology import COMPUTE_DEVICES
+from ..plan.model.spec import ModelSpec, module_tables
 from .parameter_sharding import module_sharding_plan
 
 # the collections a plan file lays out: pooled tables (EmbeddingBagCollection), sequence tables (EmbeddingCollection)

@@ -9,7 +9,7 @@ from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSha
 
 from ..plan.groups import DATA_PARALLEL, sharding_type
 from ..plan.layout import Plan
-from ..plan.spec import ModelSpec
+from ..plan.model.spec import ModelSpec
 from ..sharding.torchrec_compat import tiled_sharding_spec
 
 

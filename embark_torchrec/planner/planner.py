@@ -21,16 +21,16 @@ from torchrec.distributed.types import ShardingPlan, ShardingPlanner
 
 from ..plan.constraints import TableConstraints, from_torchrec
 from ..plan.cost import CostModel, OptimizerMemory
-from ..plan.fields import FieldError, boolean, choice, integer, reading, shown
+from ..plan.model.fields import FieldError, boolean, choice, integer, reading, shown
 from ..plan.layout import SHARDING_TYPE_PREFIX, Plan, PlanError, TableLayout
 from ..plan.torchrec_types import ceil_row_bounds
 from ..plan.report import ScoredPlan, render
 from ..plan.plan_model import PlannedModel, plan_model
-from ..plan.ranges import MAX_WORLD_SIZE, planned_world_size_refusal
+from ..plan.model.ranges import MAX_WORLD_SIZE, planned_world_size_refusal
 from ..plan.search import SearchConfig
-from ..plan.spec import IdDistribution, ModelSpec, SpecError, module_tables
-from ..plan.hardware_file import hardware_sources, resolve_hardware
-from ..plan.topology import COMPUTE_DEVICES, CPU_HARDWARE, DEFAULT_HARDWARE, Hardware, Topology
+from ..plan.model.spec import IdDistribution, ModelSpec, SpecError, module_tables
+from ..plan.model.hardware_file import hardware_sources, resolve_hardware
+from ..plan.model.topology import COMPUTE_DEVICES, CPU_HARDWARE, DEFAULT_HARDWARE, Hardware, Topology
 from ..sharding.sharded_ec import EmbarkEmbeddingCollectionSharder
 from ..sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 from ..sharding.torchrec_compat import (

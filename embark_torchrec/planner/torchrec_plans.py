@@ -16,11 +16,11 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConf
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from ..plan.cluster_kinds import DATA_PARALLEL_KIND, REDUCTION_KIND
-from ..plan.fields import POOLED, SEQUENCE
+from ..plan.model.fields import POOLED, SEQUENCE
 from ..plan.layout import SHARDING_TYPE_PREFIX, Plan, parse_sharding_type, split_precision, split_row_width
-from ..plan.spec import ModelSpec
+from ..plan.model.spec import ModelSpec
 from ..plan.torchrec_types import DATA_PARALLEL
-from ..plan.topology import Topology
+from ..plan.model.topology import Topology
 
 # torchrec sharding types whose partial sums are reduced inside the node before crossing it.
 _HIERARCHICAL_TYPES = ("table_row_wise", "grid_shard")

@@ -41,7 +41,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from .. import checkpoint
 from ..plan.layout import Plan, TableLayout
 from ..planner.parameter_sharding import module_sharding_plan
-from ..plan.spec import ModelSpec
+from ..plan.model.spec import ModelSpec
 from ..sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 from .batches import global_kjt_batch
 from .training import ADAGRAD_EPS, OPTIMIZERS, SparseArch

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from embark_torchrec.plan.spec import ModelSpec, TableSpec
-from embark_torchrec.plan.topology import Topology, hardware_preset
+from embark_torchrec.plan.model.spec import ModelSpec, TableSpec
+from embark_torchrec.plan.model.topology import Topology, hardware_preset
 
 __all__ = ["cpu_topology", "ebc_tables", "scaled_spec", "spread_subset"]
 

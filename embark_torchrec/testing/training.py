@@ -25,7 +25,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..plan.layout import Plan, TableLayout
 from ..planner.parameter_sharding import module_sharding_plan
-from ..plan.spec import ModelSpec
+from ..plan.model.spec import ModelSpec
 from ..sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 from .batches import global_kjt_batch
 from .equality import copy_global_weights

@@ -57,14 +57,14 @@ from embark_torchrec.plan.baselines import table_row_wise_plan
 from embark_torchrec.plan.cli import UsageError, check_output
 from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.layout import ALLREDUCE_PRECISIONS, PRECISIONS, Plan, WirePrecision
-from embark_torchrec.plan.profile import profile_features
+from embark_torchrec.plan.model.profile import profile_features
 from embark_torchrec.sharding.data_parallel import data_parallel_wrapper
 from embark_torchrec.plan.report import ScoredPlan, render
 from embark_torchrec.plan.search import SearchConfig
 from embark_torchrec.plan.wire import ELEMENT_BYTES
-from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec, builtin_model, load_model_spec
-from embark_torchrec.plan.hardware_file import check_document, hardware_sources, resolve_hardware, save_hardware
-from embark_torchrec.plan.topology import Hardware, Topology
+from embark_torchrec.plan.model.spec import IdDistribution, ModelSpec, TableSpec, builtin_model, load_model_spec
+from embark_torchrec.plan.model.hardware_file import check_document, hardware_sources, resolve_hardware, save_hardware
+from embark_torchrec.plan.model.topology import Hardware, Topology
 from embark_torchrec.sharding.comm_stats import enable_comm_stats
 from embark_torchrec.planner.parameter_sharding import module_sharding_plan
 from embark_torchrec.planner.torchrec_plans import from_sharding_plan, torchrec_constraints, torchrec_topology

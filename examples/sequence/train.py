@@ -46,9 +46,9 @@ from embark_torchrec import EmbarkEmbeddingBagCollectionSharder, EmbarkEmbedding
 from embark_torchrec.plan.constraints import TableConstraints
 from embark_torchrec.plan.layout import TableLayout, sharding_type_name
 from embark_torchrec.plan.torchrec_types import ceil_row_bounds
-from embark_torchrec.plan.profile import profile_features
-from embark_torchrec.plan.spec import ModelSpec
-from embark_torchrec.plan.topology import Topology, hardware_preset
+from embark_torchrec.plan.model.profile import profile_features
+from embark_torchrec.plan.model.spec import ModelSpec
+from embark_torchrec.plan.model.topology import Topology, hardware_preset
 from embark_torchrec.sharding.comm_stats import enable_comm_stats
 from embark_torchrec.planner.torchrec_plans import torchrec_topology
 

@@ -306,8 +306,8 @@ def make_plan(case: Case, tables: HarnessTables, model: nn.Module, pg: Any) -> A
 
     from embark_torchrec import EmbarkEmbeddingBagCollectionSharder, EmbarkPlanner
     from embark_torchrec.plan.layout import Plan
-    from embark_torchrec.plan.spec import ModelSpec
-    from embark_torchrec.plan.topology import PRESETS
+    from embark_torchrec.plan.model.spec import ModelSpec
+    from embark_torchrec.plan.model.topology import PRESETS
     from embark_torchrec.planner.parameter_sharding import module_sharding_plan
 
     world_size, fused = case.world_size, _fused_params(case.optimizer)

@@ -9,21 +9,18 @@ Sequence features (an EmbeddingCollection's ID lists) are counted the same way: 
 mean sequence length, their unique ratio one minus the rate at which IDs repeat within a rank's batch,
 which is what a unique-based sequence table's traffic scales with.
 
-Batches are duck-typed torchrec KeyedJaggedTensors (keys, values, length_per_key, stride_per_key),
-so this module needs neither torchrec nor torch.distributed. Weights do not change what is counted.
+Batches are duck-typed torchrec KeyedJaggedTensors (KeyedBatch: keys, values, length_per_key, stride_per_key),
+counted with their values' own tensor methods, so this module imports neither torch nor torchrec. Weights do not
+change what is counted.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .spec import ModelSpec, TableSpec
-
-if TYPE_CHECKING:
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 _SHOWN_BAD_IDS = 8
 
@@ -96,9 +93,21 @@ class _Counts:
         self.max_id = -1
 
 
+class KeyedBatch(Protocol):
+    """What profile_features reads of a batch: a torchrec KeyedJaggedTensor's keys and IDs per key."""
+
+    def keys(self) -> list[str]: ...
+
+    def values(self) -> Any: ...  # the IDs, a tensor
+
+    def length_per_key(self) -> list[int]: ...
+
+    def stride_per_key(self) -> list[int]: ...
+
+
 def profile_features(
-    batches: Iterable[KeyedJaggedTensor],
-    model: ModelSpec | EmbeddingBagCollection | EmbeddingCollection,
+    batches: Iterable[KeyedBatch],
+    model: Any,
     world_size: int | None = None,
 ) -> FeatureProfile:
     """Measure each table's pooling and unique ratio on one rank's batches; return the updated spec.
@@ -143,14 +152,12 @@ def profile_features(
 
 
 def _count_batch(
-    kjt: Any, index: int, spec: ModelSpec, owner: dict[str, TableSpec], counts: dict[str, _Counts]
+    kjt: KeyedBatch, index: int, spec: ModelSpec, owner: dict[str, TableSpec], counts: dict[str, _Counts]
 ) -> set[str]:
     """Add one batch to the per-feature counts; return the names of the tables it touched."""
-    import torch  # here, not at module level: the batches bring torch; planning without them does not need it
-
     touched: set[str] = set()
     keys = list(kjt.keys())
-    per_key = torch.split(kjt.values(), list(kjt.length_per_key()))
+    per_key = kjt.values().split(list(kjt.length_per_key()))
     for key, values, stride in zip(keys, per_key, kjt.stride_per_key()):
         table = owner.get(key)
         if table is None:
@@ -164,7 +171,7 @@ def _count_batch(
         c.samples += int(stride)
         if not values.numel():
             continue
-        distinct = torch.unique(values)
+        distinct = values.unique()
         bad = distinct[(distinct < 0) | (distinct >= table.rows)]
         if bad.numel():
             shown = bad[:_SHOWN_BAD_IDS].tolist() + (["..."] if bad.numel() > _SHOWN_BAD_IDS else [])
@@ -174,7 +181,7 @@ def _count_batch(
             )
         c.ids += values.numel()
         c.distinct += distinct.numel()
-        c.max_id = max(c.max_id, int(distinct[-1]))  # torch.unique sorts
+        c.max_id = max(c.max_id, int(distinct[-1]))  # unique() sorts
     return touched
 
 

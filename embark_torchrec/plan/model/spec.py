@@ -356,7 +356,7 @@ def load_model_spec(path: str | Path) -> ModelSpec:
         return ModelSpec.from_dict(data)
 
 
-_BUILTIN = Path(__file__).resolve().parent.parent / "models"
+_BUILTIN = Path(__file__).resolve().parents[2] / "models"
 
 
 def builtin_model(name: str) -> ModelSpec:
