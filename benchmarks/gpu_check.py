@@ -119,7 +119,7 @@ def _arch(tables: list[Any], device: Any) -> Any:
 def _our_layouts(kind: str, precision: str, world_size: int) -> dict[str, Any]:
     """Two tables in one of our sharding types; at world size 1 every cell is on rank 0, at 4 they spread over
     both nodes (rank 0 always holds some)."""
-    from embark_torchrec.plan.layout import TableLayout, WirePrecision
+    from embark_torchrec.plan.layout.tables import TableLayout, WirePrecision
 
     p = WirePrecision(precision, precision)
     one = world_size == 1
@@ -149,8 +149,8 @@ def _module_plan(kind: str, module: Any, sharder: Any, world_size: int, local_wo
     every shard placed on device index 0 (one GPU plays every rank)."""
     from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
 
-    from embark_torchrec.plan.groups import sharding_type
-    from embark_torchrec.plan.layout import Plan
+    from embark_torchrec.plan.layout.groups import sharding_type
+    from embark_torchrec.plan.layout.tables import Plan
     from embark_torchrec.planner.parameter_sharding import module_sharding_plan
     from embark_torchrec.plan.model.spec import ModelSpec
 

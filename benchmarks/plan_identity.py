@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from embark_torchrec.plan.cost import CostModel
-from embark_torchrec.plan.layout import WirePrecision
+from embark_torchrec.plan.layout.tables import WirePrecision
 from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.plan.search import SearchConfig
 from embark_torchrec.plan.model.spec import ModelSpec, builtin_model, load_model_spec

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from embark_torchrec.plan.baselines import table_row_wise_plan
-from embark_torchrec.plan.layout import Plan, TableLayout, sharding_type_name
+from embark_torchrec.plan.layout.tables import Plan, TableLayout, sharding_type_name
 from embark_torchrec.planner.parameter_sharding import module_sharding_plan
 from embark_torchrec.plan.model.spec import ModelSpec
 from embark_torchrec.plan.model.topology import Topology, hardware_preset

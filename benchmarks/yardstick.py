@@ -38,9 +38,9 @@ import numpy as np
 
 from embark_torchrec.plan.balance import comm_imbalance
 from embark_torchrec.plan.bound import allowed_clusters
-from embark_torchrec.plan.constraints import TableConstraints
+from embark_torchrec.plan.layout.constraints import TableConstraints
 from embark_torchrec.plan.cost import CostModel, RankLoad, StepCost
-from embark_torchrec.plan.layout import Plan, PlanError, TableLayout, WirePrecision
+from embark_torchrec.plan.layout.tables import Plan, PlanError, TableLayout, WirePrecision
 from embark_torchrec.plan.objective import Objective, better, objective
 
 _FREE = TableConstraints()

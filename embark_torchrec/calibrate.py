@@ -67,7 +67,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .plan.cluster_kinds import REDUCTION_KIND, UNIQUE_KIND
+from .plan.layout.kinds import REDUCTION_KIND, UNIQUE_KIND
 from .plan.model.constants import BACKWARD_COMPUTE_MULTIPLIER, WEIGHT_BYTES
 from .plan.model.hardware_file import FORMAT, VERSION, HardwareError, hardware_to_dict, resolve_hardware, save_hardware
 from .plan.model.topology import Hardware
@@ -485,7 +485,7 @@ def tbe_step_estimate_ms(hardware: Hardware, s: Settings) -> float:
     on the one rank of world size 1, lookup_batch bags of MANY IDs), on `hardware`: what a preset's lookup figures
     predict for a step that was measured."""
     from .plan.cost import CostModel
-    from .plan.layout import Plan, TableLayout
+    from .plan.layout.tables import Plan, TableLayout
     from .plan.model.spec import ModelSpec, TableSpec
     from .plan.model.topology import Topology
 
@@ -565,7 +565,7 @@ def _dedup_times(s: Settings, device: torch.device) -> list[float]:
 
 def _reference_plan(job: Job, s: Settings, cluster: str) -> Any:
     """The reference step's plan: ub_tables one-hot tables, each whole on rank i % world size."""
-    from .plan.layout import Plan, TableLayout
+    from .plan.layout.tables import Plan, TableLayout
 
     world, rows, dim = job.world_size, s.ub_rows, s.ub_dim
     layouts = {f"t{i}": TableLayout(cluster, (0, rows), (0, dim), ((i % world,),)) for i in range(s.ub_tables)}
@@ -588,7 +588,7 @@ def _reference_estimate_ms(job: Job, s: Settings, hardware: Hardware) -> tuple[f
     """The cost model's lookups + communication of the table-wise reference step on `hardware`, and the
     collectives it issues per step (its one sharding group's and its module's split exchange)."""
     from .plan.cost import CostModel
-    from .plan.groups import module_collectives_per_step
+    from .plan.layout.groups import module_collectives_per_step
     from .plan.model.topology import Topology
 
     model = CostModel(_reference_spec(job, s), Topology(job.world_size, job.local_world_size, hardware))

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embark_torchrec.plan.layout import Plan, PlanError, TableLayout
+from embark_torchrec.plan.layout.tables import Plan, PlanError, TableLayout
 from embark_torchrec.plan.model.spec import ModelSpec, SpecError
 from embark_torchrec.planner.load_plan import load_plan
 from embark_torchrec.testing import copy_global_weights, run_ranks

@@ -34,7 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-from embark_torchrec.plan.layout import TableLayout
+from embark_torchrec.plan.layout.tables import TableLayout
 from embark_torchrec.testing import run_ranks
 from embark_torchrec.testing.checkpoints import (
     compare_with_full,

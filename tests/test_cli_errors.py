@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from embark_torchrec.plan import cli
-from embark_torchrec.plan.layout import Plan
+from embark_torchrec.plan.layout.tables import Plan
 from embark_torchrec.plan.model.ranges import (
     HARDWARE_RANGES,
     MAX_BATCH_SIZE,

@@ -11,7 +11,7 @@ from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, Dist
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-from embark_torchrec.plan.layout import Plan, PlanError, TableLayout, WirePrecision
+from embark_torchrec.plan.layout.tables import Plan, PlanError, TableLayout, WirePrecision
 from embark_torchrec.plan.model.spec import ModelSpec
 from embark_torchrec.sharding.data_parallel import data_parallel_wrapper, sharded_module_ddps
 from embark_torchrec.planner.parameter_sharding import module_sharding_plan

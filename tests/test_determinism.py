@@ -27,8 +27,8 @@ from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from embark_torchrec.planner.torchrec_plans import from_sharding_plan
-from embark_torchrec.plan.constraints import TableConstraints
-from embark_torchrec.plan.layout import TableLayout
+from embark_torchrec.plan.layout.constraints import TableConstraints
+from embark_torchrec.plan.layout.tables import TableLayout
 from embark_torchrec.planner.planner import EmbarkPlanner
 from embark_torchrec.plan.model.spec import IdDistribution
 from embark_torchrec.plan.model.topology import PRESETS, Hardware, Topology

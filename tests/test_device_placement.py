@@ -48,8 +48,8 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embark_torchrec.plan.groups import sharding_type
-from embark_torchrec.plan.layout import Plan, TableLayout, WirePrecision
+from embark_torchrec.plan.layout.groups import sharding_type
+from embark_torchrec.plan.layout.tables import Plan, TableLayout, WirePrecision
 from embark_torchrec.planner.parameter_sharding import module_sharding_plan
 from embark_torchrec.plan.model.spec import ModelSpec
 from embark_torchrec.sharding.comm_stats import enable_comm_stats

@@ -19,7 +19,7 @@ import torch
 from torchmetrics.functional.classification import binary_auroc
 
 from embark_torchrec.checkpoint import OWNER_NAME
-from embark_torchrec.plan.layout import Plan
+from embark_torchrec.plan.layout.tables import Plan
 from embark_torchrec.plan.model.spec import IdDistribution, ModelSpec, TableSpec
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,10 +15,10 @@ from typing import Any, Callable
 
 import pytest
 
-from embark_torchrec.plan.constraints import TableConstraints, from_torchrec
+from embark_torchrec.plan.layout.constraints import TableConstraints, from_torchrec
 from embark_torchrec.plan.model.fields import MODULE_DICT_ATTRIBUTES
 from embark_torchrec.plan.model.hardware_file import HardwareError, check_document, hardware_fields, load_hardware
-from embark_torchrec.plan.layout import Plan, PlanError, TableLayout, WirePrecision
+from embark_torchrec.plan.layout.tables import Plan, PlanError, TableLayout, WirePrecision
 from embark_torchrec.plan.model.ranges import HARDWARE_RANGES
 from embark_torchrec.plan.model.spec import IdDistribution, ModelSpec, SpecError, TableSpec, load_model_spec
 from embark_torchrec.plan.model.topology import PRESETS

@@ -20,9 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from embark_torchrec.plan.baselines import table_row_wise_plan
-from embark_torchrec.plan.constraints import TORCHREC_SHARDING_TYPES, from_torchrec
+from embark_torchrec.plan.layout.constraints import TORCHREC_SHARDING_TYPES, from_torchrec
 from embark_torchrec.plan.model.fields import FieldError
-from embark_torchrec.plan.layout import Plan, PlanError, TableLayout, WirePrecision
+from embark_torchrec.plan.layout.tables import Plan, PlanError, TableLayout, WirePrecision
 from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.plan.model.ranges import MAX_POOLING
 from embark_torchrec.plan.model.spec import ModelSpec, SpecError, builtin_model, load_model_spec

@@ -17,7 +17,7 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import QuantizedCommCodec, QuantizedCommCodecs, ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-from embark_torchrec.plan.layout import Plan, TableLayout
+from embark_torchrec.plan.layout.tables import Plan, TableLayout
 from embark_torchrec.plan.model.spec import ModelSpec
 from embark_torchrec.sharding.codecs import decode, encode, encoded_size
 from embark_torchrec.sharding.comm_stats import enable_comm_stats

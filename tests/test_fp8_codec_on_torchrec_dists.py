@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-from embark_torchrec.plan.layout import TableLayout, WirePrecision
-from embark_torchrec.plan.wire import rows_bytes
+from embark_torchrec.plan.layout.tables import TableLayout, WirePrecision
+from embark_torchrec.plan.layout.wire import rows_bytes
 from embark_torchrec.sharding.codecs import Fp8RowwiseCodec, wire_codecs
 from embark_torchrec.sharding.comm_stats import enable_comm_stats
 from embark_torchrec.testing import copy_global_weights, global_kjt_batch, run_ranks

@@ -23,8 +23,8 @@ from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embark_torchrec.plan.groups import module_collectives_per_step, sharding_type
-from embark_torchrec.plan.layout import (
+from embark_torchrec.plan.layout.groups import module_collectives_per_step, sharding_type
+from embark_torchrec.plan.layout.tables import (
     TableLayout,
     WirePrecision,
     precision_suffix,

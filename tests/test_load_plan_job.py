@@ -12,8 +12,8 @@ import torch
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from embark_torchrec.plan.layout import Plan, PlanError, TableLayout
-from embark_torchrec.plan.torchrec_types import ceil_row_bounds
+from embark_torchrec.plan.layout.tables import Plan, PlanError, TableLayout
+from embark_torchrec.plan.layout.torchrec_types import ceil_row_bounds
 from embark_torchrec.planner.load_plan import load_plan
 from embark_torchrec.testing.fake import fake_world
 

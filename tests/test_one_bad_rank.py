@@ -31,9 +31,9 @@ import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embark_torchrec.plan.groups import sharding_type
-from embark_torchrec.plan.torchrec_types import ceil_row_bounds
-from embark_torchrec.plan.layout import TableLayout
+from embark_torchrec.plan.layout.groups import sharding_type
+from embark_torchrec.plan.layout.torchrec_types import ceil_row_bounds
+from embark_torchrec.plan.layout.tables import TableLayout
 from embark_torchrec.sharding.torchrec_compat import module_sharding_types, sequence_sharding_types
 from embark_torchrec.sharding.validation import InputFault, InputValidator, InvalidInputError, not_a_kjt
 from embark_torchrec.testing import run_ranks

@@ -18,7 +18,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from embark_torchrec import EmbarkEmbeddingBagCollectionSharder, EmbarkPlanner
-from embark_torchrec.plan.layout import PlanError
+from embark_torchrec.plan.layout.tables import PlanError
 from embark_torchrec.plan.model.spec import ModelSpec, SpecError
 
 TYPES = {

@@ -12,11 +12,11 @@ from embark_torchrec.plan.cost import (
     CostModel,
     OptimizerMemory,
 )
-from embark_torchrec.plan.layout import Plan, TableLayout, WirePrecision
+from embark_torchrec.plan.layout.tables import Plan, TableLayout, WirePrecision
 from embark_torchrec.plan.model.spec import ModelSpec, TableSpec
 from embark_torchrec.plan.model.topology import PRESETS, Topology
 from embark_torchrec.plan.traffic import Message, table_messages
-from embark_torchrec.plan.wire import vector_bytes
+from embark_torchrec.plan.layout.wire import vector_bytes
 
 
 def _counted(cost: CostModel, msgs: list[Message], hierarchical: bool = False) -> dict[str, np.ndarray]:

@@ -19,15 +19,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from embark_torchrec.plan.cost import CostModel
-from embark_torchrec.plan.cluster_kinds import UNIQUE_COLLECTIVES
-from embark_torchrec.plan.groups import (
+from embark_torchrec.plan.layout.kinds import UNIQUE_COLLECTIVES
+from embark_torchrec.plan.layout.groups import (
     INPUT_EXCHANGE_COLLECTIVES,
     collectives_per_step,
     module_collectives_per_step,
     sharding_type,
 )
-from embark_torchrec.plan.layout import Plan, TableLayout
-from embark_torchrec.plan.torchrec_types import FLAT_COLLECTIVES, HIERARCHICAL_COLLECTIVES
+from embark_torchrec.plan.layout.tables import Plan, TableLayout
+from embark_torchrec.plan.layout.torchrec_types import FLAT_COLLECTIVES, HIERARCHICAL_COLLECTIVES
 from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.plan.model.spec import IdDistribution, ModelSpec, TableSpec
 from embark_torchrec.plan.model.topology import PRESETS, Topology

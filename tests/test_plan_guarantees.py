@@ -13,7 +13,7 @@ import pytest
 
 from embark_torchrec.plan.baselines import table_row_wise_plan
 from embark_torchrec.plan.cost import CostModel
-from embark_torchrec.plan.layout import Plan
+from embark_torchrec.plan.layout.tables import Plan
 from embark_torchrec.plan.plan_model import EMBARK, TABLE_ROW_WISE, plan_model
 from embark_torchrec.plan.search import SearchConfig
 from embark_torchrec.plan.model.spec import ModelSpec, builtin_model, load_model_spec
@@ -69,7 +69,7 @@ def test_never_slower_than_table_row_wise_or_torchrec(model: str, world: int, lo
 def test_a_faster_candidate_is_returned_and_one_breaking_constraints_is_not() -> None:
     """A candidate priced faster than the search's plan is what plan_model returns (named as its
     source); under a constraint it breaks, it is passed over."""
-    from embark_torchrec.plan.constraints import TableConstraints
+    from embark_torchrec.plan.layout.constraints import TableConstraints
 
     spec = _spec("dcnv2", 64)
     topology = Topology(64, 8, PRESETS["dgx-h100"])

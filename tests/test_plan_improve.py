@@ -13,11 +13,11 @@ import pytest
 
 from embark_torchrec.plan.bound import allowed_clusters, step_lower_bound
 from embark_torchrec.plan.clusters import assign_clusters
-from embark_torchrec.plan.constraints import TableConstraints
+from embark_torchrec.plan.layout.constraints import TableConstraints
 from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.model.fields import SEQUENCE
 from embark_torchrec.plan.improve import Improvement
-from embark_torchrec.plan.layout import Plan, TableLayout, WirePrecision
+from embark_torchrec.plan.layout.tables import Plan, TableLayout, WirePrecision
 from embark_torchrec.plan.moves import dp_batch, reshapes, spreads
 from embark_torchrec.plan.plan_model import PlannedModel, plan_model
 from embark_torchrec.plan.report import ScoredPlan, render

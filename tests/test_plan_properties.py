@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from embark_torchrec.plan.layout import Plan, PlanError
+from embark_torchrec.plan.layout.tables import Plan, PlanError
 from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.plan.search import SearchConfig
 from embark_torchrec.plan.model.spec import IdDistribution, ModelSpec, TableSpec

@@ -17,7 +17,7 @@ import pytest
 from embark_torchrec.plan import cost as cost_module
 from embark_torchrec.plan.clusters import assign_clusters
 from embark_torchrec.plan.cost import CostModel
-from embark_torchrec.plan.layout import TableLayout
+from embark_torchrec.plan.layout.tables import TableLayout
 from embark_torchrec.plan.plan_model import PlannedModel, plan_model
 from embark_torchrec.plan.report import ProgressLine, progress_line
 from embark_torchrec.plan.search import SearchConfig, SearchStats, SplitRounds

@@ -32,15 +32,15 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embark_torchrec.plan import cli
-from embark_torchrec.plan.constraints import TableConstraints
+from embark_torchrec.plan.layout.constraints import TableConstraints
 from embark_torchrec.plan.cost import CostModel
-from embark_torchrec.plan.layout import Plan, PlanError, TableLayout, WirePrecision
+from embark_torchrec.plan.layout.tables import Plan, PlanError, TableLayout, WirePrecision
 from embark_torchrec.planner.planner import EmbarkPlanner
 from embark_torchrec.plan.model.profile import profile_features
 from embark_torchrec.plan.model.spec import ModelSpec, SpecError, TableSpec
 from embark_torchrec.plan.model.topology import Topology, hardware_preset
 from embark_torchrec.plan.traffic import table_messages
-from embark_torchrec.plan.wire import LENGTH_BYTES, vector_bytes
+from embark_torchrec.plan.layout.wire import LENGTH_BYTES, vector_bytes
 from embark_torchrec.planner import cli as planner_cli
 from embark_torchrec.planner import torchrec_plans
 from embark_torchrec.sharding.comm_stats import enable_comm_stats

@@ -11,7 +11,7 @@ import pytest
 
 from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.model.hardware_file import hardware_fields, hardware_sources, hardware_to_dict, save_hardware
-from embark_torchrec.plan.layout import Plan, TableLayout
+from embark_torchrec.plan.layout.tables import Plan, TableLayout
 from embark_torchrec.plan.report import ScoredPlan, hardware_line, render
 from embark_torchrec.plan.model.spec import ModelSpec, TableSpec
 from embark_torchrec.plan.model.topology import PRESET_CHECKS, PRESETS, Topology

@@ -10,10 +10,10 @@ from dataclasses import replace
 
 import pytest
 
-from embark_torchrec.plan.constraints import TableConstraints
+from embark_torchrec.plan.layout.constraints import TableConstraints
 from embark_torchrec.plan.cost import CostModel
-from embark_torchrec.plan.groups import sharding_type, torchrec_type
-from embark_torchrec.plan.layout import Plan, TableLayout, WirePrecision
+from embark_torchrec.plan.layout.groups import sharding_type, torchrec_type
+from embark_torchrec.plan.layout.tables import Plan, TableLayout, WirePrecision
 from embark_torchrec.plan.plan_model import EMBARK, plan_model
 from embark_torchrec.plan.report import ScoredPlan, render, summary
 from embark_torchrec.plan.search import SearchConfig

@@ -28,9 +28,9 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 
 from embark_torchrec.plan.baselines import table_row_wise_plan
 from embark_torchrec.planner.torchrec_plans import from_sharding_plan
-from embark_torchrec.plan.constraints import TableConstraints
-from embark_torchrec.plan.groups import builtin_sharding_type
-from embark_torchrec.plan.layout import Plan, TableLayout, WirePrecision, sharding_type_name
+from embark_torchrec.plan.layout.constraints import TableConstraints
+from embark_torchrec.plan.layout.groups import builtin_sharding_type
+from embark_torchrec.plan.layout.tables import Plan, TableLayout, WirePrecision, sharding_type_name
 from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.planner.planner import TORCHREC_DEFAULT, EmbarkPlanner, default_hardware
 from embark_torchrec.plan.model.ranges import MAX_PLANNED_WORLD_SIZE

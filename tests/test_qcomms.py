@@ -15,7 +15,7 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-from embark_torchrec.plan.layout import Plan, TableLayout, WirePrecision
+from embark_torchrec.plan.layout.tables import Plan, TableLayout, WirePrecision
 from embark_torchrec.plan.model.spec import ModelSpec
 from embark_torchrec.sharding.comm_stats import enable_comm_stats
 from embark_torchrec.planner.parameter_sharding import module_sharding_plan

@@ -31,9 +31,9 @@ import pytest
 import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
-from embark_torchrec.plan.layout import PlanError, TableLayout
+from embark_torchrec.plan.layout.tables import PlanError, TableLayout
 from embark_torchrec.plan.plan_model import plan_model
-from embark_torchrec.plan.groups import builtin_sharding_type
+from embark_torchrec.plan.layout.groups import builtin_sharding_type
 from embark_torchrec.plan.model.spec import IdDistribution, ModelSpec, TableSpec
 from embark_torchrec.plan.model.topology import PRESETS, Hardware, Topology
 from embark_torchrec.testing import run_ranks

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-from embark_torchrec.plan.layout import TableLayout
+from embark_torchrec.plan.layout.tables import TableLayout
 from embark_torchrec.testing import run_ranks
 from embark_torchrec.testing.training import compare_sharded_training, sharded_model
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embark_torchrec.plan.layout import TableLayout
+from embark_torchrec.plan.layout.tables import TableLayout
 from embark_torchrec.sharding.validation import InvalidInputError
 from embark_torchrec.testing import run_ranks
 from embark_torchrec.testing.training import compare_sharded_training, sharded_model

@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embark_torchrec.plan.groups import sharding_type
-from embark_torchrec.plan.layout import TableLayout, WirePrecision
-from embark_torchrec.plan.torchrec_types import ceil_row_bounds
+from embark_torchrec.plan.layout.groups import sharding_type
+from embark_torchrec.plan.layout.tables import TableLayout, WirePrecision
+from embark_torchrec.plan.layout.torchrec_types import ceil_row_bounds
 from embark_torchrec.sharding.comm_stats import CommKey, enable_comm_stats
 from embark_torchrec.sharding.sequence import GridSequenceEmbeddingSharding, UniqueSequenceEmbeddingSharding
 from embark_torchrec.sharding.sharded_ec import EmbarkShardedEmbeddingCollection

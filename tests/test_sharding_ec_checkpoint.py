@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torchrec.modules.embedding_configs import EmbeddingConfig
 
-from embark_torchrec.plan.layout import TableLayout
+from embark_torchrec.plan.layout.tables import TableLayout
 from embark_torchrec.sharding.sharded_ec import EmbarkShardedEmbeddingCollection
 from embark_torchrec.sharding.torchrec_compat import sequence_sharding_types
 from embark_torchrec.testing import global_kjt_batch, run_ranks
@@ -187,7 +187,7 @@ def test_hand_made_sequence_plan_with_mixed_widths_on_a_rank_is_refused_by_name(
     hold) fails in sequence_sharding_plan with a PlanError naming table and rank, not inside TorchRec."""
     from torchrec.modules.embedding_modules import EmbeddingCollection
 
-    from embark_torchrec.plan.layout import Plan, PlanError
+    from embark_torchrec.plan.layout.tables import Plan, PlanError
     from embark_torchrec.planner.parameter_sharding import sequence_sharding_plan
 
     ec = EmbeddingCollection(

@@ -23,7 +23,7 @@ from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 
-from embark_torchrec.plan.layout import Plan, TableLayout
+from embark_torchrec.plan.layout.tables import Plan, TableLayout
 from embark_torchrec.planner.parameter_sharding import sequence_sharding_plan
 from embark_torchrec.sharding.sharded_ec import EmbarkEmbeddingCollectionSharder
 from embark_torchrec.testing import copy_global_weights, global_kjt_batch, run_ranks

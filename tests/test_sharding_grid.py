@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
-from embark_torchrec.plan.layout import TableLayout
+from embark_torchrec.plan.layout.tables import TableLayout
 from embark_torchrec.sharding.grid import BlockGather, ColumnFold, GridPooledEmbeddingSharding
 from embark_torchrec.sharding.unique import UniquePooledEmbeddingSharding
 from embark_torchrec.sharding.sharded_ebc import EmbarkShardedEmbeddingBagCollection

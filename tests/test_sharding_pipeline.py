@@ -26,7 +26,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from embark_torchrec.plan.layout import Plan, TableLayout
+from embark_torchrec.plan.layout.tables import Plan, TableLayout
 from embark_torchrec.sharding.comm_stats import enable_comm_stats
 from embark_torchrec.planner.parameter_sharding import module_sharding_plan
 from embark_torchrec.plan.model.spec import ModelSpec

@@ -17,9 +17,9 @@ from torchrec.distributed.types import ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from embark_torchrec.plan.layout import Plan, PlanError, TableLayout, WirePrecision
+from embark_torchrec.plan.layout.tables import Plan, PlanError, TableLayout, WirePrecision
 from embark_torchrec.plan.plan_model import plan_model
-from embark_torchrec.plan.groups import builtin_sharding_type
+from embark_torchrec.plan.layout.groups import builtin_sharding_type
 from embark_torchrec.planner.parameter_sharding import module_sharding_plan
 from embark_torchrec.plan.model.spec import ModelSpec, builtin_model
 from embark_torchrec.planner.load_plan import load_plan

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
-from embark_torchrec.plan.wire import vector_bytes
-from embark_torchrec.plan.layout import TableLayout, WirePrecision
+from embark_torchrec.plan.layout.wire import vector_bytes
+from embark_torchrec.plan.layout.tables import TableLayout, WirePrecision
 from embark_torchrec.sharding.codecs import _codec, encode, encoded_size, decode
 from embark_torchrec.testing import global_kjt_batch, run_ranks
 from embark_torchrec.testing.training import compare_sharded_training, sharded_model

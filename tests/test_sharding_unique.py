@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embark_torchrec.plan.layout import TableLayout
+from embark_torchrec.plan.layout.tables import TableLayout
 from embark_torchrec.sharding.grid import CellRoute
 from embark_torchrec.sharding.unique import KEY_INT32_LIMIT, UniqueLayout, UniqueSparseFeaturesDist
 from embark_torchrec.testing import fake_world, run_ranks

@@ -18,7 +18,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embark_torchrec.plan.layout import TableLayout
+from embark_torchrec.plan.layout.tables import TableLayout
 from embark_torchrec.sharding.validation import InvalidIdError
 from embark_torchrec.testing import run_ranks
 from embark_torchrec.testing.training import compare_sharded_training, sharded_model

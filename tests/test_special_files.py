@@ -15,7 +15,7 @@ import pytest
 from embark_torchrec.plan.model.fields import FieldError
 from embark_torchrec.plan.model.files import DOCUMENT_MAX_BYTES
 from embark_torchrec.plan.model.hardware_file import load_hardware
-from embark_torchrec.plan.layout import Plan
+from embark_torchrec.plan.layout.tables import Plan
 from embark_torchrec.plan.model.spec import load_model_spec
 
 READERS: dict[str, Callable[[Path], Any]] = {"plan": Plan.load, "spec": load_model_spec, "hardware": load_hardware}

@@ -21,7 +21,7 @@ from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embark_torchrec.plan.layout import Plan, TableLayout
+from embark_torchrec.plan.layout.tables import Plan, TableLayout
 from embark_torchrec.plan.model.spec import ModelSpec
 from embark_torchrec.planner.parameter_sharding import module_sharding_plan
 from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder

@@ -23,9 +23,15 @@ import pytest
 import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
-from embark_torchrec.plan.groups import collectives_per_step, id_bytes, sharding_type, torchrec_type
-from embark_torchrec.plan.layout import TableLayout, WirePrecision, precision_suffix, split_precision, split_row_width
-from embark_torchrec.plan.wire import TORCHREC_ID_BYTES
+from embark_torchrec.plan.layout.groups import collectives_per_step, id_bytes, sharding_type, torchrec_type
+from embark_torchrec.plan.layout.tables import (
+    TableLayout,
+    WirePrecision,
+    precision_suffix,
+    split_precision,
+    split_row_width,
+)
+from embark_torchrec.plan.layout.wire import TORCHREC_ID_BYTES
 from embark_torchrec.sharding.torchrec_compat import (
     collective_codecs,
     module_output_dists,

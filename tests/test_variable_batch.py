@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
 
-from embark_torchrec.plan.layout import TableLayout
+from embark_torchrec.plan.layout.tables import TableLayout
 from embark_torchrec.testing import run_ranks
 from embark_torchrec.testing.training import compare_sharded_training
 

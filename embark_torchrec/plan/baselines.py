@@ -6,8 +6,8 @@ planner: planner/torchrec_plans.py.)
 
 from __future__ import annotations
 
-from .layout import Plan, TableLayout
-from .torchrec_types import ceil_row_bounds
+from .layout.tables import Plan, TableLayout
+from .layout.torchrec_types import ceil_row_bounds
 from .model.spec import ModelSpec
 from .model.topology import Topology
 

@@ -24,10 +24,10 @@ from typing import Mapping
 
 import numpy as np
 
-from .constraints import TableConstraints
+from .layout.constraints import TableConstraints
 from .cost import BACKWARD_COMPUTE_MULTIPLIER, CostModel, RankLoad
-from .cluster_kinds import DATA_PARALLEL_KIND, REDUCTION_KIND, UNIQUE_KIND, cluster_kind
-from .layout import TableLayout, WirePrecision
+from .layout.kinds import DATA_PARALLEL_KIND, REDUCTION_KIND, UNIQUE_KIND, cluster_kind
+from .layout.tables import TableLayout, WirePrecision
 from .report import Progress
 
 _FREE = TableConstraints()

@@ -28,7 +28,7 @@ from .baselines import table_row_wise_plan
 from .bound import step_lower_bound
 from .cost import CostModel
 from .model.fields import INT64_MAX, integer, number
-from .layout import Plan
+from .layout.tables import Plan
 from .plan_model import check_finite, plan_model
 from .report import ProgressLine, ScoredPlan, plot_rank_loads, progress_line, render, summary
 from .model.spec import ModelSpec, SpecError, builtin_model, load_model_spec

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from .cluster_kinds import DATA_PARALLEL_KIND, REDUCTION_KIND, UNIQUE_KIND, cluster_kind
-from .constraints import TableConstraints
+from .layout.kinds import DATA_PARALLEL_KIND, REDUCTION_KIND, UNIQUE_KIND, cluster_kind
+from .layout.constraints import TableConstraints
 from .cost import CostModel
-from .groups import sharding_type
-from .layout import TableLayout
+from .layout.groups import sharding_type
+from .layout.tables import TableLayout
 from .report import Progress
 from .model.spec import TableSpec
 

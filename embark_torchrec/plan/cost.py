@@ -86,11 +86,11 @@ from typing import Iterable, Mapping
 import numpy as np
 
 from .model.constants import BACKWARD_COMPUTE_MULTIPLIER, WEIGHT_BYTES
-from .groups import DENSE_COLLECTIVES, collectives_per_step, id_bytes, module_collectives_per_step, sharding_type
-from .layout import Plan, TableLayout
+from .layout.groups import DENSE_COLLECTIVES, collectives_per_step, id_bytes, module_collectives_per_step, sharding_type
+from .layout.tables import Plan, TableLayout
 from .model.spec import IdDistribution, ModelSpec, TableSpec
 from .model.topology import Topology
-from .wire import ELEMENT_BYTES
+from .layout.wire import ELEMENT_BYTES
 
 SEQUENCE_GROUP = "sequence/"  # prefixes the sharding groups of sequence tables in RankLoad.groups
 _LOAD_CACHE_SIZE = 16384

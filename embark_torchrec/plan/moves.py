@@ -17,10 +17,10 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from .bound import allowed_clusters
-from .cluster_kinds import DATA_PARALLEL_KIND, REDUCTION_KIND, UNIQUE_KIND, cluster_kind
+from .layout.kinds import DATA_PARALLEL_KIND, REDUCTION_KIND, UNIQUE_KIND, cluster_kind
 from .cost import SEQUENCE_GROUP
-from .groups import sharding_type
-from .layout import TableLayout
+from .layout.groups import sharding_type
+from .layout.tables import TableLayout
 from .search_state import Changes, SearchState
 
 DP, RB, UB = DATA_PARALLEL_KIND.name, REDUCTION_KIND.name, UNIQUE_KIND.name

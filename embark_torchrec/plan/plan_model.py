@@ -21,9 +21,9 @@ import numpy as np
 from .baselines import table_row_wise_plan
 from .bound import allowed_clusters
 from .clusters import assign_clusters
-from .constraints import TableConstraints
+from .layout.constraints import TableConstraints
 from .cost import CostModel, OptimizerMemory, StepCost
-from .layout import Plan, PlanError, TableLayout
+from .layout.tables import Plan, PlanError, TableLayout
 from .report import Progress, progress_line
 from .search import GreedySearch, SearchConfig, SearchStats
 from .model.spec import ModelSpec, TableSpec

@@ -15,7 +15,7 @@ import numpy as np
 
 from .cost import StepCost
 from .model.fields import SEQUENCE
-from .layout import Plan, TableLayout
+from .layout.tables import Plan, TableLayout
 from .model.topology import PRESET_CHECKS, PRESETS, Hardware, Topology
 
 _ALL_RANKS_UP_TO = 16

@@ -60,12 +60,12 @@ from typing import Iterator, Mapping
 
 import numpy as np
 
-from .cluster_kinds import DATA_PARALLEL_KIND
-from .constraints import TableConstraints
+from .layout.kinds import DATA_PARALLEL_KIND
+from .layout.constraints import TableConstraints
 from .balance import CommBalance
 from .cost import CostModel, RankLoad
 from .improve import Improvement
-from .layout import Plan, PlanError, TableLayout, WirePrecision
+from .layout.tables import Plan, PlanError, TableLayout, WirePrecision
 from .moves import cell_moves, cells_on, even_grid, light_ranks
 from .objective import Objective, better, objective
 from .report import Progress

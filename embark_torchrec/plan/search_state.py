@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Mapping, Protocol
 
 import numpy as np
 
-from .cluster_kinds import cluster_kind
-from .constraints import TableConstraints
+from .layout.kinds import cluster_kind
+from .layout.constraints import TableConstraints
 from .cost import CostModel, RankLoad, StepCost
-from .layout import TableLayout, WirePrecision
+from .layout.tables import TableLayout, WirePrecision
 from .objective import Objective, better, objective
 
 if TYPE_CHECKING:

@@ -17,10 +17,10 @@ from collections import defaultdict
 from dataclasses import replace
 from typing import Mapping
 
-from .constraints import TableConstraints
+from .layout.constraints import TableConstraints
 from .cost import CostModel, StepCost
-from .groups import sharding_type
-from .layout import Plan
+from .layout.groups import sharding_type
+from .layout.tables import Plan
 
 
 def torchrec_fp8_groups(

@@ -15,7 +15,7 @@ from torchrec.modules.embedding_configs import DATA_TYPE_NUM_BITS
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from ..plan.model.fields import FieldError, choice, integer, number, reading, shown
-from ..plan.layout import Plan, PlanError
+from ..plan.layout.tables import Plan, PlanError
 from ..plan.model.topology import COMPUTE_DEVICES
 from ..plan.model.spec import ModelSpec, module_tables
 from .parameter_sharding import module_sharding_plan

@@ -7,8 +7,8 @@ from typing import Any
 from torch.distributed._shard.sharding_spec import ShardMetadata
 from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSharding
 
-from ..plan.groups import DATA_PARALLEL, sharding_type
-from ..plan.layout import Plan
+from ..plan.layout.groups import DATA_PARALLEL, sharding_type
+from ..plan.layout.tables import Plan
 from ..plan.model.spec import ModelSpec
 from ..sharding.torchrec_compat import tiled_sharding_spec
 

@@ -19,11 +19,11 @@ from typing import Any, Mapping
 import torch
 from torchrec.distributed.types import ShardingPlan, ShardingPlanner
 
-from ..plan.constraints import TableConstraints, from_torchrec
+from ..plan.layout.constraints import TableConstraints, from_torchrec
 from ..plan.cost import CostModel, OptimizerMemory
 from ..plan.model.fields import FieldError, boolean, choice, integer, reading, shown
-from ..plan.layout import SHARDING_TYPE_PREFIX, Plan, PlanError, TableLayout
-from ..plan.torchrec_types import ceil_row_bounds
+from ..plan.layout.tables import SHARDING_TYPE_PREFIX, Plan, PlanError, TableLayout
+from ..plan.layout.torchrec_types import ceil_row_bounds
 from ..plan.report import ScoredPlan, render
 from ..plan.plan_model import PlannedModel, plan_model
 from ..plan.model.ranges import MAX_WORLD_SIZE, planned_world_size_refusal

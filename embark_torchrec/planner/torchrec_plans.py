@@ -15,11 +15,11 @@ from torchrec.distributed.planner.types import Topology as TorchrecTopology
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
-from ..plan.cluster_kinds import DATA_PARALLEL_KIND, REDUCTION_KIND
+from ..plan.layout.kinds import DATA_PARALLEL_KIND, REDUCTION_KIND
 from ..plan.model.fields import POOLED, SEQUENCE
-from ..plan.layout import SHARDING_TYPE_PREFIX, Plan, parse_sharding_type, split_precision, split_row_width
+from ..plan.layout.tables import SHARDING_TYPE_PREFIX, Plan, parse_sharding_type, split_precision, split_row_width
 from ..plan.model.spec import ModelSpec
-from ..plan.torchrec_types import DATA_PARALLEL
+from ..plan.layout.torchrec_types import DATA_PARALLEL
 from ..plan.model.topology import Topology
 
 # torchrec sharding types whose partial sums are reduced inside the node before crossing it.

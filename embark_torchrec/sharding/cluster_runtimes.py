@@ -14,7 +14,7 @@ import torch
 from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
 from torchrec.distributed.types import QuantizedCommCodecs, ShardingEnv
 
-from ..plan.cluster_kinds import ClusterKind, ReductionKind, UniqueKind
+from ..plan.layout.kinds import ClusterKind, ReductionKind, UniqueKind
 from .grid import GridPooledEmbeddingSharding
 from .sequence import GridSequenceEmbeddingSharding, UniqueSequenceEmbeddingSharding
 from .unique import UniquePooledEmbeddingSharding

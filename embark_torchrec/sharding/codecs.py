@@ -38,8 +38,8 @@ from torchrec.distributed.types import (
     QuantizedCommCodecs,
 )
 
-from ..plan.layout import WirePrecision, split_precision, split_row_width
-from ..plan.wire import FP8_SCALE_BYTES, intra_node_reduction_precision, rows_bytes
+from ..plan.layout.tables import WirePrecision, split_precision, split_row_width
+from ..plan.layout.wire import FP8_SCALE_BYTES, intra_node_reduction_precision, rows_bytes
 
 # A message part: `elems` values laid out as rows of `width`; a width given as a tuple is a row of
 # blocks of those widths (several cells' partial sums side by side), each its own row for row-wise

@@ -34,7 +34,7 @@ from torchrec.distributed.embedding_sharding import KJTListSplitsAwaitable, KJTS
 from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from ..plan.wire import SPLIT_ROWS, split_exchange_ints
+from ..plan.layout.wire import SPLIT_ROWS, split_exchange_ints
 from .comm_stats import CommStats, SplitsExchangeCounter
 from .torchrec_compat import collective_group, input_dist_all_to_all, kjt_splits, kjt_stagger, split_meta_input
 from .validation import OK, InputFault, InputValidator, InvalidInputError, dtype_code, dtype_name, not_a_kjt

@@ -39,7 +39,7 @@ from torchrec.optim.keyed import KeyedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from .. import checkpoint
-from ..plan.layout import Plan, TableLayout
+from ..plan.layout.tables import Plan, TableLayout
 from ..planner.parameter_sharding import module_sharding_plan
 from ..plan.model.spec import ModelSpec
 from ..sharding.sharder import EmbarkEmbeddingBagCollectionSharder

@@ -23,7 +23,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, get_embed
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from ..plan.layout import Plan, TableLayout
+from ..plan.layout.tables import Plan, TableLayout
 from ..planner.parameter_sharding import module_sharding_plan
 from ..plan.model.spec import ModelSpec
 from ..sharding.sharder import EmbarkEmbeddingBagCollectionSharder

@@ -43,9 +43,9 @@ from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from embark_torchrec.jobs import Progress, World, exit_after_clean_run, init_distributed, mean_over_ranks
 from embark_torchrec import EmbarkEmbeddingBagCollectionSharder, EmbarkEmbeddingCollectionSharder, EmbarkPlanner
-from embark_torchrec.plan.constraints import TableConstraints
-from embark_torchrec.plan.layout import TableLayout, sharding_type_name
-from embark_torchrec.plan.torchrec_types import ceil_row_bounds
+from embark_torchrec.plan.layout.constraints import TableConstraints
+from embark_torchrec.plan.layout.tables import TableLayout, sharding_type_name
+from embark_torchrec.plan.layout.torchrec_types import ceil_row_bounds
 from embark_torchrec.plan.model.profile import profile_features
 from embark_torchrec.plan.model.spec import ModelSpec
 from embark_torchrec.plan.model.topology import Topology, hardware_preset

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-from .cluster_kinds import DATA_PARALLEL_KIND, REDUCTION_KIND, ClusterKind, cluster_kind, cluster_kind_names
-from .model.fields import (
+from .kinds import DATA_PARALLEL_KIND, REDUCTION_KIND, ClusterKind, cluster_kind, cluster_kind_names
+from ..model.fields import (
     POOLED,
     SEQUENCE,
     FieldError,

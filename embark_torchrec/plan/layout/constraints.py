@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .model.fields import FieldError, boolean, choice, integer, integers, reading, shown, texts
-from .cluster_kinds import DATA_PARALLEL_KIND, REDUCTION_KIND, cluster_kind_names
-from .layout import TableLayout, WirePrecision
-from .model.spec import SpecError
+from ..model.fields import FieldError, boolean, choice, integer, integers, reading, shown, texts
+from .kinds import DATA_PARALLEL_KIND, REDUCTION_KIND, cluster_kind_names
+from .tables import TableLayout, WirePrecision
+from ..model.spec import SpecError
 
 
 # TorchRec's sharding types, as the cuts they allow a table (its ParameterConstraints.sharding_types)

@@ -18,8 +18,8 @@ from collections.abc import Iterable
 from dataclasses import replace
 from functools import lru_cache
 
-from .cluster_kinds import cluster_kind
-from .layout import (
+from .kinds import cluster_kind
+from .tables import (
     TableLayout,
     parse_sharding_type,
     precision_suffix,

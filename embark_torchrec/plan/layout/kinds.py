@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, ClassVar, Iterable, Sequence
 
 import numpy as np
 
-from .model.constants import BACKWARD_COMPUTE_MULTIPLIER, WEIGHT_BYTES
+from ..model.constants import BACKWARD_COMPUTE_MULTIPLIER, WEIGHT_BYTES
 from .torchrec_types import (
     COLUMN_WISE,
     DATA_PARALLEL,
@@ -36,9 +36,9 @@ from .torchrec_types import (
 from .wire import LENGTH_BYTES, ROW_SCALED_PRECISIONS, intra_node_reduction_precision, vector_bytes
 
 if TYPE_CHECKING:
-    from .cost import CostModel, RankLoad
-    from .layout import TableLayout
-    from .model.spec import TableSpec
+    from ..cost import CostModel, RankLoad
+    from .tables import TableLayout
+    from ..model.spec import TableSpec
 
 # collectives per step of one unique-based group: its de-duplicated IDs go through the KJT all-to-all (their
 # counts are the KJT's lengths), then the vectors and their gradients
