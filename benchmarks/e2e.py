@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from embark_torchrec.plan.cost import CostModel
+from embark_torchrec.plan.cost.model import CostModel
 from embark_torchrec.plan.layout.tables import Plan
 from embark_torchrec.plan.model.spec import ModelSpec
 from embark_torchrec.plan.model.topology import Topology, hardware_preset

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from embark_torchrec.plan.cost import CostModel
+from embark_torchrec.plan.cost.model import CostModel
 from embark_torchrec.plan.layout.tables import WirePrecision
 from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.plan.search import SearchConfig

@@ -42,9 +42,9 @@ from typing import Any, Iterable
 
 from embark_torchrec.plan.baselines import table_row_wise_plan
 from embark_torchrec.plan.balance import comm_imbalance
-from embark_torchrec.plan.bound import step_lower_bound
+from embark_torchrec.plan.cost.bound import step_lower_bound
 from embark_torchrec.planner.torchrec_plans import torchrec_default_plan
-from embark_torchrec.plan.cost import CostModel
+from embark_torchrec.plan.cost.model import CostModel
 from embark_torchrec.plan.layout.tables import Plan
 from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.plan.model.spec import ModelSpec, builtin_model, load_model_spec

@@ -484,7 +484,7 @@ def tbe_step_estimate_ms(hardware: Hardware, s: Settings) -> float:
     """The cost model's lookups of the TBE step tbe_step_ms times (a table of lookup_rows rows of width WIDE, whole
     on the one rank of world size 1, lookup_batch bags of MANY IDs), on `hardware`: what a preset's lookup figures
     predict for a step that was measured."""
-    from .plan.cost import CostModel
+    from .plan.cost.model import CostModel
     from .plan.layout.tables import Plan, TableLayout
     from .plan.model.spec import ModelSpec, TableSpec
     from .plan.model.topology import Topology
@@ -587,7 +587,7 @@ def _reference_spec(job: Job, s: Settings) -> Any:
 def _reference_estimate_ms(job: Job, s: Settings, hardware: Hardware) -> tuple[float, int]:
     """The cost model's lookups + communication of the table-wise reference step on `hardware`, and the
     collectives it issues per step (its one sharding group's and its module's split exchange)."""
-    from .plan.cost import CostModel
+    from .plan.cost.model import CostModel
     from .plan.layout.groups import module_collectives_per_step
     from .plan.model.topology import Topology
 

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from embark_torchrec import cluster
-from embark_torchrec.plan.cost import CostModel
+from embark_torchrec.plan.cost.model import CostModel
 from embark_torchrec.plan.model.spec import ModelSpec, TableSpec
 from embark_torchrec.plan.model.topology import Topology
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-from embark_torchrec.plan.bound import step_lower_bound
+from embark_torchrec.plan.cost.bound import step_lower_bound
 from embark_torchrec.plan.layout.kinds import (
     ReductionKind,
     cluster_kind,
@@ -22,14 +22,14 @@ from embark_torchrec.plan.layout.kinds import (
     unregister_cluster_kind,
 )
 from embark_torchrec.plan.layout.constraints import TableConstraints
-from embark_torchrec.plan.cost import CostModel
+from embark_torchrec.plan.cost.model import CostModel
 from embark_torchrec.plan.layout.groups import collectives_per_step, sharding_type
 from embark_torchrec.plan.layout.tables import Plan, PlanError, TableLayout
 from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.plan.model.spec import ModelSpec, TableSpec
 from embark_torchrec.plan.model.topology import PRESETS, Topology
 from embark_torchrec.plan.layout.torchrec_types import FLAT_COLLECTIVES, HIERARCHICAL_COLLECTIVES
-from embark_torchrec.plan.traffic import table_messages
+from embark_torchrec.plan.cost.traffic import table_messages
 from embark_torchrec.testing import run_ranks
 from embark_torchrec.testing.training import compare_sharded_training
 

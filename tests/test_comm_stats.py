@@ -33,12 +33,12 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import test_sharding_pipeline as P
-from embark_torchrec.plan.cost import CostModel
+from embark_torchrec.plan.cost.model import CostModel
 from embark_torchrec.plan.layout.groups import sharding_type
 from embark_torchrec.plan.layout.tables import TableLayout, WirePrecision
 from embark_torchrec.plan.model.spec import ModelSpec, TableSpec
 from embark_torchrec.plan.model.topology import Topology
-from embark_torchrec.plan.traffic import Message, split_exchange_messages, table_messages
+from embark_torchrec.plan.cost.traffic import Message, split_exchange_messages, table_messages
 from embark_torchrec.plan.layout.wire import intra_node_reduction_precision
 from embark_torchrec.sharding import input_exchange
 from embark_torchrec.sharding.comm_stats import INPUT_EXCHANGE, CommKey, CommStats, enable_comm_stats, group_ranks

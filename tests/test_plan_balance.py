@@ -13,7 +13,7 @@ import pytest
 
 from embark_torchrec.plan.balance import CommBalance, comm_imbalance
 from embark_torchrec.plan.clusters import assign_clusters
-from embark_torchrec.plan.cost import CostModel, StepCost
+from embark_torchrec.plan.cost.model import CostModel, StepCost
 from embark_torchrec.plan.moves import exchanged
 from embark_torchrec.plan.search import GreedySearch, SearchConfig
 from embark_torchrec.plan.search_state import SearchState, Snapshot

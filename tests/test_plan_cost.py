@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
 import math
 
 import numpy as np
 import pytest
 
-from embark_torchrec.plan.cost import (
-    BACKWARD_COMPUTE_MULTIPLIER,
-    CostModel,
-    OptimizerMemory,
-)
+from embark_torchrec.plan.cost.model import BACKWARD_COMPUTE_MULTIPLIER, CostModel, OptimizerMemory
 from embark_torchrec.plan.layout.tables import Plan, TableLayout, WirePrecision
 from embark_torchrec.plan.model.spec import ModelSpec, TableSpec
 from embark_torchrec.plan.model.topology import PRESETS, Topology
-from embark_torchrec.plan.traffic import Message, table_messages
+from embark_torchrec.plan.cost.traffic import Message, table_messages
+from embark_torchrec.plan.layout import kinds
+from embark_torchrec.plan.layout.kinds import PricingContext
 from embark_torchrec.plan.layout.wire import vector_bytes
 
 
@@ -269,3 +269,14 @@ def test_paired_inter_node_bytes_run_at_the_paired_rate(ratio: float) -> None:
         np.testing.assert_allclose(inter, unpaired + stage2 * (1 / ratio - 1) / bw, rtol=1e-12)
         assert (stage2 > 0).any() == LAYOUTS[name].hierarchical, name
         assert (load.send_paired <= load.send_inter).all() and (load.recv_paired <= load.recv_inter).all()
+
+
+def test_the_kinds_price_against_exactly_the_cost_model_members_their_protocol_declares() -> None:
+    """ClusterKind prices with a PricingContext, not a CostModel (which stands above it): every member the kinds
+    call on it is declared there, and the cost model has every member declared (no type checker runs, so a rename in
+    CostModel or a new call in a kind fails here rather than when a test happens to price that kind)."""
+    tree = ast.parse(inspect.getsource(kinds))
+    called = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and getattr(n.value, "id", "") == "cost"}
+    declared = {n for n in vars(PricingContext) if not n.startswith("_")} | set(PricingContext.__annotations__)
+    assert called == declared
+    assert isinstance(CostModel(_model(), Topology(4, 2, PRESETS["dgx-h100"])), PricingContext)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-from embark_torchrec.plan.cost import CostModel
+from embark_torchrec.plan.cost.model import CostModel
 from embark_torchrec.plan.layout.kinds import UNIQUE_COLLECTIVES
 from embark_torchrec.plan.layout.groups import (
     INPUT_EXCHANGE_COLLECTIVES,

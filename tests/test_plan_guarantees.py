@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from embark_torchrec.plan.baselines import table_row_wise_plan
-from embark_torchrec.plan.cost import CostModel
+from embark_torchrec.plan.cost.model import CostModel
 from embark_torchrec.plan.layout.tables import Plan
 from embark_torchrec.plan.plan_model import EMBARK, TABLE_ROW_WISE, plan_model
 from embark_torchrec.plan.search import SearchConfig

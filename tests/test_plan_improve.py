@@ -11,10 +11,10 @@ from functools import lru_cache
 import numpy as np
 import pytest
 
-from embark_torchrec.plan.bound import allowed_clusters, step_lower_bound
+from embark_torchrec.plan.cost.bound import allowed_clusters, step_lower_bound
 from embark_torchrec.plan.clusters import assign_clusters
 from embark_torchrec.plan.layout.constraints import TableConstraints
-from embark_torchrec.plan.cost import CostModel
+from embark_torchrec.plan.cost.model import CostModel
 from embark_torchrec.plan.model.fields import SEQUENCE
 from embark_torchrec.plan.improve import Improvement
 from embark_torchrec.plan.layout.tables import Plan, TableLayout, WirePrecision

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from embark_torchrec.plan.cost import CostModel
+from embark_torchrec.plan.cost.model import CostModel
 from embark_torchrec.plan.layout.tables import PLAN_FORMAT, PLAN_VERSION, Plan, PlanError, TableLayout, WirePrecision
 from embark_torchrec.plan.model.spec import ModelSpec, TableSpec
 from embark_torchrec.plan.model.topology import Topology

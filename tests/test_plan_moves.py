@@ -10,7 +10,7 @@ import pytest
 
 from embark_torchrec.plan import moves
 from embark_torchrec.plan.layout.constraints import TableConstraints
-from embark_torchrec.plan.cost import CostModel
+from embark_torchrec.plan.cost.model import CostModel
 from embark_torchrec.plan.layout.tables import TableLayout
 from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.plan.search import SearchConfig

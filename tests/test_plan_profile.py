@@ -13,7 +13,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embark_torchrec.plan.cost import CostModel
+from embark_torchrec.plan.cost.model import CostModel
 from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.plan.model.profile import profile_features
 from embark_torchrec.plan.model.spec import IdDistribution, ModelSpec, TableSpec

@@ -14,9 +14,10 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from embark_torchrec.plan import cost as cost_module
+from embark_torchrec.plan.cost import load as load_module
+from embark_torchrec.plan.cost import model as cost_module
 from embark_torchrec.plan.clusters import assign_clusters
-from embark_torchrec.plan.cost import CostModel
+from embark_torchrec.plan.cost.model import CostModel
 from embark_torchrec.plan.layout.tables import TableLayout
 from embark_torchrec.plan.plan_model import PlannedModel, plan_model
 from embark_torchrec.plan.report import ProgressLine, progress_line
@@ -144,7 +145,7 @@ def test_loads_added_in_order_match_one_at_a_time(
     tables = [spec.tables[i] for i in rng.integers(0, len(spec.tables), 600)]
     holders = rng.integers(0, world, len(tables))
     holders[rng.random(len(tables)) < 0.1] = -1  # these are cut in two row slices
-    columns, full, expected = [], {}, rng.standard_normal((len(cost_module._ROWS), world)) * 1e6
+    columns, full, expected = [], {}, rng.standard_normal((len(load_module._ROWS), world)) * 1e6
     start = expected.copy()
     for j, (t, k) in enumerate(zip(tables, holders.tolist())):
         base = cost.table_load(t.name, TableLayout.table_wise(t.rows, t.dim, 0, cluster))

@@ -13,7 +13,7 @@ import pytest
 from embark_torchrec.plan.baselines import table_row_wise_plan
 from embark_torchrec.plan.clusters import assign_clusters, mean_rank_ms
 from embark_torchrec.plan.layout.constraints import TableConstraints
-from embark_torchrec.plan.cost import CostModel, OptimizerMemory
+from embark_torchrec.plan.cost.model import CostModel, OptimizerMemory
 from embark_torchrec.plan.layout.tables import Plan, PlanError, TableLayout, WirePrecision
 from embark_torchrec.plan.plan_model import PlannedModel, plan_model
 from embark_torchrec.plan.search import SearchConfig

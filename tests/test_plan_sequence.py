@@ -33,13 +33,13 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embark_torchrec.plan import cli
 from embark_torchrec.plan.layout.constraints import TableConstraints
-from embark_torchrec.plan.cost import CostModel
+from embark_torchrec.plan.cost.model import CostModel
 from embark_torchrec.plan.layout.tables import Plan, PlanError, TableLayout, WirePrecision
 from embark_torchrec.planner.planner import EmbarkPlanner
 from embark_torchrec.plan.model.profile import profile_features
 from embark_torchrec.plan.model.spec import ModelSpec, SpecError, TableSpec
 from embark_torchrec.plan.model.topology import Topology, hardware_preset
-from embark_torchrec.plan.traffic import table_messages
+from embark_torchrec.plan.cost.traffic import table_messages
 from embark_torchrec.plan.layout.wire import LENGTH_BYTES, vector_bytes
 from embark_torchrec.planner import cli as planner_cli
 from embark_torchrec.planner import torchrec_plans

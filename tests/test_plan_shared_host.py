@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from embark_torchrec.plan.cost import CostModel
+from embark_torchrec.plan.cost.model import CostModel
 from embark_torchrec.plan.model.hardware_file import hardware_fields, hardware_sources, hardware_to_dict, save_hardware
 from embark_torchrec.plan.layout.tables import Plan, TableLayout
 from embark_torchrec.plan.report import ScoredPlan, hardware_line, render

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from embark_torchrec.plan.model import ranges
-from embark_torchrec.plan.bound import step_lower_bound
-from embark_torchrec.plan.cost import CostModel
+from embark_torchrec.plan.cost.bound import step_lower_bound
+from embark_torchrec.plan.cost.model import CostModel
 from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.plan.model.spec import (
     IdDistribution,

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from embark_torchrec.plan.layout.constraints import TableConstraints
-from embark_torchrec.plan.cost import CostModel
+from embark_torchrec.plan.cost.model import CostModel
 from embark_torchrec.plan.layout.groups import sharding_type, torchrec_type
 from embark_torchrec.plan.layout.tables import Plan, TableLayout, WirePrecision
 from embark_torchrec.plan.plan_model import EMBARK, plan_model

@@ -14,7 +14,7 @@ import numpy as np
 
 from embark_torchrec.plan.baselines import table_row_wise_plan
 from embark_torchrec.plan.layout.constraints import TableConstraints
-from embark_torchrec.plan.cost import CostModel
+from embark_torchrec.plan.cost.model import CostModel
 from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.plan.model.spec import IdDistribution, ModelSpec, TableSpec
 from embark_torchrec.plan.model.topology import PRESETS, Topology

@@ -45,7 +45,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from .cost import StepCost
+from .cost.model import StepCost
 from .moves import (
     cell_moves,
     cells_on,
@@ -57,7 +57,7 @@ from .moves import (
     reshapes,
     swaps,
 )
-from .objective import Objective, better
+from .cost.objective import Objective, better
 from .report import Progress
 from .search_state import Changes, Move, SearchState
 

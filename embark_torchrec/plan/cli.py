@@ -25,8 +25,8 @@ from typing import Callable, Mapping, NoReturn, Sequence
 
 
 from .baselines import table_row_wise_plan
-from .bound import step_lower_bound
-from .cost import CostModel
+from .cost.bound import step_lower_bound
+from .cost.model import CostModel
 from .model.fields import INT64_MAX, integer, number
 from .layout.tables import Plan
 from .plan_model import check_finite, plan_model

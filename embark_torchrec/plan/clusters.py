@@ -16,7 +16,7 @@ from typing import Mapping
 
 from .layout.kinds import DATA_PARALLEL_KIND, REDUCTION_KIND, UNIQUE_KIND, cluster_kind
 from .layout.constraints import TableConstraints
-from .cost import CostModel
+from .cost.model import CostModel
 from .layout.groups import sharding_type
 from .layout.tables import TableLayout
 from .report import Progress

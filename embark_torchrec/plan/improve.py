@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cost import StepCost
+from .cost.model import StepCost
 from .moves import (
     cell_moves,
     cells_on,
@@ -70,7 +70,7 @@ from .moves import (
     spreads,
     swaps,
 )
-from .objective import Objective, better, objective
+from .cost.objective import Objective, better, objective
 from .report import Progress
 from .search_state import Changes, Move, SearchState, Snapshot, better_move
 

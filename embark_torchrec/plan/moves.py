@@ -16,9 +16,9 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from .bound import allowed_clusters
+from .cost.bound import allowed_clusters
 from .layout.kinds import DATA_PARALLEL_KIND, REDUCTION_KIND, UNIQUE_KIND, cluster_kind
-from .cost import SEQUENCE_GROUP
+from .cost.model import SEQUENCE_GROUP
 from .layout.groups import sharding_type
 from .layout.tables import TableLayout
 from .search_state import Changes, SearchState

@@ -19,10 +19,10 @@ from typing import Mapping
 import numpy as np
 
 from .baselines import table_row_wise_plan
-from .bound import allowed_clusters
+from .cost.bound import allowed_clusters
 from .clusters import assign_clusters
 from .layout.constraints import TableConstraints
-from .cost import CostModel, OptimizerMemory, StepCost
+from .cost.model import CostModel, OptimizerMemory, StepCost
 from .layout.tables import Plan, PlanError, TableLayout
 from .report import Progress, progress_line
 from .search import GreedySearch, SearchConfig, SearchStats

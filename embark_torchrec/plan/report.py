@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Sequence, TextIO
 
 import numpy as np
 
-from .cost import StepCost
+from .cost.model import StepCost
 from .model.fields import SEQUENCE
 from .layout.tables import Plan, TableLayout
 from .model.topology import PRESET_CHECKS, PRESETS, Hardware, Topology

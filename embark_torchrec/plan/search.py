@@ -63,11 +63,12 @@ import numpy as np
 from .layout.kinds import DATA_PARALLEL_KIND
 from .layout.constraints import TableConstraints
 from .balance import CommBalance
-from .cost import CostModel, RankLoad
+from .cost.model import CostModel
+from .cost.load import RankLoad
 from .improve import Improvement
 from .layout.tables import Plan, PlanError, TableLayout, WirePrecision
 from .moves import cell_moves, cells_on, even_grid, light_ranks
-from .objective import Objective, better, objective
+from .cost.objective import Objective, better, objective
 from .report import Progress
 from .search_state import SearchState, better_move
 

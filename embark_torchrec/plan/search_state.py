@@ -22,9 +22,10 @@ import numpy as np
 
 from .layout.kinds import cluster_kind
 from .layout.constraints import TableConstraints
-from .cost import CostModel, RankLoad, StepCost
+from .cost.model import CostModel, StepCost
+from .cost.load import RankLoad
 from .layout.tables import TableLayout, WirePrecision
-from .objective import Objective, better, objective
+from .cost.objective import Objective, better, objective
 
 if TYPE_CHECKING:
     from .search import SearchConfig

@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import Mapping
 
 from .layout.constraints import TableConstraints
-from .cost import CostModel, StepCost
+from .cost.model import CostModel, StepCost
 from .layout.groups import sharding_type
 from .layout.tables import Plan
 

@@ -20,7 +20,7 @@ import torch
 from torchrec.distributed.types import ShardingPlan, ShardingPlanner
 
 from ..plan.layout.constraints import TableConstraints, from_torchrec
-from ..plan.cost import CostModel, OptimizerMemory
+from ..plan.cost.model import CostModel, OptimizerMemory
 from ..plan.model.fields import FieldError, boolean, choice, integer, reading, shown
 from ..plan.layout.tables import SHARDING_TYPE_PREFIX, Plan, PlanError, TableLayout
 from ..plan.layout.torchrec_types import ceil_row_bounds

@@ -55,7 +55,7 @@ from embark_torchrec import calibrate as calibration
 from embark_torchrec import checkpoint
 from embark_torchrec.plan.baselines import table_row_wise_plan
 from embark_torchrec.plan.cli import UsageError, check_output
-from embark_torchrec.plan.cost import CostModel
+from embark_torchrec.plan.cost.model import CostModel
 from embark_torchrec.plan.layout.tables import ALLREDUCE_PRECISIONS, PRECISIONS, Plan, WirePrecision
 from embark_torchrec.plan.model.profile import profile_features
 from embark_torchrec.sharding.data_parallel import data_parallel_wrapper

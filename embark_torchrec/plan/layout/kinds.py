@@ -17,7 +17,7 @@ back), each for pooled and sequence tables. Adding a kind: subclass one, give it
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Iterable, Sequence
+from typing import TYPE_CHECKING, ClassVar, Iterable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -36,13 +36,44 @@ from .torchrec_types import (
 from .wire import LENGTH_BYTES, ROW_SCALED_PRECISIONS, intra_node_reduction_precision, vector_bytes
 
 if TYPE_CHECKING:
-    from ..cost import CostModel, RankLoad
+    from ..cost.load import RankLoad
+    from ..model.spec import ModelSpec, TableSpec
+    from ..model.topology import Topology
     from .tables import TableLayout
-    from ..model.spec import TableSpec
 
 # collectives per step of one unique-based group: its de-duplicated IDs go through the KJT all-to-all (their
 # counts are the KJT's lengths), then the vectors and their gradients
 UNIQUE_COLLECTIVES = 4
+
+
+@runtime_checkable
+class PricingContext(Protocol):
+    """What a kind prices one table with: the members of the cost model (CostModel) that the kinds call, and no
+    others. A kind is a strategy that uses the cost model as its toolbox; declaring the toolbox here keeps kinds.py
+    below the cost model, and a change to CostModel that breaks a kind fails on this contract
+    (tests/test_plan_cost.py), not when a test happens to price that kind."""
+
+    spec: ModelSpec
+    topology: Topology
+    local_batch: int
+
+    def table(self, name: str) -> TableSpec: ...
+
+    def row_mass(self, name: str, row_bounds: tuple[int, ...]) -> np.ndarray: ...
+
+    def row_distinct(self, name: str, row_bounds: tuple[int, ...]) -> np.ndarray: ...
+
+    def update_ms(self, name: str, row_bounds: tuple[int, ...]) -> np.ndarray: ...
+
+    def row_memory(self, name: str, width: int) -> float: ...
+
+    def spread(self, load: RankLoad, to_all: np.ndarray, from_all: np.ndarray) -> None: ...
+
+    def hierarchical_to_all(
+        self, load: RankLoad, column_holders: list[int], intra_bytes: float, cross_bytes: float, reverse: bool
+    ) -> None: ...
+
+    def ring_allreduce_bytes(self, nbytes: float) -> tuple[float, float]: ...
 
 
 class ClusterKind:
@@ -92,7 +123,7 @@ class ClusterKind:
 
     # ---- what its dists send for one table ------------------------------------------------------------
 
-    def ids_per_slice(self, cost: CostModel, name: str, row_bounds: Sequence[int]) -> np.ndarray:
+    def ids_per_slice(self, cost: PricingContext, name: str, row_bounds: Sequence[int]) -> np.ndarray:
         """[R] the IDs each rank sends per feature to each row slice's holders."""
         t = cost.table(name)
         return cost.local_batch * t.pooling * cost.row_mass(name, row_bounds)
@@ -109,7 +140,7 @@ class ClusterKind:
         """Whether each cell sends one vector per ID straight back to its sender (else partial sums of bags)."""
         return table.is_sequence
 
-    def add_load(self, cost: CostModel, name: str, layout: TableLayout, load: RankLoad, id_bytes: int) -> None:
+    def add_load(self, cost: PricingContext, name: str, layout: TableLayout, load: RankLoad, id_bytes: int) -> None:
         """What one table of this kind adds to each rank (CostModel.table_load): lookups, memory, host work and
         bytes; `id_bytes`: per ID its input dist sends (groups.id_bytes)."""
         t = cost.table(name)
@@ -144,7 +175,7 @@ class ClusterKind:
 
     def _add_cell(
         self,
-        cost: CostModel,
+        cost: PricingContext,
         t: TableSpec,
         load: RankLoad,
         to_all: np.ndarray,
@@ -161,7 +192,7 @@ class ClusterKind:
 
     def _add_outputs(
         self,
-        cost: CostModel,
+        cost: PricingContext,
         t: TableSpec,
         layout: TableLayout,
         load: RankLoad,
@@ -172,7 +203,7 @@ class ClusterKind:
     ) -> None:
         """The output dist's bytes where they are not per cell."""
 
-    def cell_ms(self, cost: CostModel, name: str, layout: TableLayout, id_bytes: int) -> np.ndarray:
+    def cell_ms(self, cost: PricingContext, name: str, layout: TableLayout, id_bytes: int) -> np.ndarray:
         """[R, C] estimate of what each cell costs the rank that holds it, for placing cells (CostModel.cell_ms);
         `id_bytes` as add_load's."""
         t = cost.table(name)
@@ -195,7 +226,7 @@ class ClusterKind:
         """cell_ms's count bytes per feature (it prices a cell's share; a count per receiver is left out)."""
         return self.count_bytes(local_batch)
 
-    def _looked_up_ids(self, cost: CostModel, name: str, row_bounds: Sequence[int], ids: np.ndarray) -> np.ndarray:
+    def _looked_up_ids(self, cost: PricingContext, name: str, row_bounds: Sequence[int], ids: np.ndarray) -> np.ndarray:
         """[R] IDs per feature a cell of each row slice looks up per step (of every rank's batch)."""
         t = cost.table(name)
         return cost.spec.batch_size * t.pooling * cost.row_mass(name, row_bounds)
@@ -217,7 +248,7 @@ class DataParallelKind(ClusterKind):
     def shape_name(self, shape: str) -> str:
         return self.name
 
-    def add_load(self, cost: CostModel, name: str, layout: TableLayout, load: RankLoad, id_bytes: int) -> None:
+    def add_load(self, cost: PricingContext, name: str, layout: TableLayout, load: RankLoad, id_bytes: int) -> None:
         t = cost.table(name)
         feats, b = len(t.feature_names), cost.local_batch
         lookup_factor = WEIGHT_BYTES * (1.0 + BACKWARD_COMPUTE_MULTIPLIER)
@@ -288,7 +319,7 @@ class ReductionKind(ClusterKind):
 
     def _add_cell(
         self,
-        cost: CostModel,
+        cost: PricingContext,
         t: TableSpec,
         load: RankLoad,
         to_all: np.ndarray,
@@ -307,7 +338,7 @@ class ReductionKind(ClusterKind):
 
     def _add_outputs(
         self,
-        cost: CostModel,
+        cost: PricingContext,
         t: TableSpec,
         layout: TableLayout,
         load: RankLoad,
@@ -350,7 +381,7 @@ class UniqueKind(ClusterKind):
     def collectives_per_step(self, hierarchical: bool) -> int:
         return UNIQUE_COLLECTIVES
 
-    def ids_per_slice(self, cost: CostModel, name: str, row_bounds: Sequence[int]) -> np.ndarray:
+    def ids_per_slice(self, cost: PricingContext, name: str, row_bounds: Sequence[int]) -> np.ndarray:
         return cost.row_distinct(name, row_bounds)
 
     def input_receivers(self, slice_ranks: Sequence[int]) -> list[int]:
@@ -366,7 +397,7 @@ class UniqueKind(ClusterKind):
 
     def _add_cell(
         self,
-        cost: CostModel,
+        cost: PricingContext,
         t: TableSpec,
         load: RankLoad,
         to_all: np.ndarray,
@@ -389,7 +420,7 @@ class UniqueKind(ClusterKind):
     def _placement_count_bytes(self, local_batch: int) -> int:
         return 0
 
-    def _looked_up_ids(self, cost: CostModel, name: str, row_bounds: Sequence[int], ids: np.ndarray) -> np.ndarray:
+    def _looked_up_ids(self, cost: PricingContext, name: str, row_bounds: Sequence[int], ids: np.ndarray) -> np.ndarray:
         return cost.topology.world_size * ids
 
 

@@ -24,11 +24,12 @@ from typing import Mapping
 
 import numpy as np
 
-from .layout.constraints import TableConstraints
-from .cost import BACKWARD_COMPUTE_MULTIPLIER, CostModel, RankLoad
-from .layout.kinds import DATA_PARALLEL_KIND, REDUCTION_KIND, UNIQUE_KIND, cluster_kind
-from .layout.tables import TableLayout, WirePrecision
-from .report import Progress
+from ..layout.constraints import TableConstraints
+from .model import BACKWARD_COMPUTE_MULTIPLIER, CostModel
+from .load import RankLoad
+from ..layout.kinds import DATA_PARALLEL_KIND, REDUCTION_KIND, UNIQUE_KIND, cluster_kind
+from ..layout.tables import TableLayout, WirePrecision
+from ..report import Progress
 
 _FREE = TableConstraints()
 _DP_MIXES = (0.0, 0.25, 0.5, 0.75, 1.0)

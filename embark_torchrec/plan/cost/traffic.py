@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cost import CostModel
-from .layout.wire import intra_node_reduction_precision, split_exchange_bytes, vector_bytes
-from .layout.groups import id_bytes, sharding_type
-from .layout.tables import TableLayout
+from .model import CostModel
+from ..layout.wire import intra_node_reduction_precision, split_exchange_bytes, vector_bytes
+from ..layout.groups import id_bytes, sharding_type
+from ..layout.tables import TableLayout
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cost import StepCost
+from .model import StepCost
 
 Objective = tuple[float, float]
 
