@@ -58,7 +58,7 @@ from .moves import (
     swaps,
 )
 from .cost.objective import Objective, better
-from .report import Progress
+from .progress import Progress
 from .search_state import Changes, Move, SearchState
 
 

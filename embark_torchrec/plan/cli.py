@@ -30,7 +30,8 @@ from .cost.model import CostModel
 from .model.fields import INT64_MAX, integer, number
 from .layout.tables import Plan
 from .plan_model import check_finite, plan_model
-from .report import ProgressLine, ScoredPlan, plot_rank_loads, progress_line, render, summary
+from .progress import ProgressLine, progress_line
+from .report import ScoredPlan, plot_rank_loads, render, summary
 from .model.spec import ModelSpec, SpecError, builtin_model, load_model_spec
 from .model.hardware_file import HardwareError, resolve_hardware
 from .model.ranges import MAX_BATCH_SIZE, MAX_HBM_GB, MAX_WORLD_SIZE, planned_world_size_refusal

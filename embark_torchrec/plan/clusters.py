@@ -19,7 +19,7 @@ from .layout.constraints import TableConstraints
 from .cost.model import CostModel
 from .layout.groups import sharding_type
 from .layout.tables import TableLayout
-from .report import Progress
+from .progress import Progress
 from .model.spec import TableSpec
 
 _FREE = TableConstraints()

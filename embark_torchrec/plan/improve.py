@@ -71,7 +71,7 @@ from .moves import (
     swaps,
 )
 from .cost.objective import Objective, better, objective
-from .report import Progress
+from .progress import Progress
 from .search_state import Changes, Move, SearchState, Snapshot, better_move
 
 _KICK_TRIES = 8

@@ -24,7 +24,7 @@ from .clusters import assign_clusters
 from .layout.constraints import TableConstraints
 from .cost.model import CostModel, OptimizerMemory, StepCost
 from .layout.tables import Plan, PlanError, TableLayout
-from .report import Progress, progress_line
+from .progress import Progress, progress_line
 from .search import GreedySearch, SearchConfig, SearchStats
 from .model.spec import ModelSpec, TableSpec
 from .model.topology import Topology

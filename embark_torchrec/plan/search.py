@@ -69,7 +69,7 @@ from .improve import Improvement
 from .layout.tables import Plan, PlanError, TableLayout, WirePrecision
 from .moves import cell_moves, cells_on, even_grid, light_ranks
 from .cost.objective import Objective, better, objective
-from .report import Progress
+from .progress import Progress
 from .search_state import SearchState, better_move
 
 Shape = tuple[int, int]  # (row slices, column slices)

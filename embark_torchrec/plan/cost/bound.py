@@ -29,7 +29,7 @@ from .model import BACKWARD_COMPUTE_MULTIPLIER, CostModel
 from .load import RankLoad
 from ..layout.kinds import DATA_PARALLEL_KIND, REDUCTION_KIND, UNIQUE_KIND, cluster_kind
 from ..layout.tables import TableLayout, WirePrecision
-from ..report import Progress
+from ..progress import Progress
 
 _FREE = TableConstraints()
 _DP_MIXES = (0.0, 0.25, 0.5, 0.75, 1.0)
