@@ -27,7 +27,7 @@ from typing import Any
 from embark_torchrec.plan.cost.model import CostModel
 from embark_torchrec.plan.layout.tables import WirePrecision
 from embark_torchrec.plan.plan_model import plan_model
-from embark_torchrec.plan.search import SearchConfig
+from embark_torchrec.plan.search.config import SearchConfig
 from embark_torchrec.plan.model.spec import ModelSpec, builtin_model, load_model_spec
 from embark_torchrec.plan.model.topology import PRESETS, Topology
 

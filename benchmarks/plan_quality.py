@@ -40,8 +40,8 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Iterable
 
-from embark_torchrec.plan.baselines import table_row_wise_plan
-from embark_torchrec.plan.balance import comm_imbalance
+from embark_torchrec.plan.search.baselines import table_row_wise_plan
+from embark_torchrec.plan.search.balance import comm_imbalance
 from embark_torchrec.plan.cost.bound import step_lower_bound
 from embark_torchrec.planner.torchrec_plans import torchrec_default_plan
 from embark_torchrec.plan.cost.model import CostModel

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-from embark_torchrec.plan.baselines import table_row_wise_plan
+from embark_torchrec.plan.search.baselines import table_row_wise_plan
 from embark_torchrec.plan.layout.tables import Plan, TableLayout, sharding_type_name
 from embark_torchrec.planner.parameter_sharding import module_sharding_plan
 from embark_torchrec.plan.model.spec import ModelSpec

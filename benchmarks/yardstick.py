@@ -36,7 +36,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from embark_torchrec.plan.balance import comm_imbalance
+from embark_torchrec.plan.search.balance import comm_imbalance
 from embark_torchrec.plan.cost.bound import allowed_clusters
 from embark_torchrec.plan.layout.constraints import TableConstraints
 from embark_torchrec.plan.cost.model import CostModel, StepCost

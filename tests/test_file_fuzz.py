@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embark_torchrec.plan.baselines import table_row_wise_plan
+from embark_torchrec.plan.search.baselines import table_row_wise_plan
 from embark_torchrec.plan.layout.constraints import TORCHREC_SHARDING_TYPES, from_torchrec
 from embark_torchrec.plan.model.fields import FieldError
 from embark_torchrec.plan.layout.tables import Plan, PlanError, TableLayout, WirePrecision

@@ -11,12 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from embark_torchrec.plan.balance import CommBalance, comm_imbalance
-from embark_torchrec.plan.clusters import assign_clusters
+from embark_torchrec.plan.search.balance import CommBalance, comm_imbalance
+from embark_torchrec.plan.search.clusters import assign_clusters
 from embark_torchrec.plan.cost.model import CostModel, StepCost
-from embark_torchrec.plan.moves import exchanged
-from embark_torchrec.plan.search import GreedySearch, SearchConfig
-from embark_torchrec.plan.search_state import SearchState, Snapshot
+from embark_torchrec.plan.search.moves import exchanged
+from embark_torchrec.plan.search.driver import PlanSearch
+from embark_torchrec.plan.search.config import SearchConfig
+from embark_torchrec.plan.search.state import SearchState, Snapshot
 from embark_torchrec.plan.model.spec import ModelSpec, builtin_model, load_model_spec
 from embark_torchrec.plan.model.topology import PRESETS, Topology
 
@@ -28,7 +29,7 @@ def climb(spec: ModelSpec, world_size: int) -> Climbed:
     """`spec` on `world_size` GPUs (8 a node) after the climb (phase 4 off): its state, that plan, its step."""
     cost = CostModel(spec.with_batch_size(65536), Topology(world_size, 8, PRESETS["dgx-h100"]))
     off = SearchConfig(comm_balance=math.inf)
-    search = GreedySearch(cost, assign_clusters(cost, {}, off.dp_memory_fraction), {}, off)
+    search = PlanSearch(cost, assign_clusters(cost, {}, off.dp_memory_fraction), {}, off)
     search.run()
     state = search.state
     return state, state.snapshot(), cost.step_cost(state.total)

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from embark_torchrec.plan.baselines import table_row_wise_plan
+from embark_torchrec.plan.search.baselines import table_row_wise_plan
 from embark_torchrec.plan.cost.model import CostModel
 from embark_torchrec.plan.layout.tables import Plan
 from embark_torchrec.plan.plan_model import EMBARK, TABLE_ROW_WISE, plan_model
-from embark_torchrec.plan.search import SearchConfig
+from embark_torchrec.plan.search.config import SearchConfig
 from embark_torchrec.plan.model.spec import ModelSpec, builtin_model, load_model_spec
 from embark_torchrec.plan.model.topology import PRESETS, Topology
 

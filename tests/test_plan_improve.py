@@ -12,17 +12,18 @@ import numpy as np
 import pytest
 
 from embark_torchrec.plan.cost.bound import allowed_clusters, step_lower_bound
-from embark_torchrec.plan.clusters import assign_clusters
+from embark_torchrec.plan.search.clusters import assign_clusters
 from embark_torchrec.plan.layout.constraints import TableConstraints
 from embark_torchrec.plan.cost.model import CostModel
 from embark_torchrec.plan.model.fields import SEQUENCE
-from embark_torchrec.plan.improve import Improvement
+from embark_torchrec.plan.search.improve import Improvement
 from embark_torchrec.plan.layout.tables import Plan, TableLayout, WirePrecision
-from embark_torchrec.plan.moves import dp_batch, reshapes, spreads
+from embark_torchrec.plan.search.moves import dp_batch, reshapes, spreads
 from embark_torchrec.plan.plan_model import PlannedModel, plan_model
 from embark_torchrec.plan.report import ScoredPlan, render
-from embark_torchrec.plan.search import GreedySearch, SearchConfig
-from embark_torchrec.plan.search_state import SearchState
+from embark_torchrec.plan.search.driver import PlanSearch
+from embark_torchrec.plan.search.config import SearchConfig
+from embark_torchrec.plan.search.state import SearchState
 from embark_torchrec.plan.model.spec import IdDistribution, ModelSpec, TableSpec, builtin_model
 from embark_torchrec.plan.model.topology import PRESETS, Hardware, Topology
 
@@ -55,9 +56,9 @@ def _spec(seed: int, tables: int, batch: int = 8192) -> ModelSpec:
     )
 
 
-def _search(spec: ModelSpec, topology: Topology, budget: int) -> GreedySearch:
+def _search(spec: ModelSpec, topology: Topology, budget: int) -> PlanSearch:
     cost = CostModel(spec, topology)
-    search = GreedySearch(cost, assign_clusters(cost, {}), {}, SearchConfig(improve_evaluations=budget))
+    search = PlanSearch(cost, assign_clusters(cost, {}), {}, SearchConfig(improve_evaluations=budget))
     search.run()
     return search
 

@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from embark_torchrec.plan import moves
+from embark_torchrec.plan.search import moves
 from embark_torchrec.plan.layout.constraints import TableConstraints
 from embark_torchrec.plan.cost.model import CostModel
 from embark_torchrec.plan.layout.tables import TableLayout
 from embark_torchrec.plan.plan_model import plan_model
-from embark_torchrec.plan.search import SearchConfig
-from embark_torchrec.plan.search_state import SearchState
+from embark_torchrec.plan.search.config import SearchConfig
+from embark_torchrec.plan.search.state import SearchState
 from embark_torchrec.plan.model.spec import IdDistribution, ModelSpec, TableSpec, load_model_spec
 from embark_torchrec.plan.model.topology import PRESETS, Topology
 

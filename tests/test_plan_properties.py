@@ -9,7 +9,7 @@ import pytest
 
 from embark_torchrec.plan.layout.tables import Plan, PlanError
 from embark_torchrec.plan.plan_model import plan_model
-from embark_torchrec.plan.search import SearchConfig
+from embark_torchrec.plan.search.config import SearchConfig
 from embark_torchrec.plan.model.spec import IdDistribution, ModelSpec, TableSpec
 from embark_torchrec.plan.model.topology import PRESETS, Topology
 

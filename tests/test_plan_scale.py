@@ -16,13 +16,14 @@ import pytest
 
 from embark_torchrec.plan.cost import load as load_module
 from embark_torchrec.plan.cost import model as cost_module
-from embark_torchrec.plan.clusters import assign_clusters
+from embark_torchrec.plan.search.clusters import assign_clusters
 from embark_torchrec.plan.cost.model import CostModel
 from embark_torchrec.plan.layout.tables import TableLayout
 from embark_torchrec.plan.plan_model import PlannedModel, plan_model
 from embark_torchrec.plan.progress import ProgressLine, progress_line
-from embark_torchrec.plan.search import SearchConfig, SearchStats, SplitRounds
-from embark_torchrec.plan.search_state import SearchState
+from embark_torchrec.plan.search.config import SearchConfig, SearchStats
+from embark_torchrec.plan.search.phases import SplitRounds
+from embark_torchrec.plan.search.state import SearchState
 from embark_torchrec.plan.model.spec import IdDistribution, ModelSpec, TableSpec
 from embark_torchrec.plan.model.topology import PRESETS, Topology
 

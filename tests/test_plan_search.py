@@ -10,13 +10,13 @@ from functools import lru_cache
 import numpy as np
 import pytest
 
-from embark_torchrec.plan.baselines import table_row_wise_plan
-from embark_torchrec.plan.clusters import assign_clusters, mean_rank_ms
+from embark_torchrec.plan.search.baselines import table_row_wise_plan
+from embark_torchrec.plan.search.clusters import assign_clusters, mean_rank_ms
 from embark_torchrec.plan.layout.constraints import TableConstraints
 from embark_torchrec.plan.cost.model import CostModel, OptimizerMemory
 from embark_torchrec.plan.layout.tables import Plan, PlanError, TableLayout, WirePrecision
 from embark_torchrec.plan.plan_model import PlannedModel, plan_model
-from embark_torchrec.plan.search import SearchConfig
+from embark_torchrec.plan.search.config import SearchConfig
 from embark_torchrec.plan.model.spec import IdDistribution, ModelSpec, TableSpec, builtin_model
 from embark_torchrec.plan.model.topology import PRESETS, Hardware, Topology
 

@@ -16,10 +16,10 @@ from embark_torchrec.plan.layout.groups import sharding_type, torchrec_type
 from embark_torchrec.plan.layout.tables import Plan, TableLayout, WirePrecision
 from embark_torchrec.plan.plan_model import EMBARK, plan_model
 from embark_torchrec.plan.report import ScoredPlan, render, summary
-from embark_torchrec.plan.search import SearchConfig
+from embark_torchrec.plan.search.config import SearchConfig
 from embark_torchrec.plan.model.spec import ModelSpec, TableSpec
 from embark_torchrec.plan.model.topology import Topology
-from embark_torchrec.plan.torchrec_fp8 import torchrec_fp8_groups
+from embark_torchrec.plan.search.torchrec_fp8 import torchrec_fp8_groups
 
 WS, LWS = 8, 4
 FP8 = WirePrecision("fp8", "fp8")

@@ -26,7 +26,7 @@ from torchrec.distributed.types import ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
-from embark_torchrec.plan.baselines import table_row_wise_plan
+from embark_torchrec.plan.search.baselines import table_row_wise_plan
 from embark_torchrec.planner.torchrec_plans import from_sharding_plan
 from embark_torchrec.plan.layout.constraints import TableConstraints
 from embark_torchrec.plan.layout.groups import builtin_sharding_type
@@ -34,7 +34,7 @@ from embark_torchrec.plan.layout.tables import Plan, TableLayout, WirePrecision,
 from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.planner.planner import TORCHREC_DEFAULT, EmbarkPlanner, default_hardware
 from embark_torchrec.plan.model.ranges import MAX_PLANNED_WORLD_SIZE
-from embark_torchrec.plan.search import SearchConfig
+from embark_torchrec.plan.search.config import SearchConfig
 from embark_torchrec.planner.parameter_sharding import module_sharding_plan
 from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 from embark_torchrec.plan.model.spec import ModelSpec, SpecError, TableSpec

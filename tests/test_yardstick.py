@@ -12,7 +12,7 @@ from types import ModuleType
 
 import numpy as np
 
-from embark_torchrec.plan.baselines import table_row_wise_plan
+from embark_torchrec.plan.search.baselines import table_row_wise_plan
 from embark_torchrec.plan.layout.constraints import TableConstraints
 from embark_torchrec.plan.cost.model import CostModel
 from embark_torchrec.plan.plan_model import plan_model

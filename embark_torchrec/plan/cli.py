@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable, Mapping, NoReturn, Sequence
 
 
-from .baselines import table_row_wise_plan
+from .search.baselines import table_row_wise_plan
 from .cost.bound import step_lower_bound
 from .cost.model import CostModel
 from .model.fields import INT64_MAX, integer, number

@@ -27,7 +27,7 @@ from ..plan.layout.torchrec_types import ceil_row_bounds
 from ..plan.report import ScoredPlan, render
 from ..plan.plan_model import PlannedModel, plan_model
 from ..plan.model.ranges import MAX_WORLD_SIZE, planned_world_size_refusal
-from ..plan.search import SearchConfig
+from ..plan.search.config import SearchConfig
 from ..plan.model.spec import IdDistribution, ModelSpec, SpecError, module_tables
 from ..plan.model.hardware_file import hardware_sources, resolve_hardware
 from ..plan.model.topology import COMPUTE_DEVICES, CPU_HARDWARE, DEFAULT_HARDWARE, Hardware, Topology

@@ -53,14 +53,14 @@ from embark_torchrec.jobs import (
 from embark_torchrec import EmbarkEmbeddingBagCollectionSharder, EmbarkPlanner, load_plan
 from embark_torchrec import calibrate as calibration
 from embark_torchrec import checkpoint
-from embark_torchrec.plan.baselines import table_row_wise_plan
+from embark_torchrec.plan.search.baselines import table_row_wise_plan
 from embark_torchrec.plan.cli import UsageError, check_output
 from embark_torchrec.plan.cost.model import CostModel
 from embark_torchrec.plan.layout.tables import ALLREDUCE_PRECISIONS, PRECISIONS, Plan, WirePrecision
 from embark_torchrec.plan.model.profile import profile_features
 from embark_torchrec.sharding.data_parallel import data_parallel_wrapper
 from embark_torchrec.plan.report import ScoredPlan, render
-from embark_torchrec.plan.search import SearchConfig
+from embark_torchrec.plan.search.config import SearchConfig
 from embark_torchrec.plan.layout.wire import ELEMENT_BYTES
 from embark_torchrec.plan.model.spec import IdDistribution, ModelSpec, TableSpec, builtin_model, load_model_spec
 from embark_torchrec.plan.model.hardware_file import check_document, hardware_sources, resolve_hardware, save_hardware

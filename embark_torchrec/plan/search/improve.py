@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cost.model import StepCost
+from ..cost.model import StepCost
 from .moves import (
     cell_moves,
     cells_on,
@@ -70,9 +70,9 @@ from .moves import (
     spreads,
     swaps,
 )
-from .cost.objective import Objective, better, objective
-from .progress import Progress
-from .search_state import Changes, Move, SearchState, Snapshot, better_move
+from ..cost.objective import Objective, better, objective
+from ..progress import Progress
+from .state import Changes, Move, SearchState, Snapshot, better_move
 
 _KICK_TRIES = 8
 SMALL_DISSOLUTION = 64  # tables of a sharding group whose dissolution every round of the climb tries

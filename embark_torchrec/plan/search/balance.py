@@ -45,7 +45,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from .cost.model import StepCost
+from ..cost.model import StepCost
 from .moves import (
     cell_moves,
     cells_on,
@@ -57,9 +57,9 @@ from .moves import (
     reshapes,
     swaps,
 )
-from .cost.objective import Objective, better
-from .progress import Progress
-from .search_state import Changes, Move, SearchState
+from ..cost.objective import Objective, better
+from ..progress import Progress
+from .state import Changes, Move, SearchState
 
 
 def comm_imbalance(step: StepCost) -> float:

@@ -16,12 +16,12 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from .cost.bound import allowed_clusters
-from .layout.kinds import DATA_PARALLEL_KIND, REDUCTION_KIND, UNIQUE_KIND, cluster_kind
-from .cost.model import SEQUENCE_GROUP
-from .layout.groups import sharding_type
-from .layout.tables import TableLayout
-from .search_state import Changes, SearchState
+from ..cost.bound import allowed_clusters
+from ..layout.kinds import DATA_PARALLEL_KIND, REDUCTION_KIND, UNIQUE_KIND, cluster_kind
+from ..cost.model import SEQUENCE_GROUP
+from ..layout.groups import sharding_type
+from ..layout.tables import TableLayout
+from .state import Changes, SearchState
 
 DP, RB, UB = DATA_PARALLEL_KIND.name, REDUCTION_KIND.name, UNIQUE_KIND.name
 

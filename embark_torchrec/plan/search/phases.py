@@ -1,4 +1,4 @@
-"""EMBark's 3D search: a greedy split-and-place, then an improvement phase.
+"""Phases 1 and 2 of the search (driver.py runs all four): split and re-place, then polish.
 
 Phase 1, split and re-place (after NVIDIA's planners): every model-parallel table starts as one
 cell (table-wise). Each round, all cells are placed from scratch, longest first, onto the allowed
@@ -16,32 +16,6 @@ Phase 2, polish: local moves on the costliest ranks (cut one cell's row or colum
 rank, or move the cell: moves.cell_moves, the same moves phase 3 tries), each applied only if it lowers
 the estimated step time.
 
-The phases are strategies over one SearchState (search_state.py), the plan under search: phase 1
-(SplitRounds) leaves its best placement there, phase 2 (Polish) and phase 3 (improve.Improvement)
-price their moves against it and apply the ones they take. Clusters come before (clusters.py): they
-decide which tables the state holds as movable.
-
-Phase 3, improve (improve.py): a hill climb priced exactly, move by move, on the tables that load
-the bottleneck ranks most: cell moves and cuts, swaps of one-cell tables, re-splits (a slice more
-or fewer, twice or half as many, placed again), re-cuts into many more slices at once, spreads (and
-re-splits) of the heaviest tables of every rank on the busiest-by-communication (by-lookups)
-plateau in one move, confinement to the fewest nodes, re-clustering (RB, UB, DP, where the
-table's constraints allow), emptying whole sharding groups and moving tables into another group
-together (their collectives), the best move of each round taken while it lowers the step; at a
-local optimum, seeded random kicks restart the climb from the best plan; then the smallest tables are made
-data-parallel in batches, and the climb runs again from each. It stops when its budget of priced
-candidates (SearchConfig.improve_budget) is spent, so it never makes the greedy plan worse and
-costs a fixed amount of work whatever the model. The greedy phases fix each table's cluster and
-shape early from estimates; phase 3 undoes what they got wrong (on DCNv2 at 64 GPUs, row splits whose
-partial sums cost more than they balance: about 15% of the step). Phase 4, balance (balance.py): where the
-busiest rank's communication is over SearchConfig.comm_balance times the average rank's, moves of that
-rank's tables that lower it, within SearchConfig.balance_tolerance of phase 3's step; if the ratio is
-still over, hierarchical tables' column slices sent from the busiest nodes to others, kept when they
-reach it. bound.py gives a lower bound on the step of any plan, which the report compares the plan with.
-
-Ties on step time are broken by the sum of squared per-rank loads (objective.py). Every loop runs in
-a fixed order and phase 3's kicks draw from a seeded generator, so the result is deterministic.
-
 Each round of phases 1 and 2 is linear in the tables, so that models of 50,000 tables plan in minutes: the
 cells of tables whose shape did not change keep their order (the few others are merged in); a
 placement keeps each table's cell ranks, and a one-cell table's load is its load on rank 0
@@ -50,6 +24,7 @@ renumbered, added into the plan's total in table order a stack of tables at a ti
 further cells look at the ranks of its own nodes directly, not down the heap; the costliest rank's
 tables come from the placement and twins from groups built once. The state keeps, per rank, the tables
 with a cell there.
+
 """
 
 from __future__ import annotations
@@ -60,85 +35,17 @@ from typing import Iterator, Mapping
 
 import numpy as np
 
-from .layout.kinds import DATA_PARALLEL_KIND
-from .layout.constraints import TableConstraints
-from .balance import CommBalance
-from .cost.model import CostModel
-from .cost.load import RankLoad
-from .improve import Improvement
-from .layout.tables import Plan, PlanError, TableLayout, WirePrecision
+from ..cost.load import RankLoad
+from ..layout.tables import PlanError, TableLayout, WirePrecision
 from .moves import cell_moves, cells_on, even_grid, light_ranks
-from .cost.objective import Objective, better, objective
-from .progress import Progress
-from .search_state import SearchState, better_move
+from ..cost.objective import Objective, better, objective
+from ..progress import Progress
+from .config import SearchStats
+from .state import SearchState, better_move
 
 Shape = tuple[int, int]  # (row slices, column slices)
 Grid = tuple[tuple[int, ...], ...]  # the rank of each cell, [row slice][column slice]
 Cell = tuple[float, int, int, int, str, float, int, bool]  # see SplitRounds._cells
-
-
-@dataclass(frozen=True)
-class SearchConfig:
-    patience: int = 16  # split rounds past the best plan seen before phase 1 stops
-    max_rounds: int = 2000
-    polish_moves: int = 200
-    placement_candidates: int = 6  # least loaded ranks tried for a cut or moved cell in phase 2
-    cells_per_rank: int = 2  # heaviest cells of each costliest rank that phase 2 tries to move
-    improve_evaluations: int = 6000  # candidates phase 3 prices before it stops (its work budget)
-    improve_tables: int = 4  # tables of each bottleneck rank whose moves phase 3 tries
-    improve_targets: int = 4  # least loaded ranks a cell may move to in phase 3 (and one by lookups, one by comm)
-    improve_seed: int = 0  # of phase 3's random kicks
-    dp_batch_sizes: tuple[int, ...] = (4, 8, 16, 32)  # smallest tables phase 3 makes data-parallel at once, then climbs
-    dp_batch_share: float = 1 / 3  # of improve_evaluations, each climb from a DP batch prices at most
-    # ranks above which that share shrinks in proportion: a candidate's pricing grows with the ranks, and
-    # the batches' climbs would otherwise double the planning time of 1,000 tables on 1,024 ranks
-    dp_batch_ranks: int = 128
-    plateau_share: float = 0.01  # ranks within this share of the busiest's communication are its plateau
-    plateau_ranks: int = 16  # of the plateau, those whose heaviest tables one move of phase 3 spreads at most
-    comm_balance: float = 1.10  # busiest / average rank communication above which phase 4 balances it
-    balance_tolerance: float = 0.002  # share of the step phase 4's moves of the busiest rank's tables may spend
-    balance_evaluations: int = 1000  # candidates those price at most
-    # phase 4's exchanges between nodes: the share of the step they may spend, kept only when they bring the
-    # ratio within comm_balance; the candidates they price at most; the nodes (of the busiest ranks) they send from
-    exchange_tolerance: float = 0.005
-    exchange_evaluations: int = 1500
-    exchange_nodes: int = 4
-    dp_memory_fraction: float = 0.05
-    # share of the search's step that moving fp8 table-wise and column-wise tables onto TorchRec's own sharding (one
-    # group per row width, torchrec_fp8.py) may spend; 0: only where it is not slower; math.inf: every such table
-    torchrec_fp8_tolerance: float = 0.0
-    precision: Mapping[str, WirePrecision] = field(default_factory=dict)  # per cluster; default fp32
-
-    @property
-    def improve_budget(self) -> int:
-        """The most candidates phase 3 prices: its climb's, and each DP batch's climb's (at most ranks)."""
-        batch = int(self.improve_evaluations * self.dp_batch_share)
-        return self.improve_evaluations + len(self.dp_batch_sizes) * batch
-
-
-@dataclass
-class SearchStats:
-    """What the search did. The work counters are what tests/test_plan_scale.py bounds per table and
-    round, so that planning stays linear in the tables."""
-
-    rounds: int = 0
-    moves: int = 0
-    evaluations: int = 0
-    initial_step_ms: float = 0.0
-    placements: int = 0  # placements of every movable cell (phase 1)
-    cells_placed: int = 0
-    rank_probes: int = 0  # ranks looked at to place those cells (off the heap, or of a table's nodes)
-    tables_summed: int = 0  # per-table loads added into whole-plan totals
-    tables_scanned: int = 0  # tables looked at for the costliest table or the heaviest cells of a rank
-    loads_computed: int = 0  # per-table loads the cost model computed in full (CostModel.computed) in phases 1-2
-    greedy_step_ms: float = 0.0  # after phases 1 and 2
-    improve_moves: int = 0  # moves phase 3 took
-    improve_evaluations: int = 0  # candidates phase 3 priced: its budget, SearchConfig.improve_budget
-    improve_kicks: int = 0  # random restarts of phase 3 from its best plan
-    improve_batches: int = 0  # DP batches phase 3 climbed from
-    improve_loads_computed: int = 0  # per-table loads computed in full in phase 3
-    balance_moves: int = 0  # moves phase 4 took
-    balance_evaluations: int = 0  # candidates phase 4 priced
 
 
 @dataclass
@@ -577,55 +484,3 @@ class Polish:
             state.apply(best)
             current = best.objective
             self.stats.moves += 1
-
-
-class GreedySearch:
-    """One search for one model, topology and cluster assignment (which phase 3 may change): the
-    phases, as strategies over one SearchState, in order."""
-
-    def __init__(
-        self,
-        cost: CostModel,
-        clusters: Mapping[str, str],
-        constraints: Mapping[str, TableConstraints],
-        config: SearchConfig,
-        progress: Progress | None = None,
-    ) -> None:
-        self.cost = cost
-        self.config = config
-        self.progress = progress
-        self.stats = SearchStats()
-        self.state = SearchState(cost, clusters, constraints, config)
-
-    @property
-    def layouts(self) -> dict[str, TableLayout]:
-        return self.state.layouts
-
-    def run(self) -> Plan:
-        state = self.state
-        if state.movable:
-            for phase in (SplitRounds(self.stats, self.progress), Polish(self.stats, self.progress)):
-                phase.run(state)
-        else:
-            state.set_plan(dict(state.fixed), state.fixed_total.copy())
-        self.stats.loads_computed = self.cost.computed
-        self.stats.greedy_step_ms = self.cost.step_cost(state.total).step_ms
-        if self.progress is not None:
-            self.progress("improving", 0, self.config.improve_evaluations, "")
-        improvement = Improvement(self.progress)
-        improvement.run(state)
-        self.stats.improve_moves = improvement.moves
-        self.stats.improve_evaluations = improvement.evaluations
-        self.stats.improve_kicks = improvement.kicks
-        self.stats.improve_batches = improvement.batches
-        self.stats.improve_loads_computed = self.cost.computed - self.stats.loads_computed
-        balance = CommBalance(self.progress)
-        balance.run(state)
-        self.stats.balance_moves = balance.moves
-        self.stats.balance_evaluations = balance.evaluations
-        topo = self.cost.topology
-        order = [t.name for t in self.cost.spec.tables]
-        allreduce = self.config.precision.get(
-            DATA_PARALLEL_KIND.name, WirePrecision()
-        ).backward  # DDP's, dense gradients included
-        return Plan(topo.world_size, topo.local_world_size, {n: state.layouts[n] for n in order}, {}, allreduce)

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from .layout.kinds import DATA_PARALLEL_KIND, REDUCTION_KIND, UNIQUE_KIND, cluster_kind
-from .layout.constraints import TableConstraints
-from .cost.model import CostModel
-from .layout.groups import sharding_type
-from .layout.tables import TableLayout
-from .progress import Progress
-from .model.spec import TableSpec
+from ..layout.kinds import DATA_PARALLEL_KIND, REDUCTION_KIND, UNIQUE_KIND, cluster_kind
+from ..layout.constraints import TableConstraints
+from ..cost.model import CostModel
+from ..layout.groups import sharding_type
+from ..layout.tables import TableLayout
+from ..progress import Progress
+from ..model.spec import TableSpec
 
 _FREE = TableConstraints()
 RB, UB = REDUCTION_KIND.name, UNIQUE_KIND.name  # the model-parallel kinds a free table chooses between

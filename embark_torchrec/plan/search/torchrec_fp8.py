@@ -17,10 +17,10 @@ from collections import defaultdict
 from dataclasses import replace
 from typing import Mapping
 
-from .layout.constraints import TableConstraints
-from .cost.model import CostModel, StepCost
-from .layout.groups import sharding_type
-from .layout.tables import Plan
+from ..layout.constraints import TableConstraints
+from ..cost.model import CostModel, StepCost
+from ..layout.groups import sharding_type
+from ..layout.tables import Plan
 
 
 def torchrec_fp8_groups(

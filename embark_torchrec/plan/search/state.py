@@ -16,19 +16,17 @@ strategies over one state with a `run(state)`; the moves they try come from one 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Mapping, Protocol
+from typing import Mapping, Protocol
 
 import numpy as np
 
-from .layout.kinds import cluster_kind
-from .layout.constraints import TableConstraints
-from .cost.model import CostModel, StepCost
-from .cost.load import RankLoad
-from .layout.tables import TableLayout, WirePrecision
-from .cost.objective import Objective, better, objective
-
-if TYPE_CHECKING:
-    from .search import SearchConfig
+from ..layout.kinds import cluster_kind
+from ..layout.constraints import TableConstraints
+from ..cost.model import CostModel, StepCost
+from ..cost.load import RankLoad
+from ..layout.tables import TableLayout, WirePrecision
+from ..cost.objective import Objective, better, objective
+from .config import SearchConfig
 
 _FREE = TableConstraints()
 Changes = list[tuple[str, TableLayout]]

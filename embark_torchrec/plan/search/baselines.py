@@ -6,10 +6,10 @@ planner: planner/torchrec_plans.py.)
 
 from __future__ import annotations
 
-from .layout.tables import Plan, TableLayout
-from .layout.torchrec_types import ceil_row_bounds
-from .model.spec import ModelSpec
-from .model.topology import Topology
+from ..layout.tables import Plan, TableLayout
+from ..layout.torchrec_types import ceil_row_bounds
+from ..model.spec import ModelSpec
+from ..model.topology import Topology
 
 
 def table_row_wise_plan(spec: ModelSpec, topology: Topology) -> Plan:
