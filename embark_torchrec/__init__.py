@@ -26,7 +26,7 @@ _LAZY = {
     "data_parallel_wrapper": "embark_torchrec.sharding.data_parallel",
     "enable_comm_stats": "embark_torchrec.sharding.comm_stats",
     "load_plan": "embark_torchrec.planner",
-    "plan_model": "embark_torchrec.plan.plan_model",
+    "plan_model": "embark_torchrec.plan",
     "simulate_nodes": "embark_torchrec.nodes",
 }
 __all__ = sorted(_LAZY)

@@ -4,6 +4,7 @@ torchrec's plan types, collective planning on every rank, and the table-row-wise
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
 from dataclasses import replace
@@ -857,7 +858,8 @@ def test_torchrec_planner_by_default_only_on_cuda_and_its_failure_leaves_the_sea
 def test_a_plan_whose_cost_is_not_finite_is_refused_by_name(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
     """plan_model and EmbarkPlanner share the CLI's backstop: a plan whose estimated step part (or one rank's
     memory) comes out NaN or Inf is a CostError naming the part (or the rank), never a plan returned."""
-    import embark_torchrec.plan.plan_model as plan_model_module
+    # the module, by its import path: the package's attribute plan_model is the function it re-exports
+    plan_model_module = importlib.import_module("embark_torchrec.plan.plan_model")
 
     cheapest = plan_model_module._cheapest
 
