@@ -2,7 +2,7 @@
 codec registry (QCommsConfig's way, where TorchRec's own FP8 codec has no CPU kernel), TorchRec's table-wise and
 column-wise shardings send their vectors at fp8 with one scale each, outputs within fp8's rounding of the fp32
 model (and not equal to it: the codec ran), and the byte counters on TorchRec's dists count what the codec sends
-(values + one fp32 scale per vector, plan/wire.py), not the elements handed to it."""
+(values + one fp32 scale per vector, plan/layout/wire.py), not the elements handed to it."""
 
 from __future__ import annotations
 

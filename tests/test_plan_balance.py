@@ -1,4 +1,4 @@
-"""Phase 4 of the search (plan/balance.py): where the climb leaves the busiest rank's communication far above the
+"""Phase 4 of the search (plan/search/balance.py): where the climb leaves the busiest rank's communication far above the
 average rank's, it comes down, within the step tolerance; where that leaves the ratio over, exchanges between
 nodes bring it within, or are undone; a plan already within the ratio is left as it is."""
 

@@ -1,4 +1,4 @@
-"""The search's moves (plan/moves.py): every phase draws them from one generator, so each keeps the
+"""The search's moves (plan/search/moves.py): every phase draws them from one generator, so each keeps the
 table's constraints the same way; the moves issue 26 found the greedy lacked do what they say."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Plan, spec and hardware files are regular files of bounded size: a FIFO is refused by name at once (it blocked
 every rank that opened it until killed), as are a character device (/dev/zero never ends), a folder, and a file over
-DOCUMENT_MAX_BYTES; the same helper (plan/files.py) guards the checkpoint's manifests and data files."""
+DOCUMENT_MAX_BYTES; the same helper (plan/model/files.py) guards the checkpoint's manifests and data files."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from ..sharding.torchrec_compat import tiled_sharding_spec
 
 def module_sharding_plan(plan: Plan, spec: ModelSpec, compute_device: str = "cuda") -> Any:
     """A Plan as torchrec's EmbeddingModuleShardingPlan (one ParameterSharding per table): our
-    sharding-type strings where no built-in type runs a layout exactly (plan/groups.py; for sequence
+    sharding-type strings where no built-in type runs a layout exactly (plan/layout/groups.py; for sequence
     tables, where TorchRec's EmbeddingCollection has no such type)."""
     lws = plan.local_world_size
     out = EmbeddingModuleShardingPlan()

@@ -6,7 +6,7 @@ receives m_r of the lookups and U_r = m_r x u x b x p distinct IDs from each ran
 being the table's unique ratio (ModelSpec.expected_unique_ratio). e_fwd / e_bwd: wire bytes per embedding element.
 
 Per table and cluster (bytes are counted at the sender and at the receiver; each cluster kind's class in
-cluster_kinds.py computes its terms, traffic.py lists the same traffic message by message from the same kind
+layout/kinds.py computes its terms, traffic.py lists the same traffic message by message from the same kind
 methods, and the runtime's dists send exactly that):
 - RB input dist: every rank sends each cell's holder F x (b p m_r x i + b x 4) bytes (IDs of i
   bytes: 8 on TorchRec's sharding types, which send the input's int64 IDs, 4 on ours, which send
@@ -343,7 +343,7 @@ class CostModel:
         return RankLoad(base.rows[:, self.shifted_ranks(layout.ranks[0][0])], base.dp_intra, base.dp_inter, base.groups)
 
     def _table_load(self, name: str, layout: TableLayout) -> RankLoad:
-        """A table's load as its cluster kind prices it (cluster_kinds.py), in the sharding group it runs in."""
+        """A table's load as its cluster kind prices it (layout/kinds.py), in the sharding group it runs in."""
         self.computed += 1
         t = self._tables[name]
         w = self.topology.world_size

@@ -7,7 +7,7 @@ closed forms equal these messages summed (tests), and the runtime's counted byte
 real batch (tests), which ties the planner's numbers to what runs.
 
 What each cluster sends (F features, b samples per rank, cell (r, c) of width w_c on rank k; the kind's class
-in cluster_kinds.py says which IDs go to whom and whether vectors or partial sums come back):
+in layout/kinds.py says which IDs go to whom and whether vectors or partial sums come back):
 - RB input: every rank s sends each cell's holder k its IDs of row slice r (int64 on TorchRec's
   sharding types, row-local int32 on ours: groups.id_bytes) and F x b bag lengths (int32), once per cell.
 - RB output, flat: each cell's partial sums, F x b x w_c per destination; gradients back.

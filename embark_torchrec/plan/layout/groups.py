@@ -40,7 +40,7 @@ INPUT_EXCHANGE_COLLECTIVES = 1
 
 def builtin_sharding_type(layout: TableLayout, rows: int, world_size: int, local_world_size: int) -> str | None:
     """The torchrec sharding type that runs this layout exactly, or None: its cluster kind's answer
-    (cluster_kinds.py). At an element-wise wire precision the codecs reach TorchRec's dists as a registry
+    (kinds.py). At an element-wise wire precision the codecs reach TorchRec's dists as a registry
     per group (see sharding_type)."""
     return layout.kind.builtin_sharding_type(layout, rows, world_size, local_world_size)
 

@@ -3,7 +3,7 @@
 A layout names its kind by `TableLayout.cluster`, the kind's `name` in plan files. The kind says
 - which TorchRec sharding type runs a layout exactly, if any (else ours does, "embark_<name>[_hier]");
 - how many collectives one sharding group of ours of it issues per training step;
-- what its dists send for one table, in plan/wire.py's bytes: the terms CostModel prices (add_load, cell_ms)
+- what its dists send for one table, in wire.py's bytes: the terms CostModel prices (add_load, cell_ms)
   and traffic.py lists message by message (ids_per_slice, input_receivers, count_bytes, returns_vectors);
 - the layouts the lower bound tries for it (bound.py), and how a report names its shapes.
 The runtime side of a kind, the EmbeddingSharding that runs it inside DMP, registers against the kind's class

@@ -104,7 +104,7 @@ class TableLayout:
 
     @property
     def kind(self) -> ClusterKind:
-        """The registered cluster kind this layout's cluster names (cluster_kinds.py)."""
+        """The registered cluster kind this layout's cluster names (kinds.py)."""
         return cluster_kind(self.cluster)
 
     @property
@@ -471,7 +471,7 @@ def row_width_suffix(precision: WirePrecision, row_width: int) -> str:
     """A built-in sharding-type string's row-width part: none unless a direction is row-scaled (fp8), else
     "@<width>". TorchRec's dists size a message by its element count alone, so a row-scaled codec on them must be
     told the width of every row it scales: a group of TorchRec's type at fp8 holds rows of one width, and tables
-    of another width are another group (plan/wire.py)."""
+    of another width are another group (wire.py)."""
     scaled = {precision.forward, precision.backward} & ROW_SCALED_PRECISIONS
     return f"{ROW_WIDTH_SEPARATOR}{row_width}" if scaled else ""
 

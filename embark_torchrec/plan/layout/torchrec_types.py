@@ -1,6 +1,6 @@
 """TorchRec's built-in sharding types as the planner sees them: their names, the collectives one group of each
 issues per training step, and the row split its row-wise types run. Pure constants and one pure function, so that
-the cluster kinds (cluster_kinds.py), the layouts and the sharding groups all read them from here.
+the cluster kinds (kinds.py), the layouts and the sharding groups all read them from here.
 
 Collectives per training step of one group, forward and backward: the KJT input dist's tensors (lengths, values:
 their split sizes travel in the module's split exchange), then the pooled output and its gradient; hierarchical

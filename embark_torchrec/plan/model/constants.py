@@ -1,4 +1,5 @@
-"""The cost model's fixed figures, pure constants: cost.py and the cluster kinds (cluster_kinds.py) price with them."""
+"""The cost model's fixed figures, pure constants: cost/model.py and the cluster kinds (layout/kinds.py) price
+with them."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ A spec comes from a JSON/YAML file (format in README "Model spec file") or from 
 EmbeddingBagCollection or EmbeddingCollection plus the pooling factors of its ParameterConstraints.
 
 A table is "pooled" (an EmbeddingBagCollection's: one vector per bag) or "sequence" (an
-EmbeddingCollection's: one vector per ID); the kind changes what its output sends (cost.py).
+EmbeddingCollection's: one vector per ID); the kind changes what its output sends (cost/model.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """EMBark's 3D search (PlanSearch runs its four phases in order): a greedy split-and-place (phase 1) and a polish
 (phase 2) in phases.py, then an improvement (phase 3) and a balance (phase 4).
 
-The phases are strategies over one SearchState (search_state.py), the plan under search: phase 1
+The phases are strategies over one SearchState (state.py), the plan under search: phase 1
 (SplitRounds) leaves its best placement there, phase 2 (Polish) and phase 3 (improve.Improvement)
 price their moves against it and apply the ones they take. Clusters come before (clusters.py): they
 decide which tables the state holds as movable.

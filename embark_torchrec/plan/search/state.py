@@ -8,7 +8,7 @@ plan's per-rank total, the tables with a cell on each rank, and the DP memory us
 priced by `evaluate` (the changed tables' loads swapped into the total, every constraint checked)
 and taken by `apply`; `snapshot` and `restore` keep and bring back a whole plan.
 
-The phases (search.py: split rounds, then polishing; improve.py: the exact hill climb) are
+The phases (phases.py: split rounds, then polishing; improve.py: the exact hill climb) are
 strategies over one state with a `run(state)`; the moves they try come from one generator
 (moves.py), so that a move is checked the same way in every phase.
 """
