@@ -243,7 +243,7 @@ def test_the_ends_of_every_range_plan_to_finite_costs() -> None:
 def test_yaml_spec_loads_the_same_as_json(tmp_path: Path, suffix: str) -> None:
     """The same spec written as YAML and as JSON loads to equal ModelSpecs (synthetic and dcnv2)."""
     yaml = pytest.importorskip("yaml")
-    shipped = json.loads((Path(__file__).resolve().parent.parent / "embark_torchrec/models/dcnv2.json").read_text())
+    shipped = json.loads((Path(__file__).resolve().parents[2] / "embark_torchrec/models/dcnv2.json").read_text())
     for i, d in enumerate([_base(), shipped]):
         (tmp_path / f"m{i}.json").write_text(json.dumps(d))
         (tmp_path / f"m{i}{suffix}").write_text(yaml.safe_dump(d))

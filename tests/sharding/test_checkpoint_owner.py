@@ -7,14 +7,12 @@ in a raw FileNotFoundError, a bare CheckpointException and a published step whos
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,17 +20,9 @@ import torch
 
 import embark_torchrec.checkpoint as ckpt
 from embark_torchrec.checkpoint import CheckpointError, claim_checkpoint_directory, save_checkpoint, verify_checkpoint
+from tests.support.processes import checkout_env
 
-ROOT = Path(__file__).resolve().parents[1]
 WAIT_S = 120.0
-
-HOLD = """
-import sys
-from embark_torchrec.checkpoint import claim_checkpoint_directory
-claim_checkpoint_directory(sys.argv[1])
-print("held", flush=True)
-sys.stdin.read()
-"""
 
 SAVE = """
 import os, sys, time
@@ -53,46 +43,30 @@ print("saved", flush=True)
 """
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-
-
-@pytest.fixture
-def holder(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
-    """Another process that has made tmp_path/ckpt its own and keeps running until killed."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HOLD, str(tmp_path / "ckpt")],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=_env(),
-    )
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
-    yield proc
-    proc.kill()
-    proc.wait()
-
-
 def _state(step: int) -> dict[str, object]:
     return {"w": torch.full((8, 8), float(step)), "step": step}
 
 
 def test_a_second_run_is_refused_naming_the_holder_and_a_gone_holder_is_taken_over(
-    tmp_path: Path, holder: subprocess.Popen[str]
+    tmp_path: Path, checkpoint_holder: subprocess.Popen[str]
 ) -> None:
     directory = tmp_path / "ckpt"
     with pytest.raises(CheckpointError) as raised:
         save_checkpoint(directory, _state(1), 1)
     message = str(raised.value)
-    for words in ("belongs to another run", f"pid {holder.pid} on host {socket.gethostname()}", "holding it since"):
+    for words in (
+        "belongs to another run",
+        f"pid {checkpoint_holder.pid} on host {socket.gethostname()}",
+        "holding it since",
+    ):
         assert words in message, message
     assert not ckpt.checkpoint_path(directory, 1).exists() and not (directory / "step_00000001.partial").exists()
 
-    holder.send_signal(signal.SIGKILL)
-    holder.wait()
+    checkpoint_holder.send_signal(signal.SIGKILL)
+    checkpoint_holder.wait()
     try:
         previous = claim_checkpoint_directory(directory)
-        assert previous is not None and previous.pid == holder.pid, previous
+        assert previous is not None and previous.pid == checkpoint_holder.pid, previous
         assert verify_checkpoint(save_checkpoint(directory, _state(1), 1)) == []
         assert claim_checkpoint_directory(directory) is None  # this process holds it already
     finally:
@@ -112,7 +86,7 @@ def test_three_runs_saving_the_same_steps_at_once_one_saves_and_the_others_are_r
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=_env(),
+            env=checkout_env(),
         )
         for ready in readies
     ]

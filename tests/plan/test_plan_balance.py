@@ -21,7 +21,7 @@ from embark_torchrec.plan.spec import ModelSpec, builtin_model, load_model_spec
 from embark_torchrec.plan.topology import PRESETS, Topology
 
 Climbed = tuple[SearchState, Snapshot, StepCost]
-MODELS = Path(__file__).resolve().parent.parent / "benchmarks" / "models"
+MODELS = Path(__file__).resolve().parents[2] / "benchmarks" / "models"
 
 
 def climb(spec: ModelSpec, world_size: int) -> Climbed:

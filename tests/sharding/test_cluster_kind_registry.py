@@ -33,7 +33,7 @@ from embark_torchrec.plan.traffic import table_messages
 from embark_torchrec.testing import run_ranks
 from embark_torchrec.testing.training import compare_sharded_training
 
-ROOT = Path(__file__).resolve().parents[1] / "embark_torchrec"
+ROOT = Path(__file__).resolve().parents[2] / "embark_torchrec"
 
 
 class ToyKind(ReductionKind):

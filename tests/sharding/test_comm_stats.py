@@ -32,7 +32,7 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-import test_sharding_pipeline as P
+from tests.sharding import test_sharding_pipeline as P
 from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.groups import sharding_type
 from embark_torchrec.plan.layout import TableLayout, WirePrecision

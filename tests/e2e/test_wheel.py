@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: README.md's CPU steps before the wheel, one pip command each
 CPU_PREREQUISITES = (("torch==2.13.0", "fbgemm-gpu-cpu==1.8.0"), ("--no-deps", "torchrec==1.8.0"))
 STEP_TIMEOUT_S = 900

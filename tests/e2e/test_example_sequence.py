@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "sequence" / "train.py"
 RESULT_KEYS = {
     "planner", "history_layout", "history_sharding", "world_size", "local_world_size", "batch_size", "steps",

@@ -25,7 +25,7 @@ from embark_torchrec.plan.search_state import SearchState
 from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec
 from embark_torchrec.plan.topology import PRESETS, Topology
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # (tables, ranks): 16x the tables at 16 ranks, 16x the ranks at 200 tables
 SWEEPS = {"tables": ((100, 16), (1600, 16)), "ranks": ((200, 8), (200, 128))}
 WORK_PER_TABLE_AND_PLACEMENT = 5.0

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-import test_sharding_pipeline as P
+from tests.sharding import test_sharding_pipeline as P
 from embark_torchrec.sharding.validation import InvalidInputError
 from embark_torchrec.testing import run_ranks
 

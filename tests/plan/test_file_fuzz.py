@@ -28,7 +28,7 @@ from embark_torchrec.plan.ranges import MAX_POOLING
 from embark_torchrec.plan.spec import ModelSpec, SpecError, builtin_model, load_model_spec
 from embark_torchrec.plan.topology import Topology, hardware_preset
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FUZZ = settings(derandomize=True, max_examples=120, deadline=None)
 Path_ = tuple[Any, ...]  # keys and indices from the document's root to a value
 DROP = object()

@@ -41,7 +41,7 @@ from embark_torchrec.checkpoint import (
 )
 from embark_torchrec.testing.checkpoints import HOSTILE_MANIFESTS, leave_rename_window
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "dlrm" / "train.py"
 STEPS, EVERY = 12, 4
 KILL_AFTER = 2 * EVERY + 1  # killed after this step is logged: the last checkpoint is at 2K

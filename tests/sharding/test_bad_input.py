@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -228,7 +229,7 @@ def _run_pair(tmp_path: Any, source: str) -> tuple[list[int], list[str], float]:
     script.write_text(source)
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]),
     }
     procs = [
         subprocess.Popen(

@@ -30,7 +30,7 @@ from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.spec import ModelSpec, TableSpec
 from embark_torchrec.plan.topology import Topology
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "dlrm" / "train.py"
 PLANS = ROOT / "tests" / "plans"
 NODES, RANKS = 2, 2

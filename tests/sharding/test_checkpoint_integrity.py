@@ -11,7 +11,8 @@ DCP, a load that fails after writing part of the state, and a re-save that stopp
 case resume must load the newest step that verifies and loads, bit for bit (compared with the state saved at that
 step), and name each skipped folder and the reason. In process on a 1-rank gloo group (the helpers' broadcast paths
 run), then on 2 ranks (every rank loads the step rank 0 chose; a failure on rank 0 reaches rank 1; a read error on
-rank 1 alone makes both fall back), then one run of the DLRM example under torchrun.
+rank 1 alone makes both fall back). The DLRM example's --resume over damaged steps is in
+tests/e2e/test_example_dlrm_edges.py.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -50,7 +50,7 @@ from embark_torchrec import (
 from embark_torchrec.testing import run_ranks
 from embark_torchrec.testing.checkpoints import HOSTILE_MANIFESTS, leave_rename_window, stopped_between_renames
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = (4, 8, 12)
 DATA = "__0_0.distcp"
 
@@ -812,55 +812,3 @@ def test_two_ranks_both_raise_a_named_error_when_one_rank_runs_out_of_space(tmp_
         assert "no space left on the device" in message, message
     assert not (tmp_path / "step_00000002").exists()
     assert verify_checkpoint(tmp_path / "step_00000003") == []
-
-
-# ---------------------------------------------------------------- the DLRM example
-
-
-def test_example_resume_reports_what_it_skips_and_saves_verified_steps(tmp_path: Path) -> None:
-    """--resume over a directory holding only a step folder without a manifest (e.g. saved by an older version) and a
-    stray step_abc: rank 0 names both with their reasons, training starts at step 0 instead of crashing, and the
-    step the run saves verifies."""
-    ckpt_dir = tmp_path / "ckpt"
-    (ckpt_dir / "step_abc").mkdir(parents=True)
-    (ckpt_dir / "step_00000007").mkdir()
-    (ckpt_dir / "step_00000007" / ".metadata").write_bytes(b"junk")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            str(ROOT / "examples" / "dlrm" / "train.py"),
-            "--steps",
-            "2",
-            "--batch-size",
-            "64",
-            "--eval-batches",
-            "1",
-            "--log-every",
-            "1",
-            "--checkpoint-dir",
-            str(ckpt_dir),
-            "--resume",
-        ],  # fmt: skip
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-            "OMP_NUM_THREADS": "1",
-        },  # fmt: skip
-    )
-    out = proc.stdout
-    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
-    lines = out.splitlines()
-    assert f"skipped checkpoint {ckpt_dir / 'step_00000007'}: no manifest: " in "\n".join(lines), out[-3000:]
-    assert f"skipped checkpoint {ckpt_dir / 'step_abc'}: name is not step_<int>" in lines, out[-3000:]
-    assert f"no checkpoint in {ckpt_dir} verifies: starting at step 0" in lines
-    assert not any(line.startswith("resumed from") for line in lines)
-    assert json.loads(next(x for x in lines if x.startswith("RESULT "))[len("RESULT ") :])["steps_run"] == 2
-    assert verify_checkpoint(ckpt_dir / "step_00000002") == []

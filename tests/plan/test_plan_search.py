@@ -196,7 +196,7 @@ def test_plans_are_deterministic_across_processes() -> None:
     from pathlib import Path
 
     tests = Path(__file__).resolve().parent
-    code = _SUBPROCESS_PLAN.format(root=str(tests.parent), tests=str(tests))
+    code = _SUBPROCESS_PLAN.format(root=str(tests.parents[1]), tests=str(tests))
     expected = json.dumps(_synthetic("w4-tight").plan.to_dict(), sort_keys=True)
     for seed in ("1", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}

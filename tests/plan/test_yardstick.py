@@ -19,7 +19,7 @@ from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec
 from embark_torchrec.plan.topology import PRESETS, Topology
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EVALUATIONS = 600
 
 

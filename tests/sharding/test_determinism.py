@@ -143,7 +143,7 @@ def runs() -> dict[str, Any]:
     tests = Path(__file__).resolve().parent
     seed = os.environ.get("PYTHONHASHSEED")
     other_seed = "12345" if seed in (None, "", "random") else str((int(seed) + 1) % 4294967296)
-    code = _SUBPROCESS.format(root=str(tests.parent), tests=str(tests), world=WORLD, local=LOCAL)
+    code = _SUBPROCESS.format(root=str(tests.parents[1]), tests=str(tests), world=WORLD, local=LOCAL)
     env = {**os.environ, "PYTHONHASHSEED": other_seed}
     proc = subprocess.Popen(
         [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

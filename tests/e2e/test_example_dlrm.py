@@ -22,7 +22,7 @@ from embark_torchrec.checkpoint import OWNER_NAME
 from embark_torchrec.plan.layout import Plan
 from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples" / "dlrm"))
 from dlrm_data import LABEL_FEATURES, SyntheticData  # noqa: E402 (the example's own data module; needs the path above)
 

@@ -14,7 +14,7 @@ import torch
 
 from embark_torchrec import checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _train() -> ModuleType:

@@ -19,7 +19,7 @@ from embark_torchrec.plan.search import SearchConfig
 from embark_torchrec.plan.spec import ModelSpec, builtin_model, load_model_spec
 from embark_torchrec.plan.topology import PRESETS, Topology
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 # benchmarks/plan_quality.py's DEFAULT_CASES: the public models at 64 and 128 GPUs, the adversarial ones
 CASES = [(m, w, 8) for m in ("dcnv2", "t180", "t200", "t510") for w in (64, 128)] + [
     ("skewed_dcnv2", 24, 8),

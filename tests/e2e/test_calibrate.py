@@ -38,7 +38,7 @@ from embark_torchrec.plan.spec import ModelSpec, TableSpec
 from embark_torchrec.plan.topology import PRESETS, Hardware, Topology
 from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MEASURED = {"collective_us", "intra_node_bw_gbps", "inter_node_bw_gbps", "hbm_bw_gbps", "lookup_ns_per_id"}
 MEASURED |= {"unique_ns_per_id", "dp_ns_per_element", "update_ns_per_row", "inter_node_paired_ratio"}
 SPEC = ModelSpec(

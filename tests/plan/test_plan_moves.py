@@ -18,7 +18,7 @@ from embark_torchrec.plan.search_state import SearchState
 from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec, load_model_spec
 from embark_torchrec.plan.topology import PRESETS, Topology
 
-MODELS = Path(__file__).resolve().parent.parent / "benchmarks" / "models"
+MODELS = Path(__file__).resolve().parents[2] / "benchmarks" / "models"
 HOT = TableSpec("hot", 4_000_000, 128, 60.0)
 SPEC = ModelSpec(
     "moves",

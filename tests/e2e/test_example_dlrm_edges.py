@@ -5,41 +5,28 @@
 * a --checkpoint-dir that cannot be made, or a --plan-out that cannot be written, stops every rank before planning
   (they failed after planning or at the first save, on rank 0 alone, and the other rank reported gloo's
   "Connection closed by peer" first);
-* --resume from a checkpoint past --steps says so, trains nothing and reports steps_run 0 (it reported -10).
+* --resume from a checkpoint past --steps says so, trains nothing and reports steps_run 0 (it reported -10);
+* --resume over a step without a manifest and a stray step_abc names both and why, and starts at step 0.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 
-from embark_torchrec.checkpoint import OWNER_NAME
+from embark_torchrec.checkpoint import OWNER_NAME, verify_checkpoint
+from tests.support.processes import ROOT, checkout_env
 
-ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "examples" / "dlrm" / "train.py"
 SMALL = ("--batch-size", "64", "--eval-batches", "1", "--log-every", "0", "--warmup-steps", "0")
-HOLD = """
-import sys
-from embark_torchrec.checkpoint import claim_checkpoint_directory
-claim_checkpoint_directory(sys.argv[1])
-print("held", flush=True)
-sys.stdin.read()
-"""
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
 def _torchrun(*flags: str) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(TRAIN), *flags]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT, check=False)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=checkout_env(), cwd=ROOT, check=False)
 
 
 def _stopped_before_planning(proc: subprocess.CompletedProcess[str], *words: str) -> None:
@@ -51,25 +38,10 @@ def _stopped_before_planning(proc: subprocess.CompletedProcess[str], *words: str
     assert "# embark plan" not in out and "Connection closed" not in out, out[-3000:]
 
 
-@pytest.fixture
-def held(tmp_path: Path) -> Iterator[tuple[Path, int]]:
-    """tmp_path/ckpt, held by another process that keeps running; and that process's pid."""
-    directory = tmp_path / "ckpt"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HOLD, str(directory)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=_env(),
-    )
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
-    yield directory, proc.pid
-    proc.kill()
-    proc.wait()
-
-
-def test_a_checkpoint_directory_another_run_holds_stops_every_rank_before_planning(held: tuple[Path, int]) -> None:
-    directory, pid = held
+def test_a_checkpoint_directory_another_run_holds_stops_every_rank_before_planning(
+    tmp_path: Path, checkpoint_holder: subprocess.Popen[str]
+) -> None:
+    directory, pid = tmp_path / "ckpt", checkpoint_holder.pid
     proc = _torchrun("--steps", "2", "--checkpoint-dir", str(directory), *SMALL)
     _stopped_before_planning(proc, "belongs to another run", f"pid {pid} ")
     assert sorted(p.name for p in directory.iterdir()) == [OWNER_NAME]
@@ -100,3 +72,26 @@ def test_resume_past_steps_says_so_trains_nothing_and_reports_zero_steps_run(tmp
     results = [json.loads(line[len("RESULT ") :]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert len(results) == 1 and (results[0]["steps"], results[0]["steps_run"]) == (1, 0), results
     assert sorted(p.name for p in directory.iterdir() if p.name != OWNER_NAME) == ["step_00000003"]
+
+
+def test_example_resume_reports_what_it_skips_and_saves_verified_steps(tmp_path: Path) -> None:
+    """--resume over a directory holding only a step folder without a manifest (e.g. saved by an older version) and a
+    stray step_abc: rank 0 names both with their reasons, training starts at step 0 instead of crashing, and the
+    step the run saves verifies."""
+    ckpt_dir = tmp_path / "ckpt"
+    (ckpt_dir / "step_abc").mkdir(parents=True)
+    (ckpt_dir / "step_00000007").mkdir()
+    (ckpt_dir / "step_00000007" / ".metadata").write_bytes(b"junk")
+    proc = _torchrun(
+        "--steps", "2", "--batch-size", "64", "--eval-batches", "1", "--log-every", "1",
+        "--checkpoint-dir", str(ckpt_dir), "--resume",
+    )  # fmt: skip
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    lines = out.splitlines()
+    assert f"skipped checkpoint {ckpt_dir / 'step_00000007'}: no manifest: " in "\n".join(lines), out[-3000:]
+    assert f"skipped checkpoint {ckpt_dir / 'step_abc'}: name is not step_<int>" in lines, out[-3000:]
+    assert f"no checkpoint in {ckpt_dir} verifies: starting at step 0" in lines
+    assert not any(line.startswith("resumed from") for line in lines)
+    assert json.loads(next(x for x in lines if x.startswith("RESULT "))[len("RESULT ") :])["steps_run"] == 2
+    assert verify_checkpoint(ckpt_dir / "step_00000002") == []

@@ -23,7 +23,7 @@ from embark_torchrec.plan.ranges import HARDWARE_RANGES
 from embark_torchrec.plan.spec import IdDistribution, ModelSpec, SpecError, TableSpec, load_model_spec
 from embark_torchrec.plan.topology import PRESETS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _spec() -> dict[str, Any]:
