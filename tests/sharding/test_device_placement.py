@@ -55,6 +55,7 @@ from embark_torchrec.plan.spec import ModelSpec
 from embark_torchrec.sharding.comm_stats import enable_comm_stats
 from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 from embark_torchrec.testing import fake_world
+from embark_torchrec.testing.host_work import COLLECTIVES
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -289,17 +290,6 @@ class _EndOfPureTensorPart(Exception):
         self.what, self.tensors = what, tensors
 
 
-_COLLECTIVES = (
-    "all_to_all_single",
-    "all_to_all",
-    "all_gather",
-    "all_gather_into_tensor",
-    "reduce_scatter_tensor",
-    "reduce_scatter",
-    "all_reduce",
-    "broadcast",
-    "barrier",
-)
 _HOST_READS = ("__int__", "__float__", "__bool__", "__index__")  # .item() / .tolist() give symbols instead
 
 
@@ -324,7 +314,7 @@ def _stop_at_collectives(monkeypatch: pytest.MonkeyPatch) -> None:
 
         return call
 
-    for name in _COLLECTIVES:
+    for name in (*COLLECTIVES, "barrier"):
         monkeypatch.setattr(dist, name, collective(f"torch.distributed.{name}"))
     monkeypatch.setattr(KJTAllToAll, "forward", kjt_all_to_all)
     for name in _HOST_READS:
