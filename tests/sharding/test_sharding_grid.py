@@ -27,6 +27,7 @@ from embark_torchrec.sharding.unique import UniquePooledEmbeddingSharding
 from embark_torchrec.sharding.sharded_ebc import EmbarkShardedEmbeddingBagCollection
 from embark_torchrec.testing import copy_global_weights, global_kjt_batch, run_ranks
 from embark_torchrec.testing.training import SparseArch, compare_sharded_training, sharded_model
+from tests.support import toy
 
 pytestmark = pytest.mark.torchrec_version
 
@@ -43,11 +44,6 @@ CONFIGS = [
     ("weighted", "sgd", True),
     ("weighted", "adagrad", False),
 ]
-
-
-def _ceil_rows(rows: int, parts: int) -> tuple[int, ...]:
-    block = -(-rows // parts)
-    return tuple(min(i * block, rows) for i in range(parts + 1))
 
 
 # name -> (rows, dim, number of features, expected sharding type, {world size: layout})
@@ -69,38 +65,18 @@ TABLES: dict[str, tuple[int, int, int, str, dict[int, TableLayout]]] = {
         8,
         1,
         "row_wise",
-        {ws: TableLayout("rb", _ceil_rows(31, ws), (0, 8), tuple((k,) for k in range(ws))) for ws in WORLDS},
+        {ws: toy.row_wise(31, 8, ws) for ws in WORLDS},
     ),
     "twrw": (
         25,
         8,
         1,
         "table_row_wise",
-        {4: TableLayout("rb", _ceil_rows(25, 2), (0, 8), ((2,), (3,)), hierarchical=True)},
+        {4: TableLayout("rb", toy.ceil_rows(25, 2), (0, 8), ((2,), (3,)), hierarchical=True)},
     ),
     # a 2x2 grid with uneven rows, shared by two features
-    "grid": (
-        40,
-        16,
-        2,
-        "embark_rb",
-        {
-            2: TableLayout("rb", (0, 13, 40), (0, 8, 16), ((0, 1), (1, 0))),
-            3: TableLayout("rb", (0, 13, 40), (0, 8, 16), ((0, 1), (2, 0))),
-            4: TableLayout("rb", (0, 13, 40), (0, 8, 16), ((0, 1), (3, 2))),
-        },
-    ),
-    "grid_hier": (
-        36,
-        8,
-        1,
-        "embark_rb_hier",
-        {
-            2: TableLayout("rb", (0, 20, 36), (0, 4, 8), ((1, 0), (0, 1)), hierarchical=True),
-            3: TableLayout("rb", (0, 20, 36), (0, 4, 8), ((1, 2), (0, 1)), hierarchical=True),
-            4: TableLayout("rb", (0, 20, 36), (0, 4, 8), ((1, 2), (3, 0)), hierarchical=True),
-        },
-    ),
+    "grid": (40, 16, 2, "embark_rb", {ws: toy.grid(ws) for ws in WORLDS}),
+    "grid_hier": (36, 8, 1, "embark_rb_hier", {ws: toy.hierarchical_grid(ws) for ws in WORLDS}),
     # uneven row slices (3 / 17 / 17 rows); at 4 ranks on {0, 2, 3}
     "uneven": (
         37,
@@ -144,7 +120,7 @@ TABLES: dict[str, tuple[int, int, int, str, dict[int, TableLayout]]] = {
         "embark_rb",
         {ws: TableLayout("rb", (0, 7, 20, 33), (0, 8, 16), ((0, 0), (ws - 1, 0), (0, 1))) for ws in WORLDS},
     ),
-    "ub": (24, 8, 1, "embark_ub", {4: TableLayout("ub", (0, 12, 24), (0, 4, 8), ((3, 0), (0, 2)))}),
+    "ub": (24, 8, 1, "embark_ub", {4: toy.unique(4)}),
     "dp": (10, 4, 1, "data_parallel", {ws: TableLayout.data_parallel() for ws in WORLDS}),
 }
 # in the mean configuration, a SUM table in the same grid sharding as MEAN ones
@@ -396,15 +372,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def _assert_all_close(results: list[dict[str, Any]], key: str, tables: list[EmbeddingBagConfig]) -> None:
-    features = {f for t in tables for f in t.feature_names}
-    expected = {f"step{s}/{f}" for s in range(STEPS) for f in features} | {
-        f"weight/ebc.embedding_bags.{t.name}.weight" for t in tables
-    }
-    for rank, result in enumerate(results):
-        diffs = result[key]
-        assert set(diffs) == expected, (rank, sorted(set(diffs) ^ expected))
-        bad = {k: v for k, v in diffs.items() if not v <= ATOL}
-        assert not bad, (rank, key, bad)
+    toy.assert_trained_like_unsharded([result[key] for result in results], tables, STEPS, ATOL, key)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=["-".join(map(str, c)) for c in CONFIGS])
