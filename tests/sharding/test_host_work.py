@@ -32,9 +32,10 @@ from embark_torchrec.plan.layout import (
     sharding_type_name,
 )
 from embark_torchrec.sharding.codecs import wire_codecs
-from embark_torchrec.testing import global_kjt_batch, run_ranks
+from embark_torchrec.testing import run_ranks
 from embark_torchrec.testing.host_work import COLLECTIVES, HostWorkCounter
 from embark_torchrec.testing.training import sharded_model
+from tests.support.host_work import second_step_work, show
 
 WS, LWS, BATCH = 4, 2, 4
 ROWS, DIM = 40, 8
@@ -100,7 +101,6 @@ def _step(model: torch.nn.Module, kjt: KeyedJaggedTensor) -> None:
 
 def _count_steps() -> dict[str, dict[str, Any]]:
     """On each rank: {"<type>:<precision>:<tables>": HostWorkCounter summary of the second training step}."""
-    rank = dist.get_rank()
     result = {}
     for n in TABLE_COUNTS:
         tables = [
@@ -121,21 +121,13 @@ def _count_steps() -> dict[str, dict[str, Any]]:
             assert runs_as == {sharding_type_name(layouts["t0"]) if kind in OURS else builtin}, (case, runs_as)
             registry = registry_of() if qcomms else None
             model = sharded_model(tables, layouts, LWS, qcomm_codecs_registry=registry)
-            first, second = (global_kjt_batch(tables, WS, BATCH, seed=s)[rank] for s in range(2))
-            _step(model, first)
-            with HostWorkCounter() as counter:
-                _step(model, second)
-            result[f"{case}:{n}"] = counter.summary()
+            result[f"{case}:{n}"] = second_step_work(model, tables, WS, BATCH, _step)
     return result
 
 
 @pytest.fixture(scope="module")
 def counts() -> list[dict[str, dict[str, Any]]]:
     return run_ranks(_count_steps, WS, local_world_size=LWS, timeout_s=600)
-
-
-def _show(c: dict[str, Any]) -> str:
-    return f"{c['aten_ops']} aten ops, {c['host_syncs']} syncs {c['sync_ops']}, blocking {c['blocking_ops']}"
 
 
 # ---------------------------------------------------------------- the counter itself
@@ -224,7 +216,7 @@ def test_host_work_does_not_grow_with_tables(counts: list[dict[str, dict[str, An
     """Host work is O(sharding groups), not O(tables): from 4 to 16 tables, aten ops grow at most 1.5x (+ slack)
     and host syncs not at all (rank 0)."""
     few, many = (counts[0][f"{case}:{n}"] for n in TABLE_COUNTS)
-    detail = f"{case}: 4 tables {_show(few)}; 16 tables {_show(many)}"
+    detail = f"{case}: 4 tables {show(few)}; 16 tables {show(many)}"
     assert many["aten_ops"] <= few["aten_ops"] * OPS_GROWTH + OPS_SLACK, detail
     assert many["host_syncs"] == few["host_syncs"], detail
 
@@ -235,7 +227,7 @@ def test_syncs_at_most_torchrec_table_wise(counts: list[dict[str, dict[str, Any]
     for n in TABLE_COUNTS:
         ours, base = counts[0][f"{case}:{n}"], counts[0][f"{BASELINE}:{n}"]
         assert ours["host_syncs"] <= base["host_syncs"] + SYNC_MARGIN, (
-            f"{case}, {n} tables: ours {_show(ours)}; torchrec table_wise {_show(base)}"
+            f"{case}, {n} tables: ours {show(ours)}; torchrec table_wise {show(base)}"
         )
 
 
@@ -246,7 +238,7 @@ def test_aten_ops_at_most_twice_torchrec_table_wise(counts: list[dict[str, dict[
     for n in TABLE_COUNTS:
         ours, base = counts[0][f"{case}:{n}"], counts[0][f"{BASELINE}:{n}"]
         assert ours["aten_ops"] <= base["aten_ops"] * OPS_RATIO, (
-            f"{case}, {n} tables: ours {_show(ours)}; torchrec table_wise {_show(base)}"
+            f"{case}, {n} tables: ours {show(ours)}; torchrec table_wise {show(base)}"
         )
 
 
@@ -262,5 +254,5 @@ def test_torchrec_types_at_the_plans_precision_work_as_with_qcomms(
         for rank, c in enumerate(counts):
             ours, theirs = c[f"{case}:{n}"], c[f"{case}{QCOMMS}:{n}"]
             for field in ("aten_ops", "host_syncs", "collectives"):
-                assert ours[field] == theirs[field], f"{case}, {n} tables, rank {rank}: {_show(ours)}; {_show(theirs)}"
+                assert ours[field] == theirs[field], f"{case}, {n} tables, rank {rank}: {show(ours)}; {show(theirs)}"
             assert ours["blocking_collectives"] == 0

@@ -11,14 +11,13 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embark_torchrec.plan.layout import TableLayout
-from embark_torchrec.testing import global_kjt_batch, run_ranks
-from embark_torchrec.testing.host_work import HostWorkCounter
+from embark_torchrec.testing import run_ranks
 from embark_torchrec.testing.sequence import sharded_sequence_model
+from tests.support.host_work import second_step_work, show
 
 pytestmark = pytest.mark.torchrec_version
 
@@ -48,7 +47,6 @@ def _step(model: torch.nn.Module, kjt: KeyedJaggedTensor) -> None:
 
 def _count_steps() -> dict[str, dict[str, Any]]:
     """On each rank: {"<type>:<tables>": HostWorkCounter summary of the second training step}."""
-    rank = dist.get_rank()
     result = {}
     for n in TABLE_COUNTS:
         tables = [
@@ -57,21 +55,13 @@ def _count_steps() -> dict[str, dict[str, Any]]:
         ]
         for kind in (BASELINE, *OURS):
             model = sharded_sequence_model(tables, {t.name: _layout(kind, i) for i, t in enumerate(tables)}, WS)
-            first, second = (global_kjt_batch(tables, WS, BATCH, seed=s)[rank] for s in range(2))
-            _step(model, first)
-            with HostWorkCounter() as counter:
-                _step(model, second)
-            result[f"{kind}:{n}"] = counter.summary()
+            result[f"{kind}:{n}"] = second_step_work(model, tables, WS, BATCH, _step)
     return result
 
 
 @pytest.fixture(scope="module")
 def counts() -> list[dict[str, dict[str, Any]]]:
     return run_ranks(_count_steps, WS, local_world_size=WS, timeout_s=300)
-
-
-def _show(c: dict[str, Any]) -> str:
-    return f"{c['aten_ops']} aten ops, {c['host_syncs']} syncs {c['sync_ops']}, blocking {c['blocking_ops']}"
 
 
 @pytest.mark.parametrize("kind", OURS)
@@ -92,7 +82,7 @@ def test_host_work_does_not_grow_with_tables(counts: list[dict[str, dict[str, An
     OPS_SLACK, and host syncs and collectives not at all (rank 0)."""
     few, many = (counts[0][f"{kind}:{n}"] for n in TABLE_COUNTS)
     base_few, base_many = (counts[0][f"{BASELINE}:{n}"] for n in TABLE_COUNTS)
-    detail = f"{kind}: 4 tables {_show(few)}; 16 tables {_show(many)}; table-wise {_show(base_few)}, {_show(base_many)}"
+    detail = f"{kind}: 4 tables {show(few)}; 16 tables {show(many)}; table-wise {show(base_few)}, {show(base_many)}"
     assert many["aten_ops"] - base_many["aten_ops"] <= few["aten_ops"] - base_few["aten_ops"] + OPS_SLACK, detail
     assert many["host_syncs"] == few["host_syncs"], detail
     assert many["collectives"] == few["collectives"], detail
