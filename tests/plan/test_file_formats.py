@@ -22,20 +22,9 @@ from embark_torchrec.plan.layout import Plan, PlanError, TableLayout, WirePrecis
 from embark_torchrec.plan.ranges import HARDWARE_RANGES
 from embark_torchrec.plan.spec import IdDistribution, ModelSpec, SpecError, TableSpec, load_model_spec
 from embark_torchrec.plan.topology import PRESETS
+from tests.support.specs import spec_document
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _spec() -> dict[str, Any]:
-    return {
-        "name": "toy",
-        "batch_size": 4096,
-        "id_distribution": {"kind": "zipf", "alpha": 1.05},
-        "tables": [
-            {"name": "small", "rows": 100, "dim": 16, "pooling": 1},
-            {"name": "big", "rows": 1_000_000, "dim": 64, "pooling": 2.5, "feature_names": ["f_big", "g_big"]},
-        ],
-    }
 
 
 def _plan() -> dict[str, Any]:
@@ -139,7 +128,7 @@ def test_spec_fields_are_typed(case: str, tmp_path: Path) -> None:
     """Each mutation of a valid spec is a SpecError naming the table and the field, from a dict and,
     where JSON can hold the value, from a file whose name the message starts with."""
     mutate, needles = SPEC_FINDINGS[case]
-    doc = _spec()
+    doc = spec_document()
     mutate(doc)
     _refused(SpecError, lambda: ModelSpec.from_dict(doc), *needles)
     if case != "nested garbage":  # too deep for json.dumps; the file path is tested below
@@ -149,13 +138,13 @@ def test_spec_fields_are_typed(case: str, tmp_path: Path) -> None:
 
 def test_the_unmutated_spec_loads() -> None:
     """The document the findings mutate is valid, so each refusal comes from its mutation."""
-    spec = ModelSpec.from_dict(_spec())
+    spec = ModelSpec.from_dict(spec_document())
     assert spec.table("big").feature_names == ("f_big", "g_big") and spec.table("small").pooling == 1.0
 
 
 def test_error_message_names_file_table_and_field(tmp_path: Path) -> None:
     """The message is exactly 'file: table: field: what was expected, what was found'."""
-    doc = _spec()
+    doc = spec_document()
     doc["tables"][1]["feature_names"] = "user_id"
     path = _write(tmp_path, "spec.json", doc)
     with pytest.raises(SpecError) as e:
@@ -171,7 +160,7 @@ FILE_CONTENTS: dict[str, tuple[bytes, str]] = {
     "not UTF-8": (b'{"name": "m\xff"}', "UTF-8"),
     "latin-1": ('{"name": "caf\u00e9"}'.encode("latin-1"), "UTF-8"),
     "invalid JSON": (b'{"name": "m",', "invalid JSON"),
-    "truncated": (json.dumps(_spec()).encode()[:40], "invalid JSON"),
+    "truncated": (json.dumps(spec_document()).encode()[:40], "invalid JSON"),
     "too deep": (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
     "huge integer": (b'{"batch_size": ' + b"9" * 5000 + b"}", "invalid JSON"),
     "duplicate key": (b'{"batch_size": 1, "batch_size": 2}', "'batch_size' appears twice"),
@@ -290,7 +279,7 @@ def test_table_names_torch_refuses_are_spec_errors(name: str, tmp_path: Path) ->
     """A table named like an nn.ModuleDict attribute, with a '.', or empty is refused naming the
     field, from a file, a dict, a TableSpec and a plan file (before: a KeyError inside torch when the
     model was built)."""
-    doc = _spec()
+    doc = spec_document()
     doc["tables"][0]["name"] = name
     path = _write(tmp_path, "spec.json", doc)
     _refused(SpecError, lambda: load_model_spec(path), str(path), "table #0", "field 'name'")
@@ -530,7 +519,7 @@ def test_errors_keep_their_parts_across_processes() -> None:
 
 def test_from_dict_leaves_its_input_alone() -> None:
     """Reading never edits the document (normalised values go into the objects only)."""
-    spec, plan = _spec(), _plan()
+    spec, plan = spec_document(), _plan()
     before = copy.deepcopy((spec, plan))
     ModelSpec.from_dict(spec)
     Plan.from_dict(plan)

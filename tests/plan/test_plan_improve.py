@@ -24,15 +24,11 @@ from embark_torchrec.plan.report import ScoredPlan, render
 from embark_torchrec.plan.search import GreedySearch, SearchConfig
 from embark_torchrec.plan.search_state import SearchState
 from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec, builtin_model
-from embark_torchrec.plan.topology import PRESETS, Hardware, Topology
+from embark_torchrec.plan.topology import PRESETS, Topology
+from tests.support.specs import H100, HOT, HUGE, MID, TINY, WIDE, with_memory
 
-H100 = PRESETS["dgx-h100"]
 _FREE = TableConstraints()
 NEAR_OPTIMAL = 1.05
-
-
-def _hw(hbm_gb: float, base: Hardware = H100) -> Hardware:
-    return base.with_overrides(hbm_gb=hbm_gb, hbm_reserve_gb=0.0)
 
 
 def _spec(seed: int, tables: int, batch: int = 8192) -> ModelSpec:
@@ -144,7 +140,7 @@ CASES = [(0, 12, 8, 4), (1, 20, 16, 8), (2, 8, 4, 2)]
 def test_improvement_never_makes_a_plan_worse(seed: int, tables: int, world: int, local: int) -> None:
     """The plan after phase 3 costs no more than the greedy plan it started from, whatever the budget,
     and a larger budget finds no worse a plan (the climb keeps the best plan seen)."""
-    spec, topology = _spec(seed, tables), Topology(world, local, _hw(2.0))
+    spec, topology = _spec(seed, tables), Topology(world, local, with_memory(2.0))
     steps = []
     for budget in (0, 200, 2000):
         search = _search(spec, topology, budget)
@@ -167,7 +163,7 @@ def test_improvement_helps_where_the_greedy_split_too_much() -> None:
 
 def test_improvement_is_deterministic() -> None:
     """The same model planned twice gives the same plan; the kicks' seed is the config's."""
-    spec, topology = _spec(1, 20), Topology(16, 8, _hw(2.0))
+    spec, topology = _spec(1, 20), Topology(16, 8, with_memory(2.0))
     first, again = (plan_model(spec, topology, progress=False) for _ in range(2))
     assert first.plan.to_dict() == again.plan.to_dict()
     assert first.stats.improve_kicks == again.stats.improve_kicks
@@ -182,11 +178,11 @@ def _constrained_spec() -> ModelSpec:
         "constrained",
         8192,
         (
-            TableSpec("huge", 2_000_000, 64, 4.0),
-            TableSpec("wide", 200_000, 256, 8.0),
-            TableSpec("mid", 50_000, 32, 10.0, feature_names=("m1", "m2")),
-            TableSpec("hot", 10_000, 128, 50.0),
-            TableSpec("tiny", 10, 16, 1.0),
+            HUGE,
+            replace(WIDE, pooling=8.0),
+            MID,
+            HOT,
+            TINY,
             TableSpec("few", 300_000, 64, 20.0),
             TableSpec("uq", 400_000, 32, 5.0, unique_ratio=0.1),
             *(TableSpec(f"t{i}", 20_000 * (i + 1), 48, 3.0 + 2 * i) for i in range(8)),
@@ -209,7 +205,7 @@ CONSTRAINTS = {
 
 @lru_cache(maxsize=None)
 def _constrained() -> PlannedModel:
-    return plan_model(_constrained_spec(), Topology(8, 4, _hw(0.25)), CONSTRAINTS, progress=False)
+    return plan_model(_constrained_spec(), Topology(8, 4, with_memory(0.25)), CONSTRAINTS, progress=False)
 
 
 def test_every_move_keeps_the_constraints_and_memory() -> None:
@@ -287,7 +283,7 @@ def test_near_the_exhaustive_optimum_and_above_the_bound(seed: int) -> None:
     (enumerated independently of the search), and the lower bound is below every one of them."""
     tables, world, local = (2, 4, 2) if seed % 2 else (3, 2, 2)
     spec = _spec(100 + seed, tables, batch=4096)
-    topology = Topology(world, local, _hw(80.0, PRESETS["cpu-gloo" if seed % 4 > 1 else "dgx-h100"]))
+    topology = Topology(world, local, with_memory(80.0, PRESETS["cpu-gloo" if seed % 4 > 1 else "dgx-h100"]))
     steps = _exhaustive(spec, topology)
     planned = plan_model(spec, topology, progress=False)
     bound = step_lower_bound(CostModel(spec, topology))
@@ -324,7 +320,7 @@ def test_bound_is_below_every_random_plan(preset: str, paired: float, world: int
     searched plan; also where a hierarchical stage 2 runs slower (paired ratio 0.5) or faster (2) than the
     other inter-node bytes."""
     rng = np.random.default_rng(world * 31 + local)
-    topology = Topology(world, local, _hw(80.0, PRESETS[preset]).with_overrides(inter_node_paired_ratio=paired))
+    topology = Topology(world, local, with_memory(80.0, PRESETS[preset]).with_overrides(inter_node_paired_ratio=paired))
     fits = {  # the constraints whose ranks this world has
         n: c
         for n, c in CONSTRAINTS.items()

@@ -23,7 +23,8 @@ from embark_torchrec.plan.report import ProgressLine, progress_line
 from embark_torchrec.plan.search import SearchConfig, SearchStats, SplitRounds
 from embark_torchrec.plan.search_state import SearchState
 from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec
-from embark_torchrec.plan.topology import PRESETS, Topology
+from embark_torchrec.plan.topology import Topology
+from tests.support.specs import HOT, HUGE, TINY, WIDE, with_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 # (tables, ranks): 16x the tables at 16 ranks, 16x the ranks at 200 tables
@@ -98,15 +99,15 @@ def test_improvement_work_is_its_budget(tables: int, ranks: int) -> None:
 def _mixed(world: int, local: int, hbm_gb: float) -> tuple[ModelSpec, Topology]:
     """Tables that go data-parallel, stay one cell, and (in little memory) must be cut, over several nodes."""
     tables = (
-        TableSpec("huge", 2_000_000, 64, 4.0),
-        TableSpec("wide", 200_000, 256, 1.0),
+        HUGE,
+        WIDE,
         TableSpec("ub", 50_000, 32, 10.0, unique_ratio=0.05),
-        TableSpec("hot", 10_000, 128, 50.0),
-        TableSpec("tiny", 10, 16, 1.0),
+        HOT,
+        TINY,
         *(TableSpec(f"t{i}", 30_000 + 1000 * i, 36, 2.0 + i) for i in range(6)),
     )
-    hardware = PRESETS["dgx-h100"].with_overrides(hbm_gb=hbm_gb, hbm_reserve_gb=0.0)
-    return ModelSpec("mixed", 3 * 8192, tables, IdDistribution("zipf", 1.1)), Topology(world, local, hardware)
+    topology = Topology(world, local, with_memory(hbm_gb))
+    return ModelSpec("mixed", 3 * 8192, tables, IdDistribution("zipf", 1.1)), topology
 
 
 @pytest.mark.parametrize("world,local,hbm_gb", [(8, 4, 80.0), (8, 4, 0.1), (12, 3, 0.2), (4, 1, 80.0)])

@@ -18,13 +18,8 @@ from embark_torchrec.plan.layout import Plan, PlanError, TableLayout, WirePrecis
 from embark_torchrec.plan.plan_model import PlannedModel, plan_model
 from embark_torchrec.plan.search import SearchConfig
 from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec, builtin_model
-from embark_torchrec.plan.topology import PRESETS, Hardware, Topology
-
-H100 = PRESETS["dgx-h100"]
-
-
-def _hw(hbm_gb: float) -> Hardware:
-    return H100.with_overrides(hbm_gb=hbm_gb, hbm_reserve_gb=0.0)
+from embark_torchrec.plan.topology import PRESETS, Topology
+from tests.support.specs import HOT, HUGE, MID, WIDE, with_memory
 
 
 def mixed_spec() -> ModelSpec:
@@ -32,10 +27,10 @@ def mixed_spec() -> ModelSpec:
         "mixed",
         8192,
         (
-            TableSpec("huge", 2_000_000, 64, 4.0),
-            TableSpec("wide", 200_000, 256, 1.0),
-            TableSpec("mid", 50_000, 32, 10.0, feature_names=("m1", "m2")),
-            TableSpec("hot", 10_000, 128, 50.0),
+            HUGE,
+            WIDE,
+            MID,
+            HOT,
             TableSpec("tiny1", 10, 16, 1.0),
             TableSpec("tiny2", 100, 8, 2.0),
             TableSpec("odd", 12_345, 20, 3.0, unique_ratio=0.1),
@@ -59,7 +54,7 @@ DCNV2 = [("dcnv2-8", 8, 8), ("dcnv2-16", 16, 8)]
 @lru_cache(maxsize=None)
 def _synthetic(case: str) -> PlannedModel:
     _, w, lws, gb = next(c for c in SYNTHETIC if c[0] == case)
-    return plan_model(mixed_spec(), Topology(w, lws, _hw(gb)))
+    return plan_model(mixed_spec(), Topology(w, lws, with_memory(gb)))
 
 
 @lru_cache(maxsize=None)
@@ -277,12 +272,12 @@ def _constraints() -> dict[str, TableConstraints]:
 
 @lru_cache(maxsize=None)
 def _constrained() -> PlannedModel:
-    return plan_model(mixed_spec(), Topology(8, 4, _hw(0.3)), _constraints())
+    return plan_model(mixed_spec(), Topology(8, 4, with_memory(0.3)), _constraints())
 
 
 def test_unconstrained_choices_differ_from_the_forced_ones() -> None:
     """Without constraints the search would choose otherwise (so the next test checks something)."""
-    free = plan_model(mixed_spec(), Topology(8, 4, _hw(0.3)))
+    free = plan_model(mixed_spec(), Topology(8, 4, with_memory(0.3)))
     assert free.clusters["tiny1"] == "dp"
     assert free.clusters["huge"] != "rb"
     assert free.clusters["mid"] != "ub"
@@ -331,7 +326,7 @@ def test_constraints_for_unknown_tables_are_refused() -> None:
 def test_table_bigger_than_all_memory_raises() -> None:
     """A table larger than the memory of all ranks together is a PlanError saying the tables do not fit."""
     spec = ModelSpec("too-big", 1024, (TableSpec("small", 100, 16, 1.0), TableSpec("giant", 10_000_000, 16, 1.0)))
-    topo = Topology(8, 4, _hw(0.05))  # 8 x 50 MB < 680 MB
+    topo = Topology(8, 4, with_memory(0.05))  # 8 x 50 MB < 680 MB
     with pytest.raises(PlanError, match="do not fit"):
         plan_model(spec, topo)
 
@@ -340,7 +335,7 @@ def test_forced_dp_table_over_the_cap_raises() -> None:
     """A table forced to DP that does not fit on one rank is refused, naming the rank over its cap."""
     spec = ModelSpec("dp-too-big", 1024, (TableSpec("a", 1_000_000, 64, 1.0),))
     with pytest.raises(PlanError, match="rank 0"):
-        plan_model(spec, Topology(4, 2, _hw(0.1)), {"a": TableConstraints(cluster="dp")})
+        plan_model(spec, Topology(4, 2, with_memory(0.1)), {"a": TableConstraints(cluster="dp")})
 
 
 # ---- cluster assignment -----------------------------------------------------------------------

@@ -24,22 +24,19 @@ from embark_torchrec.plan.spec import (
     load_model_spec,
 )
 from embark_torchrec.plan.topology import PRESETS, Topology
+from tests.support.specs import spec_document
 
 SHIPPED = {"dcnv2": 26, "t180": 177, "t200": 200, "t510": 510}
 
 
 def _base() -> dict[str, Any]:
-    return {
-        "name": "toy",
-        "batch_size": 4096,
-        "id_distribution": {"kind": "zipf", "alpha": 1.05},
-        "tables": [
-            {"name": "small", "rows": 100, "dim": 16, "pooling": 1},
-            {"name": "big", "rows": 1_000_000, "dim": 64, "pooling": 2.5, "feature_names": ["f_big", "g_big"]},
-            {"name": "flat", "rows": 5000, "dim": 8, "pooling": 3, "id_distribution": {"kind": "uniform"}},
-            {"name": "fixed", "rows": 7000, "dim": 4, "pooling": 1, "unique_ratio": 0.25},
-        ],
-    }
+    """The shared spec document and two tables more: one of uniform IDs, one of a given unique ratio."""
+    d = spec_document()
+    d["tables"] += [
+        {"name": "flat", "rows": 5000, "dim": 8, "pooling": 3, "id_distribution": {"kind": "uniform"}},
+        {"name": "fixed", "rows": 7000, "dim": 4, "pooling": 1, "unique_ratio": 0.25},
+    ]
+    return d
 
 
 # ---- shipped models --------------------------------------------------------------------------

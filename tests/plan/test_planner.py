@@ -401,18 +401,8 @@ def test_from_sharding_plan_keeps_embark_types() -> None:
     """from_sharding_plan(module_sharding_plan(plan)) == plan also for UB tables, hierarchical RB
     grids and reduced wire precision, whose cluster, hierarchy and precision the sharding type names (TorchRec's
     table-wise at fp16 / bf16 too, its table-row-wise at fp16, and its table-wise at fp8 with its row width)."""
-    spec = ModelSpec(
-        "rt2",
-        4096,
-        (
-            TableSpec("ub", 1000, 64, 1.0),
-            TableSpec("hier", 1000, 64, 1.0),
-            TableSpec("fp16_table", 1000, 64, 1.0),
-            TableSpec("fp8_table", 1000, 64, 1.0),
-            TableSpec("twrw_fp16", 1000, 64, 1.0),
-            TableSpec("tw_fp8", 1000, 64, 1.0),
-        ),
-    )
+    names = ("ub", "hier", "fp16_table", "fp8_table", "twrw_fp16", "tw_fp8")
+    spec = ModelSpec("rt2", 4096, tuple(TableSpec(n, 1000, 64, 1.0) for n in names))
     plan = Plan(
         W,
         L,

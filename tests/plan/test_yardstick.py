@@ -17,7 +17,8 @@ from embark_torchrec.plan.constraints import TableConstraints
 from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec
-from embark_torchrec.plan.topology import PRESETS, Topology
+from embark_torchrec.plan.topology import Topology
+from tests.support.specs import with_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 EVALUATIONS = 600
@@ -42,7 +43,7 @@ def _case() -> CostModel:
         *(TableSpec(f"tiny{i}", 50 + 40 * i, 16, 1.0 + i % 3) for i in range(6)),
     )
     spec = ModelSpec("yardstick-test", 4096, tables, IdDistribution("zipf", 1.1))
-    hardware = PRESETS["dgx-h100"].with_overrides(hbm_gb=2.0, hbm_reserve_gb=0.0)
+    hardware = with_memory(2.0)
     return CostModel(spec, Topology(4, 2, hardware))
 
 

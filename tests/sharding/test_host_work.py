@@ -35,6 +35,7 @@ from embark_torchrec.sharding.codecs import wire_codecs
 from embark_torchrec.testing import run_ranks
 from embark_torchrec.testing.host_work import COLLECTIVES, HostWorkCounter
 from embark_torchrec.testing.training import sharded_model
+from tests.support import toy
 from tests.support.host_work import second_step_work, show
 
 WS, LWS, BATCH = 4, 2, 4
@@ -103,10 +104,7 @@ def _count_steps() -> dict[str, dict[str, Any]]:
     """On each rank: {"<type>:<precision>:<tables>": HostWorkCounter summary of the second training step}."""
     result = {}
     for n in TABLE_COUNTS:
-        tables = [
-            EmbeddingBagConfig(name=f"t{i}", num_embeddings=ROWS, embedding_dim=DIM, feature_names=[f"f{i}"])
-            for i in range(n)
-        ]
+        tables = toy.equal_tables(EmbeddingBagConfig, n, ROWS, DIM)
         for case in [BASELINE, *OUR_CASES, *TORCHREC_BELOW_FP32, *(c + QCOMMS for c in TORCHREC_BELOW_FP32)]:
             kind, precision, *qcomms = case.split(":")
             plan_precision, registry_of = TORCHREC_BELOW_FP32.get(f"{kind}:{precision}", (None, None))

@@ -33,6 +33,7 @@ from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec
 from embark_torchrec.plan.topology import PRESETS, Topology
 from embark_torchrec.testing import global_kjt_batch, run_ranks
 from embark_torchrec.testing.training import sharded_model
+from tests.support import toy
 
 WS, LWS, BATCH = 4, 2, 4
 ROWS, DIM = 40, 8
@@ -47,10 +48,8 @@ LAYOUTS: dict[str, tuple[TableLayout, TableLayout]] = {
     "embark_ub": (TableLayout.table_wise(ROWS, DIM, 0, "ub"), TableLayout("ub", (0, 25, 40), (0, DIM), ((1,), (3,)))),
     "data_parallel": (TableLayout.data_parallel(),) * 2,
 }
-TABLES = [
-    EmbeddingBagConfig(name=f"t{i}", num_embeddings=ROWS, embedding_dim=DIM, feature_names=[f"f{i}"]) for i in range(2)
-]
-MIXED_TABLES = TABLES + [EmbeddingBagConfig(name="t2", num_embeddings=ROWS, embedding_dim=DIM, feature_names=["f2"])]
+TABLES = toy.equal_tables(EmbeddingBagConfig, 2, ROWS, DIM)
+MIXED_TABLES = toy.equal_tables(EmbeddingBagConfig, 3, ROWS, DIM)
 MIXED_LAYOUTS = {"t0": LAYOUTS["table_wise"][0], "t1": LAYOUTS["embark_ub"][1], "t2": LAYOUTS["embark_rb_hier"][0]}
 
 

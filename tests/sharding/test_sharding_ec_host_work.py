@@ -17,6 +17,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from embark_torchrec.plan.layout import TableLayout
 from embark_torchrec.testing import run_ranks
 from embark_torchrec.testing.sequence import sharded_sequence_model
+from tests.support import toy
 from tests.support.host_work import second_step_work, show
 
 pytestmark = pytest.mark.torchrec_version
@@ -49,10 +50,7 @@ def _count_steps() -> dict[str, dict[str, Any]]:
     """On each rank: {"<type>:<tables>": HostWorkCounter summary of the second training step}."""
     result = {}
     for n in TABLE_COUNTS:
-        tables = [
-            EmbeddingConfig(name=f"t{i}", num_embeddings=ROWS, embedding_dim=DIM, feature_names=[f"f{i}"])
-            for i in range(n)
-        ]
+        tables = toy.equal_tables(EmbeddingConfig, n, ROWS, DIM)
         for kind in (BASELINE, *OURS):
             model = sharded_sequence_model(tables, {t.name: _layout(kind, i) for i, t in enumerate(tables)}, WS)
             result[f"{kind}:{n}"] = second_step_work(model, tables, WS, BATCH, _step)

@@ -8,14 +8,16 @@ mapping of table name to Table.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch.distributed as dist
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
 
 from embark_torchrec.plan.layout import TableLayout
 from embark_torchrec.testing.training import compare_sharded_training
+
+Config = TypeVar("Config", bound=BaseEmbeddingConfig)
 
 
 class Table(NamedTuple):
@@ -54,6 +56,11 @@ def unique(ws: int) -> TableLayout:
 def row_wise(rows: int, dim: int, ws: int) -> TableLayout:
     """TorchRec's row-wise: one ceil block of rows on every rank."""
     return TableLayout("rb", ceil_rows(rows, ws), (0, dim), tuple((k,) for k in range(ws)))
+
+
+def equal_tables(config: type[Config], n: int, rows: int, dim: int) -> list[Config]:
+    """n tables t0, t1, ... of rows x dim, table t<i> read by feature f<i> alone."""
+    return [config(name=f"t{i}", num_embeddings=rows, embedding_dim=dim, feature_names=[f"f{i}"]) for i in range(n)]
 
 
 def ebc_tables(
