@@ -39,7 +39,7 @@ from embark_torchrec.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from embark_torchrec.testing.checkpoints import HOSTILE_MANIFESTS, leave_rename_window
+from tests.support.checkpoints import HOSTILE_MANIFESTS, leave_rename_window
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "dlrm" / "train.py"

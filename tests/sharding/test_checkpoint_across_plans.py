@@ -16,7 +16,7 @@ What is compared, bit for bit in fp32: every element of every table's weights; t
 every model-parallel table (EXACT_ADAGRAD's per-element momentum1, reshardable with the weights); and the dense
 optimizer's state of the data-parallel table (torch Adagrad's sum and step), which lives in the dense optimizer,
 not in DMP's fused one. A trainer saves {"model": model.state_dict(), "fused": model.fused_optimizer's state,
-"dense": its dense KeyedOptimizer's state} (testing/checkpoints.py: training_state). The DP table stays data-parallel
+"dense": its dense KeyedOptimizer's state} (support/checkpoints.py: training_state). The DP table stays data-parallel
 in every plan here: moving a table between data-parallel and model-parallel would move its optimizer state between
 the two optimizers under different names, which torchrec does not map (out of scope). Loading follows torchrec's
 documented path: dcp.load into the target's live state dicts, then model.load_state_dict and both optimizers'
@@ -36,7 +36,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from embark_torchrec.plan.layout import TableLayout
 from embark_torchrec.testing import run_ranks
-from embark_torchrec.testing.checkpoints import (
+from tests.support.checkpoints import (
     compare_with_full,
     dense_optimizer,
     embark_sharding_plan,

@@ -4,7 +4,7 @@ Each save gets a manifest (size and SHA-256 of every file) and becomes visible a
 takes the newest step whose files match it. The damages: 4 KiB of a data file flipped in place (same size), a
 truncated data file, a deleted data or metadata file, no manifest, a garbled manifest, an extra file, a folder renamed
 to another step, a stray step_abc folder, a save that stopped after DCP wrote its files; then what resume must always
-fall back from: a manifest of any content (testing/checkpoints.py's HOSTILE_MANIFESTS: nesting deeper than the JSON
+fall back from: a manifest of any content (support/checkpoints.py's HOSTILE_MANIFESTS: nesting deeper than the JSON
 parser's stack, 5,000-digit numbers, JSON that is not a table, wrong types, binary junk, too large, a link, a FIFO,
 names outside the folder), a step of another model that verifies but DCP cannot load, an exception of any class from
 DCP, a load that fails after writing part of the state, and a re-save that stopped between its two renames. In each
@@ -48,7 +48,7 @@ from embark_torchrec import (
     verify_checkpoint,
 )
 from embark_torchrec.testing import run_ranks
-from embark_torchrec.testing.checkpoints import HOSTILE_MANIFESTS, leave_rename_window, stopped_between_renames
+from tests.support.checkpoints import HOSTILE_MANIFESTS, leave_rename_window, stopped_between_renames
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = (4, 8, 12)

@@ -33,7 +33,7 @@ from embark_torchrec.plan.planner import EmbarkPlanner
 from embark_torchrec.plan.spec import IdDistribution
 from embark_torchrec.plan.topology import PRESETS, Hardware, Topology
 from embark_torchrec.testing import run_ranks
-from embark_torchrec.testing.checkpoints import (
+from tests.support.checkpoints import (
     dense_optimizer,
     gather_full,
     make_sharder,

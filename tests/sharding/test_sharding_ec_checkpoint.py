@@ -26,7 +26,7 @@ from embark_torchrec.plan.layout import TableLayout
 from embark_torchrec.sharding.sharded_ec import EmbarkShardedEmbeddingCollection
 from embark_torchrec.sharding.torchrec_compat import sequence_sharding_types
 from embark_torchrec.testing import global_kjt_batch, run_ranks
-from embark_torchrec.testing.checkpoints import compare_with_full, gather_full
+from tests.support.checkpoints import compare_with_full, gather_full
 from embark_torchrec.testing.sequence import SequenceArch, sharded_sequence_model
 
 pytestmark = pytest.mark.torchrec_version

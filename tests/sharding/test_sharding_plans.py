@@ -24,7 +24,7 @@ from embark_torchrec.sharding.parameter_sharding import module_sharding_plan
 from embark_torchrec.plan.spec import ModelSpec, builtin_model
 from embark_torchrec.sharding.load_plan import load_plan
 from embark_torchrec.testing import fake_world, run_ranks
-from embark_torchrec.testing.scaled import cpu_topology, ebc_tables, scaled_spec
+from tests.support.scaled import cpu_topology, ebc_tables, scaled_spec
 from embark_torchrec.testing.training import compare_sharded_training
 
 pytestmark = pytest.mark.torchrec_version

@@ -38,13 +38,13 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.optim.keyed import KeyedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from .. import checkpoint
-from ..plan.layout import Plan, TableLayout
-from ..sharding.parameter_sharding import module_sharding_plan
-from ..plan.spec import ModelSpec
-from ..sharding.sharder import EmbarkEmbeddingBagCollectionSharder
-from .batches import global_kjt_batch
-from .training import ADAGRAD_EPS, OPTIMIZERS, SparseArch
+from embark_torchrec import checkpoint
+from embark_torchrec.plan.layout import Plan, TableLayout
+from embark_torchrec.sharding.parameter_sharding import module_sharding_plan
+from embark_torchrec.plan.spec import ModelSpec
+from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
+from embark_torchrec.testing.batches import global_kjt_batch
+from embark_torchrec.testing.training import ADAGRAD_EPS, OPTIMIZERS, SparseArch
 
 __all__ = [
     "HOSTILE_MANIFESTS",
