@@ -37,8 +37,8 @@ from embark_torchrec.plan.planner import EmbarkPlanner
 from embark_torchrec.plan.spec import ModelSpec, TableSpec
 from embark_torchrec.plan.topology import PRESETS, Hardware, Topology
 from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
+from tests.support.processes import ROOT, checkout_env
 
-ROOT = Path(__file__).resolve().parents[2]
 MEASURED = {"collective_us", "intra_node_bw_gbps", "inter_node_bw_gbps", "hbm_bw_gbps", "lookup_ns_per_id"}
 MEASURED |= {"unique_ns_per_id", "dp_ns_per_element", "update_ns_per_row", "inter_node_paired_ratio"}
 SPEC = ModelSpec(
@@ -54,7 +54,7 @@ def calibrated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("calibrate") / "hardware.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4"]
     cmd += ["-m", "embark_torchrec.calibrate", "--quick", "--local-world-size", "2", "--out", str(out)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = checkout_env()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, proc.stdout

@@ -29,8 +29,8 @@ from embark_torchrec import cluster
 from embark_torchrec.plan.cost import CostModel
 from embark_torchrec.plan.spec import ModelSpec, TableSpec
 from embark_torchrec.plan.topology import Topology
+from tests.support.processes import ROOT, checkout_env
 
-ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "dlrm" / "train.py"
 PLANS = ROOT / "tests" / "plans"
 NODES, RANKS = 2, 2
@@ -325,7 +325,7 @@ def test_the_agent_exits_with_its_worst_ranks_code(tmp_path: Path) -> None:
     script = tmp_path / "fail.py"
     script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
     cmd = [sys.executable, "-m", "embark_torchrec.cluster_agent", "--standalone", "--nproc-per-node", "2", str(script)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = checkout_env()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "exitcode  : 3" in proc.stderr, proc.stderr[-3000:]

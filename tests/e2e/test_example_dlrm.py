@@ -7,10 +7,8 @@ and a plan file, then a resumed run without the pipeline. The generator's tests 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,8 +19,8 @@ from torchmetrics.functional.classification import binary_auroc
 from embark_torchrec.checkpoint import OWNER_NAME
 from embark_torchrec.plan.layout import Plan
 from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec
+from tests.support.processes import ROOT, checkout_env
 
-ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples" / "dlrm"))
 from dlrm_data import LABEL_FEATURES, SyntheticData  # noqa: E402 (the example's own data module; needs the path above)
 
@@ -50,7 +48,7 @@ SPEC = ModelSpec(
 
 def _torchrun(*flags: str, timeout_s: float = 180.0) -> tuple[dict[str, Any], str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(TRAIN), *flags]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = checkout_env()
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=ROOT)
     out = proc.stdout.replace("\r", "\n")
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]

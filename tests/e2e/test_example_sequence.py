@@ -5,13 +5,12 @@ the Zipf history."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.processes import ROOT, checkout_env
+
 TRAIN = ROOT / "examples" / "sequence" / "train.py"
 RESULT_KEYS = {
     "planner", "history_layout", "history_sharding", "world_size", "local_world_size", "batch_size", "steps",
@@ -22,7 +21,7 @@ RESULT_KEYS = {
 
 def _torchrun(*flags: str, timeout_s: float = 120.0) -> tuple[dict[str, Any], str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(TRAIN), *flags]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = checkout_env()
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

@@ -5,16 +5,14 @@ presets)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.processes import ROOT, checkout_env
 
 
 def test_gpu_check_passes_every_check_on_cpu() -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = checkout_env()
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run-cpu"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT, check=False)
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""

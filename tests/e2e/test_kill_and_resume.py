@@ -40,8 +40,8 @@ from embark_torchrec.checkpoint import (
     verify_checkpoint,
 )
 from tests.support.checkpoints import HOSTILE_MANIFESTS, leave_rename_window
+from tests.support.processes import ROOT, checkout_env
 
-ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "dlrm" / "train.py"
 STEPS, EVERY = 12, 4
 KILL_AFTER = 2 * EVERY + 1  # killed after this step is logged: the last checkpoint is at 2K
@@ -56,11 +56,7 @@ def _command(*extra: str, nproc: int = 2, torchrun: tuple[str, ...] = ()) -> lis
 
 
 def _env() -> dict[str, str]:
-    return {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-    }
+    return checkout_env(OMP_NUM_THREADS="1")
 
 
 def _losses(out: str) -> dict[int, str]:

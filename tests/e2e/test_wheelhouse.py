@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.processes import ROOT, checkout_env
+
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import wheelhouse  # noqa: E402
@@ -159,8 +160,7 @@ def test_gpu_check_offline_joins_the_parts_installs_and_checks(tmp_path: Path) -
     parts.mkdir()
     subprocess.run(f"tar -C {house.parent} -cf - {house.name} | split -b 2k - {parts}/wh.tar.", shell=True, check=True)
     assert len(list(parts.iterdir())) > 3
-    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path)}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = checkout_env(PYTHON=sys.executable, OUT=str(tmp_path))
     proc = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_check_offline.sh"), str(parts), "--dry-run-cpu", "--parts", "d"],
         capture_output=True,

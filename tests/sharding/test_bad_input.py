@@ -15,7 +15,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,6 +28,7 @@ from embark_torchrec.plan.spec import ModelSpec, SpecError
 from embark_torchrec.sharding.load_plan import load_plan
 from embark_torchrec.testing import copy_global_weights, run_ranks
 from embark_torchrec.testing.training import SparseArch, sharded_model
+from tests.support.processes import checkout_env
 
 TABLES = [
     EmbeddingBagConfig(name="tw", num_embeddings=20, embedding_dim=8, feature_names=["t"]),
@@ -227,17 +227,13 @@ def _run_pair(tmp_path: Any, source: str) -> tuple[list[int], list[str], float]:
         port = s.getsockname()[1]
     script = tmp_path / "ranks.py"
     script.write_text(source)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]),
-    }
     procs = [
         subprocess.Popen(
             [sys.executable, str(script), str(r), str(port), os.path.dirname(__file__)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=env,
+            env=checkout_env(),
         )
         for r in range(2)
     ]
