@@ -1,8 +1,8 @@
 """The suite's layers and the fixtures more than one test file uses.
 
 Each test is marked with its layer, the folder it lives in, so that `make test` can run the quick planning layer
-first (`pytest -m plan`) and everything else after it (`-m "not plan"`). A test outside the layers' folders is a
-collection error: it would belong to no layer.
+first (tests/plan) and everything else after it (`-m "not plan"`); `-m sharding`, `-m e2e` ... select a layer
+anywhere. A test outside the layers' folders is a collection error: it would belong to no layer.
 """
 
 from __future__ import annotations

@@ -1,1 +1,1 @@
-"""Planning in one process: specs, plan files, the cost model, the search, EmbarkPlanner; no gloo ranks."""
+"""Planning: specs, plan files, the CLI, the cost model, the search, EmbarkPlanner; no gloo ranks, no torchrun."""
