@@ -1,6 +1,6 @@
 """DDP's all-reduce precision reaches DMP as a plan says, for the dense part and the data-parallel tables:
 sharding.data_parallel.data_parallel_wrapper (the bytes it sends are checked against the kernel's link counters in
-tests/test_cluster.py)."""
+tests/e2e/test_cluster.py)."""
 
 from __future__ import annotations
 

@@ -5,9 +5,9 @@ Two spawns of 4 gloo ranks (2 nodes x 2) each plan the same model with collectiv
 steps (fused and dense Adagrad, Zipf IDs) under the plan they got; a third run, a fresh interpreter with another
 string-hash seed, plans it on 4 threaded ranks. The model has twin tables (equal cost, so tie-breaking matters) and
 the planner's memory cap is small and `big` may only be a grid, so the plan holds a grid, unique-based row splits,
-a data-parallel table and a table-wise one. (tests/test_planner.py checks plans per threaded rank as dicts, and
-tests/test_plan_search.py checks plan_model across hash seeds; here it is the text of the torchrec ShardingPlan and
-the plan file that DMP and users see, over real processes, plus training.)
+a data-parallel table and a table-wise one. (tests/plan/test_planner.py checks plans per threaded rank as dicts,
+and tests/plan/test_plan_search.py checks plan_model across hash seeds; here it is the text of the torchrec
+ShardingPlan and the plan file that DMP and users see, over real processes, plus training.)
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ The seeds are fixed (SALT), so the test is deterministic; SALT was picked so tha
 a split table at every world size, a hierarchical row split, DP, UB and torchrec's own column- and table-wise types,
 which test_random_cases_cover_every_kind checks: if a change to the planner loses that coverage, pick another SALT.
 (TorchRec's row-wise type sends int64 IDs where our grid sends int32 ones, so the planner now reduces row splits
-hierarchically on our sharding instead; tests/test_sharding_grid.py trains torchrec's row-wise layouts.)
+hierarchically on our sharding instead; test_sharding_grid.py trains torchrec's row-wise layouts.)
 
 A wider sweep (45-60 cases per world size, outside the suite) found one bug: when the planner gave a rank several
 cells of one table with different column widths, DMP construction failed (torchrec's per-table parameter views

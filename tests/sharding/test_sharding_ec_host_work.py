@@ -1,5 +1,5 @@
 """Host work of a sequence (EmbeddingCollection) training step under our grid and UB shardings: no blocking
-collectives, and host work that does not grow with the number of tables, as tests/test_host_work.py requires of bags.
+collectives, and host work that does not grow with the number of tables, as test_host_work.py requires of bags.
 
 One 2-rank spawn trains our EC types and TorchRec's EC table-wise at 4 and at 16 tables (sequences of 0-4 IDs) and
 counts the second step with HostWorkCounter (the first builds the lazily created dists).
