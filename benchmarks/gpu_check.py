@@ -329,15 +329,9 @@ def _mirror_collectives() -> Iterator[None]:
     import torch
     import torch.distributed as dist
 
-    names = (
-        "all_to_all_single",
-        "all_to_all",
-        "all_gather",
-        "all_gather_into_tensor",
-        "reduce_scatter_tensor",
-        "reduce_scatter",
-    )
-    originals = {name: getattr(dist, name) for name in names}
+    from embark_torchrec.testing.host_work import EXCHANGE_COLLECTIVES
+
+    originals = {name: getattr(dist, name) for name in EXCHANGE_COLLECTIVES}
 
     def me_n(group: Any) -> tuple[int, int]:
         return dist.get_rank(group), dist.get_world_size(group)
