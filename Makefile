@@ -48,10 +48,13 @@ build-venv-torchrec%:
 
 venv: $(VENV)/.stamp
 
+# The planning layer first (tests/plan: no gloo ranks, no torchrun), so that its failures show before the long rest;
+# the layers are markers that tests/conftest.py sets by folder.
 test: $(VENV)/.stamp
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -m "not slow" tests/plan
+	$(PY) -m pytest -q -m "not plan and not slow" tests
 
 test-slow: $(VENV)/.stamp
 	$(PY) -m pytest -q -m slow tests

@@ -33,7 +33,7 @@ from types import FrameType
 from typing import Any
 
 from embark_torchrec.cluster import ClusterError, ClusterSpec, preflight
-from embark_torchrec.plan.spec import ModelSpec
+from embark_torchrec.plan.model.spec import ModelSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embark_torchrec.plan.layout import TableLayout, WirePrecision
+from embark_torchrec.plan.layout.tables import TableLayout, WirePrecision
 from embark_torchrec.sharding.comm_stats import enable_comm_stats
 from embark_torchrec.testing import run_ranks
 from embark_torchrec.testing.training import sharded_model

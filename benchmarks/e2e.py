@@ -38,10 +38,10 @@ from typing import Any
 
 import numpy as np
 
-from embark_torchrec.plan.cost import CostModel
-from embark_torchrec.plan.layout import Plan
-from embark_torchrec.plan.spec import ModelSpec
-from embark_torchrec.plan.topology import Topology, hardware_preset
+from embark_torchrec.plan.cost.model import CostModel
+from embark_torchrec.plan.layout.tables import Plan
+from embark_torchrec.plan.model.spec import ModelSpec
+from embark_torchrec.plan.model.topology import Topology, hardware_preset
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "examples" / "dlrm" / "train.py"

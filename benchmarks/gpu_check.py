@@ -119,7 +119,7 @@ def _arch(tables: list[Any], device: Any) -> Any:
 def _our_layouts(kind: str, precision: str, world_size: int) -> dict[str, Any]:
     """Two tables in one of our sharding types; at world size 1 every cell is on rank 0, at 4 they spread over
     both nodes (rank 0 always holds some)."""
-    from embark_torchrec.plan.layout import TableLayout, WirePrecision
+    from embark_torchrec.plan.layout.tables import TableLayout, WirePrecision
 
     p = WirePrecision(precision, precision)
     one = world_size == 1
@@ -149,10 +149,10 @@ def _module_plan(kind: str, module: Any, sharder: Any, world_size: int, local_wo
     every shard placed on device index 0 (one GPU plays every rank)."""
     from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
 
-    from embark_torchrec.plan.groups import sharding_type
-    from embark_torchrec.plan.layout import Plan
-    from embark_torchrec.sharding.parameter_sharding import module_sharding_plan
-    from embark_torchrec.plan.spec import ModelSpec
+    from embark_torchrec.plan.layout.groups import sharding_type
+    from embark_torchrec.plan.layout.tables import Plan
+    from embark_torchrec.planner.parameter_sharding import module_sharding_plan
+    from embark_torchrec.plan.model.spec import ModelSpec
 
     base, _, precision = kind.partition(":")
     precision = _plan_precision(precision)
@@ -329,15 +329,9 @@ def _mirror_collectives() -> Iterator[None]:
     import torch
     import torch.distributed as dist
 
-    names = (
-        "all_to_all_single",
-        "all_to_all",
-        "all_gather",
-        "all_gather_into_tensor",
-        "reduce_scatter_tensor",
-        "reduce_scatter",
-    )
-    originals = {name: getattr(dist, name) for name in names}
+    from embark_torchrec.testing.host_work import EXCHANGE_COLLECTIVES
+
+    originals = {name: getattr(dist, name) for name in EXCHANGE_COLLECTIVES}
 
     def me_n(group: Any) -> tuple[int, int]:
         return dist.get_rank(group), dist.get_world_size(group)
@@ -470,7 +464,7 @@ def check_lookups(kind: str, device: Any) -> dict[str, Any]:
         quick,
         tbe_step_estimate_ms,
     )
-    from embark_torchrec.plan.topology import PRESETS
+    from embark_torchrec.plan.model.topology import PRESETS
 
     settings = quick(GPU_SETTINGS if device.type == "cuda" else CPU_SETTINGS)
     job = Job(0, 1, 1, device, (socket.gethostname(),))

@@ -47,15 +47,15 @@ from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embark_torchrec.plan.groups import sharding_type
-from embark_torchrec.plan.layout import (
+from embark_torchrec.plan.layout.groups import sharding_type
+from embark_torchrec.plan.layout.tables import (
     TableLayout,
     WirePrecision,
     precision_suffix,
     row_width_suffix,
     sharding_type_name,
 )
-from embark_torchrec.plan.wire import ROW_SCALED_PRECISIONS
+from embark_torchrec.plan.layout.wire import ROW_SCALED_PRECISIONS
 from embark_torchrec.sharding.codecs import wire_codecs
 from embark_torchrec.testing import global_kjt_batch, run_ranks
 from embark_torchrec.testing.host_work import HostWorkCounter

@@ -24,12 +24,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from embark_torchrec.plan.cost import CostModel
-from embark_torchrec.plan.layout import WirePrecision
-from embark_torchrec.plan.plan_model import plan_model
-from embark_torchrec.plan.search import SearchConfig
-from embark_torchrec.plan.spec import ModelSpec, builtin_model, load_model_spec
-from embark_torchrec.plan.topology import PRESETS, Topology
+from embark_torchrec.plan import (
+    PRESETS,
+    CostModel,
+    ModelSpec,
+    SearchConfig,
+    Topology,
+    WirePrecision,
+    builtin_model,
+    load_model_spec,
+    plan_model,
+)
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
 BUILTIN_MODELS = ("dcnv2", "t180", "t200", "t510")

@@ -40,15 +40,15 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Iterable
 
-from embark_torchrec.plan.baselines import table_row_wise_plan
-from embark_torchrec.plan.balance import comm_imbalance
-from embark_torchrec.plan.bound import step_lower_bound
-from embark_torchrec.sharding.torchrec_plans import torchrec_default_plan
-from embark_torchrec.plan.cost import CostModel
-from embark_torchrec.plan.layout import Plan
+from embark_torchrec.plan.search.baselines import table_row_wise_plan
+from embark_torchrec.plan.search.balance import comm_imbalance
+from embark_torchrec.plan.cost.bound import step_lower_bound
+from embark_torchrec.planner.torchrec_plans import torchrec_default_plan
+from embark_torchrec.plan.cost.model import CostModel
+from embark_torchrec.plan.layout.tables import Plan
 from embark_torchrec.plan.plan_model import plan_model
-from embark_torchrec.plan.spec import ModelSpec, builtin_model, load_model_spec
-from embark_torchrec.plan.topology import DEFAULT_HARDWARE, PRESETS, Hardware, Topology
+from embark_torchrec.plan.model.spec import ModelSpec, builtin_model, load_model_spec
+from embark_torchrec.plan.model.topology import DEFAULT_HARDWARE, PRESETS, Hardware, Topology
 from yardstick import Yardstick, YardstickConfig, YardstickResult, plan_differences
 
 BENCHMARKS = Path(__file__).resolve().parent

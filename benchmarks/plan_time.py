@@ -24,12 +24,12 @@ from typing import Iterable
 
 import numpy as np
 
-from embark_torchrec.plan.bound import step_lower_bound
-from embark_torchrec.plan.cost import CostModel
+from embark_torchrec.plan.cost.bound import step_lower_bound
+from embark_torchrec.plan.cost.model import CostModel
 from embark_torchrec.plan.plan_model import PlannedModel, plan_model
 from embark_torchrec.plan.report import ScoredPlan, render
-from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec
-from embark_torchrec.plan.topology import Topology, hardware_preset
+from embark_torchrec.plan.model.spec import IdDistribution, ModelSpec, TableSpec
+from embark_torchrec.plan.model.topology import Topology, hardware_preset
 
 HARDWARE = "dgx-h100"
 LOCAL_WORLD_SIZE = 8

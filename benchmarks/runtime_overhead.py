@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-from embark_torchrec.plan.baselines import table_row_wise_plan
-from embark_torchrec.plan.layout import Plan, TableLayout, sharding_type_name
-from embark_torchrec.sharding.parameter_sharding import module_sharding_plan
-from embark_torchrec.plan.spec import ModelSpec
-from embark_torchrec.plan.topology import Topology, hardware_preset
+from embark_torchrec.plan.search.baselines import table_row_wise_plan
+from embark_torchrec.plan.layout.tables import Plan, TableLayout, sharding_type_name
+from embark_torchrec.planner.parameter_sharding import module_sharding_plan
+from embark_torchrec.plan.model.spec import ModelSpec
+from embark_torchrec.plan.model.topology import Topology, hardware_preset
 from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 from embark_torchrec.testing import global_kjt_batch, run_ranks
 from embark_torchrec.testing.training import SparseArch

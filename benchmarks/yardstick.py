@@ -36,12 +36,13 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from embark_torchrec.plan.balance import comm_imbalance
-from embark_torchrec.plan.bound import allowed_clusters
-from embark_torchrec.plan.constraints import TableConstraints
-from embark_torchrec.plan.cost import CostModel, RankLoad, StepCost
-from embark_torchrec.plan.layout import Plan, PlanError, TableLayout, WirePrecision
-from embark_torchrec.plan.objective import Objective, better, objective
+from embark_torchrec.plan.search.balance import comm_imbalance
+from embark_torchrec.plan.cost.bound import allowed_clusters
+from embark_torchrec.plan.layout.constraints import TableConstraints
+from embark_torchrec.plan.cost.model import CostModel, StepCost
+from embark_torchrec.plan.cost.load import RankLoad
+from embark_torchrec.plan.layout.tables import Plan, PlanError, TableLayout, WirePrecision
+from embark_torchrec.plan.cost.objective import Objective, better, objective
 
 _FREE = TableConstraints()
 ENERGY_WEIGHT = 0.25

@@ -18,14 +18,16 @@ _LAZY = {
     "resume_checkpoint": "embark_torchrec.checkpoint",
     "save_checkpoint": "embark_torchrec.checkpoint",
     "verify_checkpoint": "embark_torchrec.checkpoint",
-    "EmbarkPlanner": "embark_torchrec.plan.planner",
+    "EmbarkPlanner": "embark_torchrec.planner",
     "EmbarkEmbeddingBagCollectionSharder": "embark_torchrec.sharding.sharder",
     "EmbarkEmbeddingCollectionSharder": "embark_torchrec.sharding.sharded_ec",
     "EmbarkManagedCollisionEmbeddingBagCollectionSharder": "embark_torchrec.sharding.managed_collision",
     "EmbarkManagedCollisionEmbeddingCollectionSharder": "embark_torchrec.sharding.managed_collision",
-    "load_plan": "embark_torchrec.sharding.load_plan",
-    "plan_model": "embark_torchrec.plan.plan_model",
-    "simulate_nodes": "embark_torchrec.sharding.nodes",
+    "data_parallel_wrapper": "embark_torchrec.sharding.data_parallel",
+    "enable_comm_stats": "embark_torchrec.sharding.comm_stats",
+    "load_plan": "embark_torchrec.planner",
+    "plan_model": "embark_torchrec.plan",
+    "simulate_nodes": "embark_torchrec.nodes",
 }
 __all__ = sorted(_LAZY)
 

@@ -67,10 +67,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .plan.cluster_kinds import REDUCTION_KIND, UNIQUE_KIND
-from .plan.constants import BACKWARD_COMPUTE_MULTIPLIER, WEIGHT_BYTES
-from .plan.hardware_file import FORMAT, VERSION, HardwareError, hardware_to_dict, resolve_hardware, save_hardware
-from .plan.topology import Hardware
+from .plan.layout.kinds import REDUCTION_KIND, UNIQUE_KIND
+from .plan.model.constants import BACKWARD_COMPUTE_MULTIPLIER, WEIGHT_BYTES
+from .plan.model.hardware_file import FORMAT, VERSION, HardwareError, hardware_to_dict, resolve_hardware, save_hardware
+from .plan.model.topology import Hardware
 
 OPTIMIZERS = ("exact_rowwise_adagrad", "exact_adagrad", "exact_sgd")  # fbgemm's EmbOptimType values by name
 NARROW, WIDE, FEW, MANY = 8, 128, 5, 20  # TBE widths and poolings
@@ -484,10 +484,10 @@ def tbe_step_estimate_ms(hardware: Hardware, s: Settings) -> float:
     """The cost model's lookups of the TBE step tbe_step_ms times (a table of lookup_rows rows of width WIDE, whole
     on the one rank of world size 1, lookup_batch bags of MANY IDs), on `hardware`: what a preset's lookup figures
     predict for a step that was measured."""
-    from .plan.cost import CostModel
-    from .plan.layout import Plan, TableLayout
-    from .plan.spec import ModelSpec, TableSpec
-    from .plan.topology import Topology
+    from .plan.cost.model import CostModel
+    from .plan.layout.tables import Plan, TableLayout
+    from .plan.model.spec import ModelSpec, TableSpec
+    from .plan.model.topology import Topology
 
     table = TableSpec("tbe", rows=s.lookup_rows, dim=WIDE, pooling=float(MANY))
     model = CostModel(ModelSpec("tbe-step", s.lookup_batch, (table,)), Topology(1, 1, hardware))
@@ -565,7 +565,7 @@ def _dedup_times(s: Settings, device: torch.device) -> list[float]:
 
 def _reference_plan(job: Job, s: Settings, cluster: str) -> Any:
     """The reference step's plan: ub_tables one-hot tables, each whole on rank i % world size."""
-    from .plan.layout import Plan, TableLayout
+    from .plan.layout.tables import Plan, TableLayout
 
     world, rows, dim = job.world_size, s.ub_rows, s.ub_dim
     layouts = {f"t{i}": TableLayout(cluster, (0, rows), (0, dim), ((i % world,),)) for i in range(s.ub_tables)}
@@ -575,7 +575,7 @@ def _reference_plan(job: Job, s: Settings, cluster: str) -> Any:
 def _reference_spec(job: Job, s: Settings) -> Any:
     """The reference step's tables: ub_tables one-hot tables (table t<i> read by feature f<i>) whose IDs never
     repeat within a rank's batch, at the job's global batch."""
-    from .plan.spec import ModelSpec, TableSpec
+    from .plan.model.spec import ModelSpec, TableSpec
 
     tables = tuple(
         TableSpec(f"t{i}", rows=s.ub_rows, dim=s.ub_dim, pooling=1.0, feature_names=(f"f{i}",), unique_ratio=1.0)
@@ -587,9 +587,9 @@ def _reference_spec(job: Job, s: Settings) -> Any:
 def _reference_estimate_ms(job: Job, s: Settings, hardware: Hardware) -> tuple[float, int]:
     """The cost model's lookups + communication of the table-wise reference step on `hardware`, and the
     collectives it issues per step (its one sharding group's and its module's split exchange)."""
-    from .plan.cost import CostModel
-    from .plan.groups import module_collectives_per_step
-    from .plan.topology import Topology
+    from .plan.cost.model import CostModel
+    from .plan.layout.groups import module_collectives_per_step
+    from .plan.model.topology import Topology
 
     model = CostModel(_reference_spec(job, s), Topology(job.world_size, job.local_world_size, hardware))
     load = model.rank_load(_reference_plan(job, s, REDUCTION_KIND.name))
@@ -606,7 +606,7 @@ def _ub_round_times(job: Job, s: Settings, optimizer: str) -> tuple[list[float],
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from .sharding.parameter_sharding import module_sharding_plan
+    from .planner.parameter_sharding import module_sharding_plan
     from .sharding.sharder import EmbarkEmbeddingBagCollectionSharder
     from .testing.training import SparseArch
 
@@ -904,8 +904,8 @@ def _check_output(path: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from .plan.planner import default_hardware
-    from .sharding.nodes import simulate_nodes
+    from .planner.planner import default_hardware
+    from .nodes import simulate_nodes
 
     args = parse_args(argv)
     if "RANK" not in os.environ:

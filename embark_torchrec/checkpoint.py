@@ -71,7 +71,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import ReadItem
 
-from .plan.files import FileTooLarge, open_regular, read_regular
+from .plan.model.files import FileTooLarge, open_regular, read_regular
 
 __all__ = [
     "MANIFEST_MAX_BYTES",

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .sharding.nodes import simulate_nodes
+from .nodes import simulate_nodes
 
 __all__ = ["Progress", "World", "exit_after_clean_run", "init_distributed", "mean_over_ranks"]
 

@@ -2,7 +2,10 @@
 
 Plans MODEL (a spec file, or a built-in name: dcnv2, t180, t200, t510), prints the report (or one
 JSON object with --json), writes the plan file with --out, and compares with the baselines named
-by --compare (trw, torchrec), all scored by the same cost model.
+by --compare, all scored by the same cost model.
+
+The baselines are main's parameter: here the pure ones (trw); `python -m embark_torchrec.planner` runs the same
+main adding TorchRec's default planner (torchrec), which needs torchrec, so that this command never imports it.
 
 Every user error (bad arguments, a bad spec or hardware file, a number beyond its plannable range, an output
 path that cannot be written, a model that does not fit) is one line on stderr and exit code 2, before any
@@ -18,34 +21,34 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable, NoReturn, Sequence
+from typing import Callable, Mapping, NoReturn, Sequence
 
 
-from .baselines import table_row_wise_plan
-from .bound import step_lower_bound
-from .cost import CostModel
-from .fields import INT64_MAX, integer, number
-from .layout import Plan
+from .search.baselines import table_row_wise_plan
+from .cost.bound import step_lower_bound
+from .cost.model import CostModel
+from .model.fields import INT64_MAX, integer, number
+from .layout.tables import Plan
 from .plan_model import check_finite, plan_model
-from .report import ProgressLine, ScoredPlan, plot_rank_loads, progress_line, render, summary
-from .spec import ModelSpec, SpecError, builtin_model, load_model_spec
-from .hardware_file import HardwareError, resolve_hardware
-from .ranges import MAX_BATCH_SIZE, MAX_HBM_GB, MAX_WORLD_SIZE, planned_world_size_refusal
-from .topology import DEFAULT_HARDWARE, PRESETS, Hardware, Topology
+from .progress import ProgressLine, progress_line
+from .report import ScoredPlan, plot_rank_loads, render, summary
+from .model.spec import ModelSpec, SpecError, builtin_model, load_model_spec
+from .model.hardware_file import HardwareError, resolve_hardware
+from .model.ranges import MAX_BATCH_SIZE, MAX_HBM_GB, MAX_WORLD_SIZE, planned_world_size_refusal
+from .model.topology import DEFAULT_HARDWARE, PRESETS, Hardware, Topology
 
 
 class UsageError(Exception):
     """A user error: main prints it as one line and exits with 2."""
 
 
-def _torchrec_default_plan(spec: ModelSpec, topology: Topology) -> Plan:
-    """TorchRec's own planner's plan: the one comparison that needs torchrec, imported only when asked for."""
-    from ..sharding.torchrec_plans import torchrec_default_plan
+# A baseline: the plan another planner makes for a model on a topology, scored beside ours.
+Baseline = Callable[[ModelSpec, Topology], Plan]
 
-    return torchrec_default_plan(spec, topology)
-
-
-BASELINES = {"trw": table_row_wise_plan, "torchrec": _torchrec_default_plan}
+PROG = "python -m embark_torchrec.plan"
+BASELINES: Mapping[str, Baseline] = {"trw": table_row_wise_plan}
+# baselines that need torchrec, which this command keeps out: the command that has them
+ELSEWHERE = {"torchrec": "python -m embark_torchrec.planner"}
 _SPEC_SUFFIXES = (".json", ".yaml", ".yml")
 
 
@@ -81,8 +84,10 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = _Parser(prog="python -m embark_torchrec.plan", description=__doc__.split("\n\n")[1])
+def parse_args(
+    argv: Sequence[str] | None = None, prog: str = PROG, baselines: Mapping[str, Baseline] = BASELINES
+) -> argparse.Namespace:
+    p = _Parser(prog=prog, description=__doc__.split("\n\n")[1])
     p.add_argument("model", help="model spec file (JSON/YAML) or built-in model name")
     p.add_argument("--world-size", type=_count(MAX_WORLD_SIZE), required=True)
     p.add_argument("--local-world-size", type=_count(MAX_WORLD_SIZE), required=True)
@@ -94,7 +99,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--hbm-gb", type=_measure(MAX_HBM_GB), help="override the preset's memory per GPU")
     p.add_argument("--out", type=Path, help="write the plan file here")
-    p.add_argument("--compare", default="", help="comma-separated baselines: trw, torchrec")
+    p.add_argument("--compare", default="", help=f"comma-separated baselines: {', '.join(baselines)}")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     p.add_argument("--plot", type=Path, help="write a PNG of per-rank load for each plan")
     return p.parse_args(argv)
@@ -141,11 +146,22 @@ def _load_hardware(value: str, hbm_gb: float | None) -> Hardware:
     return hardware.with_overrides(hbm_gb=hbm_gb)
 
 
-def _run(args: argparse.Namespace) -> int:
-    compare = [c for c in args.compare.split(",") if c]
-    unknown = sorted(set(compare) - set(BASELINES))
+def _check_baselines(compare: list[str], baselines: Mapping[str, Baseline]) -> None:
+    """Refuses an unknown baseline, and one this command does not run by the command that does."""
+    for name in compare:
+        if name not in baselines and name in ELSEWHERE:
+            raise UsageError(
+                f"--compare {name}: needs torchrec, which this command does not import; "
+                f"run {ELSEWHERE[name]} with the same arguments"
+            )
+    unknown = sorted(set(compare) - set(baselines))
     if unknown:
-        raise UsageError(f"unknown baselines {unknown}; known: {sorted(BASELINES)}")
+        raise UsageError(f"unknown baselines {unknown}; known: {sorted(baselines)}")
+
+
+def _run(args: argparse.Namespace, baselines: Mapping[str, Baseline]) -> int:
+    compare = [c for c in args.compare.split(",") if c]
+    _check_baselines(compare, baselines)
     too_many = planned_world_size_refusal(args.world_size)
     if too_many is not None:
         raise UsageError(f"--world-size: {too_many}")
@@ -160,7 +176,7 @@ def _run(args: argparse.Namespace) -> int:
     topology = Topology(args.world_size, args.local_world_size, hardware)
     line = progress_line(None, f"planning {spec.name}")  # one line for every stage, on a terminal
     try:
-        report = _plan_and_report(args, spec, topology, compare, line)
+        report = _plan_and_report(args, spec, topology, [(name, baselines[name]) for name in compare], line)
     finally:
         if line is not None:
             line.close()
@@ -169,19 +185,23 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _plan_and_report(
-    args: argparse.Namespace, spec: ModelSpec, topology: Topology, compare: list[str], line: ProgressLine | None
+    args: argparse.Namespace,
+    spec: ModelSpec,
+    topology: Topology,
+    compare: Sequence[tuple[str, Baseline]],
+    line: ProgressLine | None,
 ) -> str:
-    """Plans, bounds, compares, writes the files asked for, and returns the report, with `line` (when
-    drawn) showing each stage."""
+    """Plans, bounds, compares with the (name, baseline) pairs in `compare`, writes the files asked for, and returns
+    the report, with `line` (when drawn) showing each stage."""
     planned = plan_model(spec, topology, progress=line or False)
     cost = CostModel(spec, topology)
     plan = planned.plan.with_kinds(spec)  # the plan file says which tables are sequence tables
     plans = [ScoredPlan("embark", plan, planned.cost, planned.seconds, step_lower_bound(cost, progress=line))]
-    for name in compare:
+    for name, planner in compare:
         if line is not None:
             line(f"baseline {name}", 0, None)
         start = time.perf_counter()
-        baseline = BASELINES[name](spec, topology).with_kinds(spec)
+        baseline = planner(spec, topology).with_kinds(spec)
         plans.append(ScoredPlan(name, baseline, cost.evaluate(baseline), time.perf_counter() - start))
     for scored in plans:
         check_finite(scored.name, scored.cost, scored.bound_ms, "no plan written")
@@ -197,10 +217,11 @@ def _plan_and_report(
     return render(plans, topology, spec.name) + (f"\n\nplan file written to {args.out}" if args.out else "")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """The CLI; returns the exit code: 0, or 2 after one line on stderr for a user error."""
+def main(argv: Sequence[str] | None = None, baselines: Mapping[str, Baseline] = BASELINES, prog: str = PROG) -> int:
+    """The CLI, comparing with `baselines` by name; returns the exit code: 0, or 2 after one line on stderr for a
+    user error."""
     try:
-        return _run(parse_args(argv))
+        return _run(parse_args(argv, prog, baselines), baselines)
     except (UsageError, ValueError) as e:  # ValueError: SpecError, PlanError (FieldErrors), Topology's
         message = e
     except OSError as e:  # writing --out or --plot failed after all

@@ -18,17 +18,18 @@ from typing import Mapping
 
 import numpy as np
 
-from .baselines import table_row_wise_plan
-from .bound import allowed_clusters
-from .clusters import assign_clusters
-from .constraints import TableConstraints
-from .cost import CostModel, OptimizerMemory, StepCost
-from .layout import Plan, PlanError, TableLayout
-from .report import Progress, progress_line
-from .search import GreedySearch, SearchConfig, SearchStats
-from .spec import ModelSpec, TableSpec
-from .topology import Topology
-from .torchrec_fp8 import torchrec_fp8_groups
+from .search.baselines import table_row_wise_plan
+from .cost.bound import allowed_clusters
+from .search.clusters import assign_clusters
+from .layout.constraints import TableConstraints
+from .cost.model import CostModel, OptimizerMemory, StepCost
+from .layout.tables import Plan, PlanError, TableLayout
+from .progress import Progress, progress_line
+from .search.driver import PlanSearch
+from .search.config import SearchConfig, SearchStats
+from .model.spec import ModelSpec, TableSpec
+from .model.topology import Topology
+from .search.torchrec_fp8 import torchrec_fp8_groups
 
 logger = logging.getLogger(__name__)
 EMBARK = "embark"
@@ -181,7 +182,7 @@ def plan_model(
         config = config or SearchConfig()
         cost = CostModel(spec, topology, optimizer)
         clusters = assign_clusters(cost, constraints, config.dp_memory_fraction, report)
-        search = GreedySearch(cost, clusters, constraints, config, report)
+        search = PlanSearch(cost, clusters, constraints, config, report)
         plan = search.run()
         clusters = {name: layout.cluster for name, layout in plan.tables.items()}  # phase 3 may re-cluster
         if report is not None:

@@ -1,6 +1,6 @@
 """The runtime side of each cluster kind: the EmbeddingSharding of ours that runs a sharding group of it inside DMP.
 
-A runtime registers against a plan-side kind's class (plan/cluster_kinds.py), and a subclass of a kind runs on its
+A runtime registers against a plan-side kind's class (plan/layout/kinds.py), and a subclass of a kind runs on its
 base's runtime unless it registers its own: a new kind that only prices differently needs no runtime code. The
 data-parallel kind has none of ours (TorchRec's data-parallel sharding runs it), so asking for it names the kind.
 """
@@ -14,7 +14,7 @@ import torch
 from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
 from torchrec.distributed.types import QuantizedCommCodecs, ShardingEnv
 
-from ..plan.cluster_kinds import ClusterKind, ReductionKind, UniqueKind
+from ..plan.layout.kinds import ClusterKind, ReductionKind, UniqueKind
 from .grid import GridPooledEmbeddingSharding
 from .sequence import GridSequenceEmbeddingSharding, UniqueSequenceEmbeddingSharding
 from .unique import UniquePooledEmbeddingSharding

@@ -15,7 +15,7 @@ and TorchRec's own FP8 codec has no CPU kernel.
 
 A codec of TorchRec's protocol that scales rows of its context's row dim (fbgemm's INT8 row-wise, and its FP8
 row-wise, QCommsConfig's fp8_quantize_dim, on GPUs) gets the message's vectors of each width at once, gathered,
-the context's row dim set to that width, so that each cell's vector has its own scale (as plan/wire.py prices our
+the context's row dim set to that width, so that each cell's vector has its own scale (as plan/layout/wire.py prices our
 fp8): a fixed number of ops per distinct width, whatever the number of cells (the gather and scatter indices are
 built once per message layout). Any other codec (fp16, bf16, a user's element-wise one) takes the whole message
 at once.
@@ -38,8 +38,8 @@ from torchrec.distributed.types import (
     QuantizedCommCodecs,
 )
 
-from ..plan.layout import WirePrecision, split_precision, split_row_width
-from ..plan.wire import FP8_SCALE_BYTES, intra_node_reduction_precision, rows_bytes
+from ..plan.layout.tables import WirePrecision, split_precision, split_row_width
+from ..plan.layout.wire import FP8_SCALE_BYTES, intra_node_reduction_precision, rows_bytes
 
 # A message part: `elems` values laid out as rows of `width`; a width given as a tuple is a row of
 # blocks of those widths (several cells' partial sums side by side), each its own row for row-wise
@@ -204,7 +204,7 @@ def _segments_of(ctx: Optional[SegmentContext], input_len: Optional[int] = None)
 
 class TorchRecCodec(QuantizedCommCodec[Any]):
     """One of TorchRec's fbgemm codecs (fp16 / bf16), labelled with its wire precision for the byte
-    counters (plan/wire.py prices it)."""
+    counters (plan/layout/wire.py prices it)."""
 
     def __init__(self, precision: str) -> None:
         config = QCommsConfig(

@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 import numpy as np
 import torch
 
-from ..plan.wire import rows_bytes
+from ..plan.layout.wire import rows_bytes
 from .codecs import encoded_size
 
 KINDS = ("metadata", "lengths", "ids", "weights", "embeddings", "gradients")

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.types import ShardedModule, ShardingEnv
 
-from ..plan.layout import ALLREDUCE_PRECISIONS, Plan
+from ..plan.layout.tables import ALLREDUCE_PRECISIONS, Plan
 from .torchrec_compat import data_parallel_lookup_ddps
 
 COMPRESS_HOOKS: dict[str, Callable[..., Any]] = {

@@ -53,9 +53,9 @@ from torchrec.distributed.types import Awaitable, QuantizedCommCodecs, ShardingE
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from ..plan.layout import Shard, grid_from_shards
-from ..plan.topology import Topology
-from ..plan.wire import MAX_SLICE_ROWS
+from ..plan.layout.tables import Shard, grid_from_shards
+from ..plan.model.topology import Topology
+from ..plan.layout.wire import MAX_SLICE_ROWS
 from .codecs import active_codec, intra_node_codecs
 from .collectives import all_to_all
 from .comm_stats import CountsComm, Ledger, group_ranks

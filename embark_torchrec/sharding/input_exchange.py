@@ -17,7 +17,7 @@ exchange. Each rank issued the same one collective for the batch, so a rank that
 Collectives: TorchRec sends one split exchange per sharding with a KJT all-to-all (under TrainPipelineSparseDist, one
 per process group for all pipelined modules); this sends one per module instead. A module whose every table is
 data-parallel had none and gets this one (a few integers per rank, asynchronous): without it a bad batch could not
-reach the other ranks before their DDP all-reduce. Its size per peer is plan/wire.py's split_exchange_bytes; with
+reach the other ranks before their DDP all-reduce. Its size per peer is plan/layout/wire.py's split_exchange_bytes; with
 counting on (comm_stats), each exchange's tensors are counted as "metadata".
 """
 
@@ -34,12 +34,12 @@ from torchrec.distributed.embedding_sharding import KJTListSplitsAwaitable, KJTS
 from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from ..plan.wire import SPLIT_ROWS, split_exchange_ints
+from ..plan.layout.wire import SPLIT_ROWS, split_exchange_ints
 from .comm_stats import CommStats, SplitsExchangeCounter
 from .torchrec_compat import collective_group, input_dist_all_to_all, kjt_splits, kjt_stagger, split_meta_input
 from .validation import OK, InputFault, InputValidator, InvalidInputError, dtype_code, dtype_name, not_a_kjt
 
-_BLOCK = 1 + SPLIT_ROWS  # per sharding: its layout code, then its split rows (plan/wire.py)
+_BLOCK = 1 + SPLIT_ROWS  # per sharding: its layout code, then its split rows (plan/layout/wire.py)
 _NO_KJT = 0  # the layout code of a sharding without a KJT all-to-all (data-parallel), or of a bad rank's blank
 
 

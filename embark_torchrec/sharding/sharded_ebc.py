@@ -17,9 +17,9 @@ from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from ..plan.cluster_kinds import cluster_kind
-from ..plan.groups import torchrec_type
-from ..plan.layout import SHARDING_TYPE_PREFIX, parse_sharding_type
+from ..plan.layout.kinds import cluster_kind
+from ..plan.layout.groups import torchrec_type
+from ..plan.layout.tables import SHARDING_TYPE_PREFIX, parse_sharding_type
 from .cluster_runtimes import cluster_runtime
 from .codecs import builtin_codecs, cluster_codecs
 from .comm_stats import CommStats, CountsComm

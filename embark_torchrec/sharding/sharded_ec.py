@@ -21,8 +21,8 @@ from torchrec.distributed.types import Awaitable, ParameterSharding, QuantizedCo
 from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from ..plan.cluster_kinds import cluster_kind
-from ..plan.layout import SHARDING_TYPE_PREFIX, parse_sharding_type
+from ..plan.layout.kinds import cluster_kind
+from ..plan.layout.tables import SHARDING_TYPE_PREFIX, parse_sharding_type
 from .cluster_runtimes import cluster_runtime
 from .codecs import builtin_codecs, cluster_codecs
 from .comm_stats import CommStats, CountsComm

@@ -39,21 +39,20 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["COLLECTIVES", "HostWorkCounter"]
+__all__ = ["COLLECTIVES", "EXCHANGE_COLLECTIVES", "HostWorkCounter"]
 
-#: The torch.distributed collectives counted; send and recv always block (isend/irecv are their async forms).
-COLLECTIVES = (
+#: The torch.distributed collectives whose output on a rank is made of what its peers send (all-to-all, all-gather,
+#: reduce-scatter): what a fake world must mirror for its dists' metadata to agree (benchmarks/gpu_check.py).
+EXCHANGE_COLLECTIVES = (
     "all_to_all_single",
     "all_to_all",
     "reduce_scatter_tensor",
     "reduce_scatter",
     "all_gather_into_tensor",
     "all_gather",
-    "all_reduce",
-    "broadcast",
-    "send",
-    "recv",
 )
+#: The torch.distributed collectives counted; send and recv always block (isend/irecv are their async forms).
+COLLECTIVES = (*EXCHANGE_COLLECTIVES, "all_reduce", "broadcast", "send", "recv")
 
 #: (file name, function) of the frames that read host-resident metadata tensors (see the module docstring)
 HOST_METADATA_SITES = frozenset(

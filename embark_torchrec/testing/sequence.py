@@ -18,8 +18,8 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
-from ..plan.layout import Plan, TableLayout
-from ..sharding.parameter_sharding import sequence_sharding_plan
+from ..plan.layout.tables import Plan, TableLayout
+from ..planner.parameter_sharding import sequence_sharding_plan
 from ..sharding.sharded_ec import EmbarkEmbeddingCollectionSharder
 from .batches import global_kjt_batch
 from .equality import copy_global_weights

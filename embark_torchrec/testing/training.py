@@ -23,9 +23,9 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, get_embed
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from ..plan.layout import Plan, TableLayout
-from ..sharding.parameter_sharding import module_sharding_plan
-from ..plan.spec import ModelSpec
+from ..plan.layout.tables import Plan, TableLayout
+from ..planner.parameter_sharding import module_sharding_plan
+from ..plan.model.spec import ModelSpec
 from ..sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 from .batches import global_kjt_batch
 from .equality import copy_global_weights

@@ -28,7 +28,7 @@ import torch
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embark_torchrec.plan.spec import ModelSpec
+from embark_torchrec.plan import ModelSpec
 
 __all__ = ["CriteoData", "DataSource", "SyntheticData", "SyntheticFeature"]
 

@@ -50,24 +50,42 @@ from embark_torchrec.jobs import (
     max_over_ranks,
     mean_over_ranks,
 )
-from embark_torchrec import EmbarkEmbeddingBagCollectionSharder, EmbarkPlanner, load_plan
+from embark_torchrec import (
+    EmbarkEmbeddingBagCollectionSharder,
+    EmbarkPlanner,
+    data_parallel_wrapper,
+    enable_comm_stats,
+    load_plan,
+)
 from embark_torchrec import calibrate as calibration
 from embark_torchrec import checkpoint
-from embark_torchrec.plan.baselines import table_row_wise_plan
-from embark_torchrec.plan.cli import UsageError, check_output
-from embark_torchrec.plan.cost import CostModel
-from embark_torchrec.plan.layout import ALLREDUCE_PRECISIONS, PRECISIONS, Plan, WirePrecision
-from embark_torchrec.plan.profile import profile_features
-from embark_torchrec.sharding.data_parallel import data_parallel_wrapper
-from embark_torchrec.plan.report import ScoredPlan, render
-from embark_torchrec.plan.search import SearchConfig
-from embark_torchrec.plan.wire import ELEMENT_BYTES
-from embark_torchrec.plan.spec import IdDistribution, ModelSpec, TableSpec, builtin_model, load_model_spec
-from embark_torchrec.plan.hardware_file import check_document, hardware_sources, resolve_hardware, save_hardware
-from embark_torchrec.plan.topology import Hardware, Topology
-from embark_torchrec.sharding.comm_stats import enable_comm_stats
-from embark_torchrec.sharding.parameter_sharding import module_sharding_plan
-from embark_torchrec.sharding.torchrec_plans import from_sharding_plan, torchrec_constraints, torchrec_topology
+from embark_torchrec.plan import (
+    ALLREDUCE_PRECISIONS,
+    ELEMENT_BYTES,
+    PRECISIONS,
+    CostModel,
+    Hardware,
+    IdDistribution,
+    ModelSpec,
+    Plan,
+    ScoredPlan,
+    SearchConfig,
+    TableSpec,
+    Topology,
+    UsageError,
+    WirePrecision,
+    builtin_model,
+    check_document,
+    check_output,
+    hardware_sources,
+    load_model_spec,
+    profile_features,
+    render,
+    resolve_hardware,
+    save_hardware,
+    table_row_wise_plan,
+)
+from embark_torchrec.planner import from_sharding_plan, module_sharding_plan, torchrec_constraints, torchrec_topology
 
 from dlrm_data import CriteoData, DataSource, SyntheticData  # the example's own data module, next to this file
 

@@ -42,15 +42,23 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from embark_torchrec.jobs import Progress, World, exit_after_clean_run, init_distributed, mean_over_ranks
-from embark_torchrec import EmbarkEmbeddingBagCollectionSharder, EmbarkEmbeddingCollectionSharder, EmbarkPlanner
-from embark_torchrec.plan.constraints import TableConstraints
-from embark_torchrec.plan.layout import TableLayout, sharding_type_name
-from embark_torchrec.plan.torchrec_types import ceil_row_bounds
-from embark_torchrec.plan.profile import profile_features
-from embark_torchrec.plan.spec import ModelSpec
-from embark_torchrec.plan.topology import Topology, hardware_preset
-from embark_torchrec.sharding.comm_stats import enable_comm_stats
-from embark_torchrec.sharding.torchrec_plans import torchrec_topology
+from embark_torchrec import (
+    EmbarkEmbeddingBagCollectionSharder,
+    EmbarkEmbeddingCollectionSharder,
+    EmbarkPlanner,
+    enable_comm_stats,
+)
+from embark_torchrec.plan import (
+    ModelSpec,
+    TableConstraints,
+    TableLayout,
+    Topology,
+    ceil_row_bounds,
+    hardware_preset,
+    profile_features,
+    sharding_type_name,
+)
+from embark_torchrec.planner import torchrec_topology
 
 from sequence_data import HISTORY, PooledFeature, SequenceBatch, SequenceData  # the example's data, next to this file
 

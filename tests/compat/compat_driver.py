@@ -211,7 +211,7 @@ def _example_constraints(plan: str, names: Sequence[str], world_size: int) -> di
     TorchRec's table_wise / column_wise; ub_planned: every table's layout of the hand-built "ub" plan."""
     from torchrec.distributed.planner import ParameterConstraints
 
-    from embark_torchrec.plan.constraints import TableConstraints
+    from embark_torchrec.plan.layout.constraints import TableConstraints
 
     out: dict[str, Any] = {n: ParameterConstraints(min_partition=4) for n in names}
     if plan == "ub_planned":
@@ -236,7 +236,7 @@ def _embark_layouts(plan: str, world_size: int) -> dict[str, Any]:
     of the shared features (feature_0: table_0, table_4; feature_1: table_1, table_5) on our types as well; hier:
     partial sums reduced inside each node first; ub: de-duplicated (unique-based) tables. Elsewhere the shared
     features' tables stay table-wise."""
-    from embark_torchrec.plan.layout import TableLayout as L
+    from embark_torchrec.plan.layout.tables import TableLayout as L
 
     last = world_size - 1  # on the second node at 4 ranks
     shared_tw = {
@@ -305,10 +305,10 @@ def make_plan(case: Case, tables: HarnessTables, model: nn.Module, pg: Any) -> A
     from torchrec.distributed.types import ShardingPlan
 
     from embark_torchrec import EmbarkEmbeddingBagCollectionSharder, EmbarkPlanner
-    from embark_torchrec.plan.layout import Plan
-    from embark_torchrec.plan.spec import ModelSpec
-    from embark_torchrec.plan.topology import PRESETS
-    from embark_torchrec.sharding.parameter_sharding import module_sharding_plan
+    from embark_torchrec.plan.layout.tables import Plan
+    from embark_torchrec.plan.model.spec import ModelSpec
+    from embark_torchrec.plan.model.topology import PRESETS
+    from embark_torchrec.planner.parameter_sharding import module_sharding_plan
 
     world_size, fused = case.world_size, _fused_params(case.optimizer)
     ebcs = {f"sparse.{k}": m for k, m in model.sparse.named_children() if k in ("ebc", "weighted_ebc")}

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from compat_driver import (
+from tests.compat.compat_driver import (
     BUILTIN_TYPES,
     CONSTRAINED,
     EXAMPLE_PLANS,
@@ -303,7 +303,7 @@ def test_plans_have_the_layouts_they_name(world: int, outcomes: Any) -> None:
     the *_shared plans), EmbarkPlanner with dgx-h100's figures (free collectives and de-duplication) plans our types
     at 4 ranks, and the examples' constraint patterns give what they ask: compute_kernels=["dense"] a replicated table,
     grid_shard a grid, cluster "ub" beside table_wise / column_wise a mix of unique-based and TorchRec's types."""
-    from compat_driver import RW_TW_TYPES
+    from tests.compat.compat_driver import RW_TW_TYPES
 
     def types(plan: str) -> dict[str, str]:
         return outcomes(Case(world, plan, "sum", "embark"))[0].plan_types

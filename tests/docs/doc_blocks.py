@@ -6,10 +6,9 @@ Every block carries an HTML comment on the line directly above its opening fence
     <!-- doc: dry-run -->    parsed and checked, not run (several nodes, a GPU, root, a network, minutes)
     <!-- doc: output -->     shown output or a format sketch; only for languages that cannot run
 
-and optionally `timeout=SECONDS`, `ranks=N` (a Python block runs as a torchrun job of N processes; default 1) or
-`needs=MODULE[:NAME]` (a module, or a name in it, that another branch adds: the block is skipped, with that reason,
-only while it is missing, and fails once it exists, so that the marker goes). A block without an annotation, or with
-one the test does not know, is a problem the test reports: nothing in the docs is left out silently.
+and optionally `timeout=SECONDS` (default 60) or `ranks=N` (a Python block runs as a torchrun job of N processes;
+default 1). A block without an annotation, or with one the test does not know, is a problem the test reports:
+nothing in the docs is left out silently.
 """
 
 from __future__ import annotations
@@ -18,9 +17,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.processes import ROOT
+
 KINDS = ("run", "dry-run", "output")
-OPTIONS = ("timeout", "ranks", "needs")
+OPTIONS = ("timeout", "ranks")
 #: fence language -> what the test treats it as
 LANGUAGES = {"python": "python", "py": "python", "bash": "bash", "sh": "bash", "shell": "bash", "console": "console"}
 #: kinds each treated language may take; every other language (json aside) is output only

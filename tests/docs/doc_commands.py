@@ -20,7 +20,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from doc_blocks import ROOT
+from tests.support.processes import ROOT, checkout_env
 
 #: programs whose only check is bash -n of the block: file and folder handling that does nothing planning-specific
 PLAIN = {"cd", "cp", "cat", "echo", "export", "ls", "mkdir", "split", "tar"}
@@ -202,9 +202,7 @@ def check_invocations(invocations: list[list[str]], timeout_s: float) -> list[st
     if not invocations:
         return []
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"argcheck-{os.getpid()}.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    env = checkout_env(OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("argcheck.py")), str(out)],
         input=json.dumps(invocations),

@@ -13,8 +13,6 @@ and the repository files the pages name, must exist.
 from __future__ import annotations
 
 import ast
-import importlib
-import importlib.util
 import json
 import os
 import re
@@ -25,35 +23,17 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from doc_blocks import ROOT, Block, collect, doc_files, parse  # noqa: E402
-from doc_commands import check_invocations, commands, static_problems  # noqa: E402
-
-pytestmark = pytest.mark.docs
+from tests.docs.doc_blocks import ROOT, Block, collect, doc_files, parse
+from tests.docs.doc_commands import check_invocations, commands, static_problems
+from tests.support.processes import checkout_env
 
 BLOCKS, PROBLEMS = collect()
 #: repository folders whose files the pages may name in backticks; each named file must exist
-NAMED_ROOTS = ("benchmarks/", "examples/", "scripts/", "docs/", "tests/")
+NAMED_ROOTS = ("embark_torchrec/", "benchmarks/", "examples/", "scripts/", "docs/", "tests/")
 
 
 def _blocks(kind: str) -> list[Block]:
     return [b for b in BLOCKS if b.kind == kind]
-
-
-def _needs(block: Block) -> None:
-    """Skips a block whose `needs=MODULE[:NAME]` is missing (with the reason); fails once it exists, so that the
-    marker is dropped and the block checked from then on."""
-    needed = block.options.get("needs")
-    if needed is None:
-        return
-    module, _, name = needed.partition(":")
-    present = importlib.util.find_spec(module) is not None and (
-        not name or hasattr(importlib.import_module(module), name)
-    )
-    if present:
-        pytest.fail(f"{block.name}: {needed} exists now: remove needs={needed} from the block's annotation")
-    pytest.skip(f"{block.name} needs {needed}, which this checkout does not have yet")
 
 
 def _free_port() -> int:
@@ -63,9 +43,9 @@ def _free_port() -> int:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    bin_dir = str(Path(sys.executable).parent)
-    return {**env, "PYTHONPATH": str(ROOT), "PATH": f"{bin_dir}:{env.get('PATH', '')}", "OMP_NUM_THREADS": "1", **extra}
+    """The checkout's environment, with the running interpreter's `python` and `torchrun` first on PATH."""
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    return checkout_env(PATH=path, OMP_NUM_THREADS="1", **extra)
 
 
 def _checkout(where: Path) -> None:
@@ -104,7 +84,6 @@ def test_the_collector_refuses_what_it_cannot_place(tmp_path: Path) -> None:
 @pytest.mark.parametrize("block", _blocks("run"), ids=lambda b: b.name)
 def test_run_block(block: Block, tmp_path: Path) -> None:
     """The block runs to exit 0 (a JSON block: reads as the file it shows)."""
-    _needs(block)
     if block.language == "json":
         _read_json_block(block, tmp_path)
         return
@@ -151,7 +130,7 @@ def dry_run_checks() -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
     invocations: list[tuple[str, list[str]]] = []
     for block in _blocks("dry-run"):
-        if block.language == "python" or "needs" in block.options:
+        if block.language == "python":
             continue
         problems, python = static_problems(block.shell(), pins.setdefault(block.name, {}))
         found[block.name] = problems
@@ -166,7 +145,6 @@ def dry_run_checks() -> dict[str, list[str]]:
 @pytest.mark.parametrize("block", _blocks("dry-run"), ids=lambda b: b.name)
 def test_dry_run_block(block: Block, dry_run_checks: dict[str, list[str]], tmp_path: Path) -> None:
     """A shell block's commands exist and accept the flags shown; a Python block compiles and its imports resolve."""
-    _needs(block)
     if block.language == "python":
         _check_python_imports(block, tmp_path)
         return
@@ -202,8 +180,8 @@ def _anchors(page: Path) -> set[str]:
 
 
 def test_links_and_named_files_exist() -> None:
-    """Each relative link (and its #anchor) between the pages resolves, each `benchmarks/...`, `examples/...`,
-    `scripts/...`, `docs/...` or `tests/...` path named exists, and each `test_*.py` named is a test file."""
+    """Each relative link (and its #anchor) between the pages resolves, each path under NAMED_ROOTS named in
+    backticks exists, and each `test_*.py` named is a test file."""
     tests = {p.name for p in (ROOT / "tests").rglob("test_*.py")}
     missing = []
     for page in doc_files():

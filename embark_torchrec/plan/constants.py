@@ -1,6 +1,0 @@
-"""The cost model's fixed figures, pure constants: cost.py and the cluster kinds (cluster_kinds.py) price with them."""
-
-from __future__ import annotations
-
-WEIGHT_BYTES = 4  # an fp32 weight in the table (lookup work, not wire)
-BACKWARD_COMPUTE_MULTIPLIER = 2.0  # backward lookup work / forward's

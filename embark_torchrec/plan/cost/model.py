@@ -1,0 +1,469 @@
+"""The cost model: per-rank lookup work, intra/inter-node bytes, memory, and the step time.
+
+Notation: W ranks in nodes of L, global batch B, b = B / W samples per rank. A table has F features,
+each with `pooling` p IDs per sample; its row slice r holds the fraction m_r of the rows and so
+receives m_r of the lookups and U_r = m_r x u x b x p distinct IDs from each rank per feature, u
+being the table's unique ratio (ModelSpec.expected_unique_ratio). e_fwd / e_bwd: wire bytes per embedding element.
+
+Per table and cluster (bytes are counted at the sender and at the receiver; each cluster kind's class in
+layout/kinds.py computes its terms, traffic.py lists the same traffic message by message from the same kind
+methods, and the runtime's dists send exactly that):
+- RB input dist: every rank sends each cell's holder F x (b p m_r x i + b x 4) bytes (IDs of i
+  bytes: 8 on TorchRec's sharding types, which send the input's int64 IDs, 4 on ours, which send
+  row-local int32 IDs; int32 lengths), once per cell.
+- RB output: every cell sends each other rank F x b x w_c x e_fwd bytes of partial sums.
+  Hierarchical: a cell first sends its sums for destination j to the rank of its node whose local
+  rank is j's (intra-node), which sums the node's cells and sends each column slice once across
+  nodes, each rank to the ranks of its local rank (TorchRec's table-row-wise the same); the intra-node
+  hop at wire.intra_node_reduction_precision of the layout's precision (fp32 for fp8), the cross-node
+  one at the layout's. Backward: the same bytes in the opposite direction at e_bwd.
+- UB: IDs are de-duplicated per destination: F x (U_r x 4 + 4) bytes in to each distinct holder
+  of row slice r (IDs and one int32 count per feature), F x U_r x w_c x e_fwd bytes back from each
+  cell (one vector per distinct ID), and the same back in backward at e_bwd.
+- DP: every rank also updates every row of its copy each step (TorchRec's dense TBE makes a dense
+  gradient, the dense optimizer steps all of it): rows x dim x dp_ns_per_element of host work (measured by
+  python -m embark_torchrec.calibrate; 17 ns on the CPU box, zero in the GPU presets, where it streams
+  through HBM). No forward traffic; the gradient (rows x dim x e_bwd bytes) is all-reduced as NCCL's ring
+  all-reduce runs (its algorithm for large messages; tree and NVLS are not modelled): each rank sends
+  2 (W-1)/W of it to its ring neighbour; with N > 1 nodes, 1/L of that crosses nodes (each ring
+  channel leaves a node through a different GPU's NIC, so the node's L NICs share the inter-node
+  hops) and the rest goes over NVLink. The hops are pipelined, so the all-reduce takes the slower of
+  its NVLink and network times. The dense part's gradients (Hardware.dense_params_mb) alike.
+- Lookup work (bytes through HBM): RB cell: B F p m_r x w_c x 4 bytes forward; UB cell:
+  W F U_r x w_c x 4 on its owner, plus b F p x dim x 4 on every rank to expand the unique vectors
+  back into its samples' bags; DP: b F p x dim x 4. Backward costs BACKWARD_COMPUTE_MULTIPLIER x forward.
+  UB also costs every rank b F p x unique_ns_per_id for its own host work: de-duplication, routing
+  the distinct IDs, the expansion back into bags (measured against table-wise on IDs that never
+  repeat, python -m embark_torchrec.calibrate; zero in the GPU presets, where it runs on the device). Every
+  ID a cell looks up (the same counts, without the width) also costs lookup_ns_per_id: indexing and
+  pooling per ID, whatever its width, which is why a column split is not free on a CPU (zero in the GPU
+  presets). A TBE's backward and its fused optimizer work per distinct row: each distinct row a cell
+  touches in a step costs update_ns_per_row (zero in the presets, whose lookup_ns_per_id holds it). A
+  cell of row slice r touches min(its rows, m_r x D) rows, D being the table's expected distinct IDs
+  among the whole batch's B x F x p lookups (at most W x one rank's, by its unique ratio): on Zipf IDs
+  over small tables far fewer than its IDs.
+- Sequence tables (one vector per ID, not per bag; sharding/sequence.py): inputs as above; nothing
+  is summed, so an RB cell (r, c) sends each other rank F x b x p x m_r x w_c x e_fwd bytes, one
+  vector of its columns per ID of that rank in row slice r (m_r-weighted: a row split does not
+  reduce), directly (a hierarchical layout runs flat); UB sends what it sends for pooled tables,
+  and its expansion back into sequence order costs what the pooled one's into bags does; DP has no
+  output traffic. An RB sequence table's sender works per ID as UB's does: it routes every ID and
+  gathers each returning vector into its place (b F p x dim x 4 bytes, and b F p x unique_ns_per_id
+  of host work, the same passes over the IDs as UB's de-duplication and expansion), so between RB
+  and UB only the repeats differ: UB looks up, sends and updates each distinct ID once. Their
+  sharding groups are other modules' than the pooled tables' (an EmbeddingCollection's), so they
+  pay their collectives apart (group keys SEQUENCE_GROUP + type).
+- Memory per rank: per row of a cell, w_c x (4 + optimizer bytes per element) + optimizer bytes
+  per row; DP tables in full on every rank.
+
+- Collectives: each sharding group the plan runs (one per distinct sharding-type string, see
+  groups.py) issues a fixed number of collectives per step, each costing collective_us to launch
+  and synchronise, whatever its size (milliseconds on gloo; zero in the GPU presets). A
+  data-parallel group issues one, its own DDP's all-reduce; each sharded module (the pooled
+  tables' EBC, the sequence tables' EC) one split exchange, whatever its groups; the dense part's
+  DDP one more.
+
+Time per rank: lookup_ms = lookup bytes / HBM bandwidth + IDs x lookup_ns_per_id + de-duplication;
+comm_ms = max(sent, received) intra / NVLink bandwidth + max(sent, received) inter / network
+bandwidth; the part of the inter-node bytes a rank exchanges with its local rank's peers only (the
+hierarchical stage 2) runs at inter_node_paired_ratio x that bandwidth instead: one pair of ranks per
+node pair carries it, and on gloo a pair is half duplex (benchmarks/link_sharing.md). Step = max over ranks of lookup_ms
++ max over ranks of comm_ms + collective ms + DP all-reduce ms + dense ms (b / 1000 x
+dense_ms_per_ksample, plus the dense all-reduce) - overlap, the same formulas for every plan. DDP
+all-reduces its buckets (the DP tables' gradients and the dense part's) while the backward computes,
+so the all-reduces hide behind the backward's share of the lookups and the dense compute
+(BACKWARD_COMPUTE_MULTIPLIER / (1 + it) of them), up to their own length: overlap = min(all-reduces,
+that share). They do not hide behind the embedding all-to-alls, which take the same links. When every rank
+shares one host's cores (host_cores > 0: our CPU test box), the lookups take at least the sum over
+ranks / host_cores: there, balancing the ranks does not shorten the step, less total work does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import numpy as np
+
+from ..model.constants import BACKWARD_COMPUTE_MULTIPLIER, WEIGHT_BYTES
+from ..layout.groups import (
+    DENSE_COLLECTIVES,
+    collectives_per_step,
+    id_bytes,
+    module_collectives_per_step,
+    sharding_type,
+)
+from ..layout.tables import Plan, TableLayout
+from ..model.spec import IdDistribution, ModelSpec, TableSpec
+from ..model.topology import Topology
+from ..layout.wire import ELEMENT_BYTES
+from .load import RankLoad
+
+SEQUENCE_GROUP = "sequence/"  # prefixes the sharding groups of sequence tables in RankLoad.groups
+_LOAD_CACHE_SIZE = 16384
+_RATIO_CACHE_SIZE = 1 << 17  # tables' unique ratios kept across cost models
+_SUM_ELEMENTS = 1 << 17  # elements of a stack add_in_order sums: 1 MB, in cache (fastest at 256-1,024 ranks)
+
+
+@dataclass(frozen=True)
+class OptimizerMemory:
+    """Optimizer state held next to each weight; default: torchrec's fused row-wise Adagrad."""
+
+    bytes_per_element: float = 0.0
+    bytes_per_row: float = 4.0
+
+
+_unique_ratios: dict[tuple[TableSpec, int, IdDistribution, int], float] = {}
+
+
+def _unique_ratio(spec: ModelSpec, table: TableSpec, world_size: int) -> float:
+    """spec.expected_unique_ratio, memoised across cost models: a plan's report and lower bound price
+    the model again in cost models of their own, and a Zipf table's expected distinct IDs take a
+    millisecond (a minute at 50,000 tables)."""
+    key = (table, spec.batch_size, spec.id_distribution, world_size)  # what the ratio depends on
+    ratio = _unique_ratios.get(key)
+    if ratio is None:
+        if len(_unique_ratios) >= _RATIO_CACHE_SIZE:
+            _unique_ratios.clear()
+        ratio = _unique_ratios[key] = spec.expected_unique_ratio(table, world_size)
+    return ratio
+
+
+def _to_ms(nbytes: np.ndarray | float, gbps: float) -> np.ndarray | float:
+    return nbytes / (gbps * 1e6)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """The estimated step and its parts, with the per-rank arrays they come from."""
+
+    lookup_ms: float
+    comm_ms: float
+    collective_ms: float
+    dp_allreduce_ms: float
+    dense_ms: float
+    overlap_ms: float  # DDP's all-reduce (DP tables' and the dense part's) run during the backward's compute
+    rank_lookup_ms: np.ndarray = field(repr=False)
+    rank_intra_ms: np.ndarray = field(repr=False)
+    rank_inter_ms: np.ndarray = field(repr=False)
+    rank_memory: np.ndarray = field(repr=False)
+    rank_intra_bytes: np.ndarray = field(repr=False)
+    rank_inter_bytes: np.ndarray = field(repr=False)
+
+    @property
+    def step_ms(self) -> float:
+        serial = self.lookup_ms + self.comm_ms + self.collective_ms + self.dp_allreduce_ms + self.dense_ms
+        return serial - self.overlap_ms
+
+    @property
+    def rank_load_ms(self) -> np.ndarray:
+        """What the search balances: each rank's lookups plus its embedding communication."""
+        return self.rank_lookup_ms + self.rank_intra_ms + self.rank_inter_ms
+
+    def parts(self) -> dict[str, float]:
+        return {
+            "step_ms": self.step_ms,
+            "lookup_ms": self.lookup_ms,
+            "comm_ms": self.comm_ms,
+            "collective_ms": self.collective_ms,
+            "dp_allreduce_ms": self.dp_allreduce_ms,
+            "dense_ms": self.dense_ms,
+            "overlap_ms": self.overlap_ms,
+        }
+
+
+class CostModel:
+    """Scores plans for one model on one topology; see the module docstring for the formulas."""
+
+    def __init__(self, spec: ModelSpec, topology: Topology, optimizer: OptimizerMemory | None = None) -> None:
+        if spec.batch_size % topology.world_size:
+            raise ValueError(f"batch size {spec.batch_size} is not divisible by world size {topology.world_size}")
+        self.spec = spec
+        self.topology = topology
+        self.optimizer = optimizer or OptimizerMemory()
+        self.local_batch = spec.batch_size // topology.world_size
+        self._tables: dict[str, TableSpec] = {t.name: t for t in spec.tables}
+        self.unique_ratios: dict[str, float] = {}
+        self._touched: dict[str, float] = {}  # per table: expected distinct IDs among a step's lookups (rows_touched)
+        self._loads: dict[tuple[tuple, TableLayout], RankLoad] = {}
+        # what a table's cost depends on: tables with equal signatures cost the same in any layout
+        self.signature = {
+            t.name: (t.rows, t.dim, t.pooling, len(t.feature_names), spec.distribution(t), t.unique_ratio, t.kind)
+            for t in spec.tables
+        }
+        w, lws = topology.world_size, topology.local_world_size
+        self._node = np.arange(w) // lws
+        self._local = np.arange(w) % lws
+        self._shifts: dict[int, np.ndarray] = {}
+        self.computed = 0  # per-table loads computed in full (cache misses): work the scale tests count
+
+    # ---- per-table building blocks -------------------------------------------------------
+
+    def table(self, name: str) -> TableSpec:
+        return self._tables[name]
+
+    def row_mass(self, name: str, row_bounds: tuple[int, ...]) -> np.ndarray:
+        """Fraction of the lookups per row slice: its fraction of the rows (IDs are hashed)."""
+        return np.diff(np.asarray(row_bounds, dtype=np.float64)) / self._tables[name].rows
+
+    def row_distinct(self, name: str, row_bounds: tuple[int, ...]) -> np.ndarray:
+        """Expected distinct IDs per row slice among one rank's b x p draws of one feature."""
+        t = self._tables[name]
+        ratio = self.unique_ratios.get(name)
+        if ratio is None:
+            ratio = self.unique_ratios[name] = _unique_ratio(self.spec, t, self.topology.world_size)
+        return ratio * self.local_batch * t.pooling * self.row_mass(name, row_bounds)
+
+    def rows_touched(self, name: str, row_bounds: tuple[int, ...]) -> np.ndarray:
+        """Expected distinct rows of each row slice that a step's lookups touch (all ranks, all features): the
+        rows its backward and fused optimizer update."""
+        t = self._tables[name]
+        distinct = self._touched.get(name)
+        if distinct is None:
+            feats = len(t.feature_names)
+            draws = self.spec.batch_size * t.pooling * feats
+            every_rank = self.topology.world_size * float(self.row_distinct(name, (0, t.rows))[0]) * feats
+            distinct = min(self.spec.distribution(t).expected_distinct(t.rows, draws), every_rank)
+            self._touched[name] = distinct
+        sizes = np.diff(np.asarray(row_bounds, dtype=np.float64))
+        return np.minimum(sizes, distinct * self.row_mass(name, row_bounds))
+
+    def update_ms(self, name: str, row_bounds: tuple[int, ...]) -> np.ndarray:
+        """Per row slice, the ms its holder spends in the backward's and optimizer's per-row work each step."""
+        per_row = self.topology.hardware.update_ns_per_row
+        if not per_row:  # the presets: no term, and no distinct-ID estimate to compute
+            return np.zeros(len(row_bounds) - 1)
+        return self.rows_touched(name, row_bounds) * per_row / 1e6
+
+    def row_memory(self, name: str, width: int) -> float:
+        """Bytes per row of a cell `width` columns wide: weights + optimizer state."""
+        return width * (WEIGHT_BYTES + self.optimizer.bytes_per_element) + self.optimizer.bytes_per_row
+
+    def spread(self, load: RankLoad, to_all: np.ndarray, from_all: np.ndarray) -> None:
+        """Rank k sends to_all[k] bytes to every other rank and receives from_all[k] from each."""
+        lws, w = self.topology.local_world_size, self.topology.world_size
+        for vec, send_i, recv_i, send_x, recv_x in (
+            (to_all, load.send_intra, load.recv_intra, load.send_inter, load.recv_inter),
+            (from_all, load.recv_intra, load.send_intra, load.recv_inter, load.send_inter),
+        ):
+            node_sum = vec.reshape(-1, lws).sum(axis=1)[self._node]
+            send_i += (lws - 1) * vec
+            send_x += (w - lws) * vec
+            recv_i += node_sum - vec
+            recv_x += vec.sum() - node_sum
+
+    def hierarchical_to_all(
+        self, load: RankLoad, column_holders: list[int], intra_bytes: float, cross_bytes: float, reverse: bool
+    ) -> None:
+        """Partial sums of one column slice, held by `column_holders` (one entry per cell), reduced
+        to every rank node first: each cell sends its sums for destination j to the rank of its
+        node with j's local rank (stage 1, intra-node, `intra_bytes` per destination); each node
+        holding the column sends its sums once to every rank on another node (stage 2, `cross_bytes`;
+        the hops' precisions may differ, wire.intra_node_reduction_precision). `reverse`: the
+        gradients, the other way."""
+        lws, nodes = self.topology.local_world_size, self.topology.num_nodes
+        rows = (load.send_intra, load.recv_intra, load.send_inter, load.recv_inter, load.send_paired, load.recv_paired)
+        send_i, recv_i, send_x, recv_x, send_p, recv_p = (
+            (rows[1], rows[0], rows[3], rows[2], rows[5], rows[4]) if reverse else rows
+        )
+        for k in column_holders:
+            n = int(self._node[k])
+            here = slice(n * lws, (n + 1) * lws)
+            send_i[k] += (lws - 1) * nodes * intra_bytes
+            recv_i[here] += nodes * intra_bytes
+            recv_i[k] -= nodes * intra_bytes
+        for n in sorted({int(self._node[k]) for k in column_holders}):
+            for send, recv in ((send_x, recv_x), (send_p, recv_p)):
+                send[n * lws : (n + 1) * lws] += (nodes - 1) * cross_bytes
+                recv[: n * lws] += cross_bytes
+                recv[(n + 1) * lws :] += cross_bytes
+
+    def table_load(self, name: str, layout: TableLayout) -> RankLoad:
+        """What one table adds to each rank (memoised by what the cost depends on, so identical
+        tables share entries: the search prices the same layouts often; callers must not modify
+        the result)."""
+        key = (self.signature[name], layout)
+        cached = self._loads.get(key)
+        if cached is None:
+            if len(self._loads) >= _LOAD_CACHE_SIZE:
+                self._loads.pop(next(iter(self._loads)))
+            cached = self._loads[key] = self._single_cell_load(name, layout) or self._table_load(name, layout)
+        return cached
+
+    def shifted_ranks(self, k: int) -> np.ndarray:
+        """For a one-cell table on rank k: the rank whose load under the same table on rank 0 each
+        rank takes (nodes and local ranks shifted, which keeps the node structure); memoised."""
+        source = self._shifts.get(k)
+        if source is None:
+            lws, nodes = self.topology.local_world_size, self.topology.num_nodes
+            source = self._shifts[k] = ((self._node - k // lws) % nodes) * lws + (self._local - k % lws) % lws
+        return source
+
+    def one_cell_columns(self, base: RankLoad) -> np.ndarray:
+        """The [10, L + 1] columns of a one-cell table's load on rank 0 (`base`) that give its load on any
+        rank (add_in_order): its node's L ranks, and one rank of another node (every rank off the
+        holder's node takes the same load; L columns on one node)."""
+        return base.rows[:, : self.topology.local_world_size + 1]
+
+    def add_in_order(
+        self, rows: np.ndarray, columns: np.ndarray, holders: np.ndarray, full: Mapping[int, np.ndarray]
+    ) -> None:
+        """rows += the loads of n tables, added one table after another in order, to the same bits as
+        adding them one at a time: a one-cell table j on rank holders[j] adds its one_cell_columns
+        columns[j] renumbered by shifted_ranks (its node's ranks shifted, the others one column), any
+        other table (holders[j] < 0) the rows full[j]. A chunk of tables is stacked and summed along
+        the stack's first axis, which numpy adds in order, element by element: no Python per table
+        but for the tables of several cells."""
+        lws, nodes = self.topology.local_world_size, self.topology.num_nodes
+        local = np.arange(lws)
+        chunk = max(1, _SUM_ELEMENTS // rows.size)
+        for start in range(0, len(holders), chunk):
+            ks = holders[start : start + chunk]
+            stack = np.empty((len(ks) + 1,) + rows.shape)
+            stack[0] = rows
+            if nodes > 1:  # every table's off-node column, over every rank (the others' rows replace it)
+                stack[1:] = columns[start : start + len(ks), :, lws : lws + 1]
+            one = np.flatnonzero(ks >= 0)
+            if len(one):
+                cols, at = columns[start + one], ks[one]
+                node_ranks = (at - at % lws)[:, None] + local
+                shifted = (local - (at % lws)[:, None]) % lws
+                stack[(one + 1)[:, None], :, node_ranks] = cols[np.arange(len(one))[:, None], :, shifted]
+            for j in np.flatnonzero(ks < 0).tolist():
+                stack[j + 1] = full[start + j]
+            np.add.reduce(stack, axis=0, out=rows)
+
+    def _single_cell_load(self, name: str, layout: TableLayout) -> RankLoad | None:
+        """A one-cell table on rank k loads the ranks as the same table on rank 0 does, renumbered
+        by shifted_ranks: one gather instead of the whole computation. The search prices thousands
+        of such placements."""
+        if layout.kind.replicated or layout.num_row_slices * layout.num_col_slices != 1 or layout.ranks[0][0] == 0:
+            return None
+        base = self.table_load(name, layout.with_ranks(((0,),)))
+        return RankLoad(base.rows[:, self.shifted_ranks(layout.ranks[0][0])], base.dp_intra, base.dp_inter, base.groups)
+
+    def _table_load(self, name: str, layout: TableLayout) -> RankLoad:
+        """A table's load as its cluster kind prices it (layout/kinds.py), in the sharding group it runs in."""
+        self.computed += 1
+        t = self._tables[name]
+        w = self.topology.world_size
+        load = RankLoad.zeros(w)
+        kind = sharding_type(layout, t.rows, w, self.topology.local_world_size, t.is_sequence)
+        load.groups[SEQUENCE_GROUP + kind if t.is_sequence else kind] = 1
+        layout.kind.add_load(self, name, layout, load, id_bytes(kind))
+        return load
+
+    def cell_ms(self, name: str, layout: TableLayout) -> np.ndarray:
+        """[R, C] estimate of what each cell costs the rank that holds it, for placing cells.
+
+        Its lookups plus the traffic it makes its holder send or receive (IDs in, vectors or
+        partial sums out and their gradients back), priced as if spread over the other ranks like
+        a uniform all-to-all. Only the holder's side depends on placement: every rank receives
+        partial sums from every holder wherever the holders are.
+        """
+        t = self._tables[name]
+        topology = self.topology
+        kind = sharding_type(layout, t.rows, topology.world_size, topology.local_world_size, t.is_sequence)
+        return layout.kind.cell_ms(self, name, layout, id_bytes(kind))
+
+    # ---- whole plans ----------------------------------------------------------------------
+
+    def group_ms(self, kind: str) -> float:
+        """What one sharding group of this sharding type (SEQUENCE_GROUP + type for sequence tables)
+        costs per step in collective launches."""
+        return collectives_per_step(kind.removeprefix(SEQUENCE_GROUP)) * self.topology.collective_us / 1e3
+
+    def collectives_ms(self, groups: Mapping[str, int]) -> float:
+        """What a plan's sharding groups (RankLoad.groups) cost per step in collective launches: each group's
+        own (group_ms) and one split exchange per sharded module holding any (the pooled tables' EBC, the
+        sequence tables' EC)."""
+        kinds = [kind for kind, n in groups.items() if n > 0]
+        sequence = [kind.removeprefix(SEQUENCE_GROUP) for kind in kinds if kind.startswith(SEQUENCE_GROUP)]
+        pooled = [kind for kind in kinds if not kind.startswith(SEQUENCE_GROUP)]
+        count = module_collectives_per_step(pooled) + module_collectives_per_step(sequence)
+        return count * self.topology.collective_us / 1e3
+
+    @property
+    def dense_compute_ms(self) -> float:
+        """The dense part's forward + backward + optimizer on one rank's batch, scaled by the host's share on one
+        shared host."""
+        return self.local_batch / 1000.0 * self.topology.hardware.dense_ms_per_ksample * self.topology.host_share
+
+    def rank_load(self, plan: Plan | Mapping[str, TableLayout]) -> RankLoad:
+        tables = plan.tables if isinstance(plan, Plan) else plan
+        return RankLoad.total((self.table_load(n, layout) for n, layout in tables.items()), self.topology.world_size)
+
+    def rank_times(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Lookup, intra-node and inter-node ms of each column of RankLoad rows ([10, W], or any
+        columns of such arrays stacked): elementwise, so a column costs the same bits here as in
+        the whole array (the search prices single ranks of many tables at once). The paired bytes pay
+        the difference between the paired rate and the all-ranks one on top (none where they are equal,
+        which keeps a hardware file without the paired figure's prices to the bit)."""
+        hw = self.topology.hardware
+        lookup_bytes, send_intra, recv_intra, send_inter, recv_inter, _, host_ms, lookup_ids = rows[:8]  # as _ROWS
+        lookup = _to_ms(lookup_bytes, hw.hbm_bw_gbps) + lookup_ids * hw.lookup_ns_per_id / 1e6 + host_ms
+        intra = _to_ms(np.maximum(send_intra, recv_intra), hw.intra_node_bw_gbps)
+        inter = _to_ms(np.maximum(send_inter, recv_inter), hw.inter_node_bw_gbps)
+        if hw.inter_node_paired_ratio != 1.0:
+            inter = inter + np.maximum(rows[8], rows[9]) * self.paired_premium_ms_per_byte
+        return lookup, intra, inter
+
+    @property
+    def paired_premium_ms_per_byte(self) -> float:
+        """What a paired inter-node byte costs over an all-ranks one (negative where pairs run faster)."""
+        hw = self.topology.hardware
+        return (1.0 / hw.inter_node_paired_ratio - 1.0) / (hw.inter_node_bw_gbps * 1e6)
+
+    def ring_allreduce_bytes(self, nbytes: float) -> tuple[float, float]:
+        """(intra-node, inter-node) bytes one rank sends to all-reduce `nbytes` as NCCL's ring does.
+
+        Every rank sends 2 (W-1)/W x nbytes to its ring neighbour, in channels that each cross every
+        node boundary once; with several nodes, each channel leaves a node through a different GPU's
+        NIC, so a rank sends 1/L of its ring bytes across nodes (N of a channel's W hops, spread over
+        the node's L NICs) and the rest over NVLink. One node: every hop is intra-node."""
+        w, lws = self.topology.world_size, self.topology.local_world_size
+        ring = 2.0 * (w - 1) / w * nbytes
+        inter = ring / lws if self.topology.num_nodes > 1 else 0.0
+        return ring - inter, inter
+
+    def ring_allreduce_ms(self, intra: float, inter: float) -> float:
+        """A ring's hops run at once, pipelined chunk by chunk: its time is its slowest link's."""
+        hw = self.topology.hardware
+        return max(_to_ms(intra, hw.intra_node_bw_gbps), _to_ms(inter, hw.inter_node_bw_gbps))
+
+    def rank_load_ms(self, rows: np.ndarray) -> np.ndarray:
+        """StepCost.rank_load_ms of RankLoad rows (or stacked columns of them), without the rest."""
+        lookup, intra, inter = self.rank_times(rows)
+        return lookup + intra + inter
+
+    def step_cost(self, load: RankLoad, allreduce_precision: str = "fp32") -> StepCost:
+        """The step of a plan's load; `allreduce_precision`: DDP's, at which the dense gradients travel
+        (Plan.allreduce_precision; the data-parallel tables' are priced by their layouts)."""
+        hw = self.topology.hardware
+        lookup, intra, inter = self.rank_times(load.rows)
+        dp = self.ring_allreduce_ms(load.dp_intra, load.dp_inter)
+        dense_bytes = hw.dense_params_mb * 1e6 / WEIGHT_BYTES * ELEMENT_BYTES[allreduce_precision]
+        dense_ar = self.ring_allreduce_ms(*self.ring_allreduce_bytes(dense_bytes))
+        if hw.dense_params_mb > 0:
+            dense_ar += DENSE_COLLECTIVES * self.topology.collective_us / 1e3
+        slowest = float(lookup.max())
+        lookup_ms = max(slowest, float(lookup.sum()) / hw.host_cores) if hw.host_cores else slowest
+        dense_compute = self.dense_compute_ms
+        backward = (lookup_ms + dense_compute) * BACKWARD_COMPUTE_MULTIPLIER / (1.0 + BACKWARD_COMPUTE_MULTIPLIER)
+        return StepCost(
+            lookup_ms=lookup_ms,
+            comm_ms=float((intra + inter).max()),
+            collective_ms=self.collectives_ms(load.groups),
+            dp_allreduce_ms=float(dp),
+            dense_ms=dense_compute + dense_ar,
+            overlap_ms=min(float(dp) + dense_ar, backward),
+            rank_lookup_ms=lookup,
+            rank_intra_ms=intra,
+            rank_inter_ms=inter,
+            rank_memory=load.memory.copy(),
+            rank_intra_bytes=load.send_intra + load.recv_intra,
+            rank_inter_bytes=load.send_inter + load.recv_inter,
+        )
+
+    def evaluate(self, plan: Plan) -> StepCost:
+        return self.step_cost(self.rank_load(plan), plan.allreduce_precision)

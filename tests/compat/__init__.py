@@ -1,0 +1,1 @@
+"""TorchRec compatibility: the internals we read, TorchRec's own harness with our sharder and planner."""

@@ -1,0 +1,1 @@
+"""Commands run as users run them: torchrun and the examples, the emulated cluster, calibration, wheels."""

@@ -1,0 +1,1 @@
+"""Fixtures and helpers several test files share, so that each is written once."""
