@@ -1,0 +1,1 @@
+"""The docs: every code block of README.md and docs/*.md run or dry-run, and their links checked."""
