@@ -4,7 +4,7 @@
 # and fbgemm it is built for, the same way, and runs the tests marked `torchrec_version` there.  The torch wheels
 # PyPI serves for Linux are CUDA builds that pull the nvidia-* wheels (a few GB, cached by pip); they run on the CPU.
 # `make wheelhouse TORCH=2.11 CUDA=13 PYTHON=3.12` downloads what a GPU host without internet needs beside its torch
-# (scripts/wheelhouse.py; README, "Installing on a GPU host without internet").
+# (scripts/wheelhouse.py; docs/install.md, "On a GPU host without internet").
 HOST_PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python

@@ -25,7 +25,7 @@ Checks (each in its own try/except and time budget, so one failure hides no othe
     lookup measurement, quick: a table of 4M rows on cuda, widths 8 / 128, poolings 5 / 20, 32768 bags): the measured
     lookup figures (hbm_bw_gbps, lookup_ns_per_id, update_ns_per_row) and the widest step's time, set against what the
     dgx-h100 and h200 presets' figures predict for that step through the cost model (and what the measured figures
-    predict). Passes when it measured; the figures are the result (README, "GPU check").
+    predict). Passes when it measured; the figures are the result (docs/gpu-check.md).
 (c) dlrm   -- examples/dlrm/train.py under torchrun (1 process; the example picks CUDA + NCCL when CUDA is
     available) for 200 steps; its RESULT line is parsed (device, steps, loss, AUC, samples/s).
 

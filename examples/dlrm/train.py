@@ -8,7 +8,7 @@
 Everything but the plan is TorchRec: torchrec.models.dlrm.DLRM_DCN, DistributedModelParallel with
 EmbarkEmbeddingBagCollectionSharder (fused row-wise Adagrad), TrainPipelineSparseDist, and
 torch.distributed.checkpoint. Rank 0 prints the plan report, progress, and ends with exactly one
-line `RESULT {json}` (README "DLRM example" lists its keys).
+line `RESULT {json}` (docs/examples.md lists its keys).
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ one search with EmbarkPlanner, on pooling factors and unique ratios profiled fro
 repeats its hot IDs, which a unique-based (UB) layout sends (and looks up) once per batch; "torchrec" runs TorchRec's
 EmbeddingShardingPlanner with TorchRec's sharders. --history-layout ub or rw forces the history table into even row
 blocks, one per rank, unique-based or row-based (the latter on our grid sharding, so that the same counters count
-it), for comparing bytes. Rank 0 prints the plan, progress, and ends with exactly one line `RESULT {json}` (README
-"Sequence example" lists its keys).
+it), for comparing bytes. Rank 0 prints the plan, progress, and ends with exactly one line `RESULT {json}`
+(docs/examples.md, "Sequence", lists its keys).
 """
 
 from __future__ import annotations

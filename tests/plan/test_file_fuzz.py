@@ -34,7 +34,7 @@ Path_ = tuple[Any, ...]  # keys and indices from the document's root to a value
 DROP = object()
 
 
-# ---- the formats, as the README documents them --------------------------------------------------
+# ---- the formats, as docs/files.md documents them --------------------------------------------------
 
 SAME = object()  # dropping the key leaves the meaning unchanged
 UNSET = object()  # dropping the key sets the object's attribute to None
@@ -286,7 +286,7 @@ def test_numbers_keep_their_kind_and_sign(data: st.DataObject) -> None:
 
 
 def _expected_without(fmt: Format, doc: Any, path: Path_, key: Any) -> Any:
-    """What the document means without `key` in the object at `path`, by the README: its default
+    """What the document means without `key` in the object at `path`, by docs/files.md: its default
     written out, the same meaning, the attribute unset, the plan without that table, or an error."""
     kind = fmt.kind_of(path)
     default = fmt.defaults.get(kind, {})

@@ -338,7 +338,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: Any) -> "Plan":
-        """The plan file's format (README "plan file"), field by field: exactly what to_dict writes,
+        """The plan file's format (docs/files.md, "Plan file"), field by field: exactly what to_dict writes,
         with `kind` (default pooled), `precision`, `hierarchical`, `torchrec_at_fp8` and a dp table's empty `shards`
         optional."""
         with reading(PlanError):

@@ -1,7 +1,7 @@
 """Hardware files: one cluster's cost-model figures as JSON, accepted wherever a preset name is.
 
 `python -m embark_torchrec.calibrate` writes them from measurements on the user's own ranks; people may
-write them by hand. The format (README "Hardware files"):
+write them by hand. The format (docs/calibration.md, "The hardware file"):
 
     {"format": "embark-hardware", "version": 1,
      "hardware": {every Hardware field by name: "name", "hbm_gb", ..., "host_cores"},

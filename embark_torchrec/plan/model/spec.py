@@ -1,6 +1,6 @@
 """Model specs: what the planner needs to know about each embedding table.
 
-A spec comes from a JSON/YAML file (format in README "Model spec file") or from a torchrec
+A spec comes from a JSON/YAML file (format in docs/files.md) or from a torchrec
 EmbeddingBagCollection or EmbeddingCollection plus the pooling factors of its ParameterConstraints.
 
 A table is "pooled" (an EmbeddingBagCollection's: one vector per bag) or "sequence" (an
@@ -231,7 +231,7 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, d: Any) -> "ModelSpec":
-        """The spec file's format (README "Model spec file"), field by field; `description` and
+        """The spec file's format (docs/files.md), field by field; `description` and
         `source` are free text for people."""
         with reading(SpecError):
             m = mapping(d, "")

@@ -1,7 +1,7 @@
 """Cluster topology and hardware presets: the figures the cost model turns bytes into time with.
 
 Bandwidths are in GB/s (1e9 bytes/s) per GPU and per direction. Preset figures are public ones
-(see README "Cost model"); every one can be overridden.
+(see docs/cost-model.md); every one can be overridden.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ PRESETS: dict[str, Hardware] = {
     ),
     # Gloo over loopback on a CPU box: what our CPU tests and the e2e benchmark run on. The medians of three runs
     # of python -m embark_torchrec.calibrate with 4 ranks as 2 nodes x 2 on this 2-core host on 2026-12-01, each
-    # field's median over the runs (README, "The cost model"): all-to-all at ~0.62 GB/s per rank inside a "node" and
+    # field's median over the runs (docs/cost-model.md): all-to-all at ~0.62 GB/s per rank inside a "node" and
     # ~0.71 GB/s across (both loopback), TBE lookups (forward + backward, fused row-wise Adagrad) at ~317 ns per ID
     # plus ~10.3 GB/s of lookup bytes on rank 0 alone (the ranks share the 2 cores: host_cores), unique-based
     # tables' own host work at ~292 ns per ID; a data-parallel table's step (dense gradient, Adagrad over every row)
@@ -116,7 +116,7 @@ PRESETS: dict[str, Hardware] = {
     # (full, not quick) at 2 ranks on the idle box on 2026-12-06 (27.21 ms per 1000 samples of its dense part, every
     # rank at once; 2,125 us per collective of a table-wise DMP step, IQR 1,961-2,289); each rank beyond the cores
     # adds oversubscribed_collective_us to a collective, so that 4 ranks price the 7,126 us the 4-rank calibration of
-    # 2026-12-01 measured there. README "The cost model" says how far off these figures have been measured to be.
+    # 2026-12-01 measured there. docs/cost-model.md says how far off these figures have been measured to be.
     "cpu-gloo": Hardware(
         name="cpu-gloo",
         hbm_gb=16.0,
@@ -136,7 +136,7 @@ PRESETS: dict[str, Hardware] = {
 }
 # What each preset's estimate has been measured against, for the plan report (report.hardware_line)
 _PUBLIC = (
-    "public figures (README, 'The cost model'), not yet checked against a measured step of this project's on such a "
+    "public figures (docs/cost-model.md), not yet checked against a measured step of this project's on such a "
     "GPU: measure your cluster (python -m embark_torchrec.calibrate) before trusting the estimate"
 )
 PRESET_CHECKS: dict[str, str] = {
