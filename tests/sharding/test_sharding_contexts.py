@@ -20,8 +20,8 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConf
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import embark_torchrec.sharding as sharding_package
-from embark_torchrec.plan.layout import SHARDING_TYPE_PREFIX, TableLayout
-from embark_torchrec.plan.torchrec_types import ceil_row_bounds
+from embark_torchrec.plan.layout.tables import SHARDING_TYPE_PREFIX, TableLayout
+from embark_torchrec.plan.layout.torchrec_types import ceil_row_bounds
 from embark_torchrec.sharding.sharded_module import EmbarkShardedModule
 from embark_torchrec.sharding.torchrec_compat import module_input_dists, module_output_dists
 from embark_torchrec.testing import global_kjt_batch, run_ranks
