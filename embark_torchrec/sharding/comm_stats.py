@@ -22,13 +22,16 @@ sends its split exchange, which is).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torchrec.distributed.comm import get_local_size
 
 from ..plan.layout.wire import rows_bytes
 from .codecs import encoded_size
+from .torchrec_compat import module_env, module_input_dists, module_output_dists
 
 KINDS = ("metadata", "lengths", "ids", "weights", "embeddings", "gradients")
 _DIRECTIONS = ("sent", "received")
@@ -135,6 +138,29 @@ class CountsComm:
     comm_sharding_type: str = ""
 
 
+class CountedModule:
+    """A sharded module that counts its bytes (our sharded EBC and EC, sharded_module.py): a CommStats for the
+    module's process group, and counting its dists into one (each class's `_count_dists` says how)."""
+
+    comm_stats: Optional[CommStats]
+    _count_dists: Callable[[Any], None]
+
+    def new_comm_stats(self) -> CommStats:
+        pg = module_env(self).process_group
+        world = dist.get_world_size(pg)
+        return CommStats(dist.get_rank(pg), world, get_local_size(world))
+
+    def count_comm(self, stats: CommStats) -> None:
+        """Counts this module's collectives into `stats` (see enable_comm_stats)."""
+        if self.comm_stats is not None:
+            if self.comm_stats is not stats:
+                raise ValueError("this module already counts into another CommStats")
+            return
+        self.comm_stats = stats
+        self._count_dists(module_output_dists(self))
+        self._count_dists(module_input_dists(self))  # empty until the first batch builds them (_create_input_dist)
+
+
 def per_peer_bytes(world_size: int, peers: Sequence[int], nbytes: Sequence[float]) -> np.ndarray:
     """Scatter bytes exchanged with `peers` (global ranks, in a subgroup's order) into a world array."""
     out = np.zeros(world_size)
@@ -144,8 +170,6 @@ def per_peer_bytes(world_size: int, peers: Sequence[int], nbytes: Sequence[float
 
 def group_ranks(pg: Any) -> List[int]:
     """The global rank of each member of a process group, in group order."""
-    import torch.distributed as dist
-
     return [dist.get_global_rank(pg, i) for i in range(dist.get_world_size(pg))]
 
 
@@ -174,12 +198,8 @@ def enable_comm_stats(model: torch.nn.Module) -> CommStats:
     """Count every embedding collective of the sharded EBCs and ECs in `model` from now on; returns
     this rank's counters (one object shared by all of the model's sharded collections; calling it
     again returns the same object). Of an EC, only its embark sharding types are counted (see
-    EmbarkShardedEmbeddingCollection.count_comm)."""
-    from .sharded_ebc import EmbarkShardedEmbeddingBagCollection
-    from .sharded_ec import EmbarkShardedEmbeddingCollection
-
-    kinds = (EmbarkShardedEmbeddingBagCollection, EmbarkShardedEmbeddingCollection)
-    modules = [m for m in model.modules() if isinstance(m, kinds)]
+    EmbarkShardedEmbeddingCollection)."""
+    modules = [m for m in model.modules() if isinstance(m, CountedModule)]
     if not modules:
         raise ValueError(
             "the model has no EmbarkShardedEmbeddingBagCollection or EmbarkShardedEmbeddingCollection: shard it "

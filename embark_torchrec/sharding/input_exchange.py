@@ -23,6 +23,7 @@ counting on (comm_stats), each exchange's tensors are counted as "metadata".
 
 from __future__ import annotations
 
+import abc
 import functools
 from typing import Any, List, Optional, Sequence
 
@@ -36,7 +37,15 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..plan.layout.wire import SPLIT_ROWS, split_exchange_ints
 from .comm_stats import CommStats, SplitsExchangeCounter
-from .torchrec_compat import collective_group, input_dist_all_to_all, kjt_splits, kjt_stagger, split_meta_input
+from .torchrec_compat import (
+    collective_group,
+    input_dist_all_to_all,
+    kjt_splits,
+    kjt_stagger,
+    module_device,
+    module_env,
+    split_meta_input,
+)
 from .validation import OK, InputFault, InputValidator, InvalidInputError, dtype_code, dtype_name, not_a_kjt
 
 _BLOCK = 1 + SPLIT_ROWS  # per sharding: its layout code, then its split rows (plan/layout/wire.py)
@@ -236,15 +245,37 @@ class ExchangedSplits(Awaitable[Any]):
         )
 
 
-class CheckedInput:
-    """What our sharded EBC and EC share at the door: the batch checked (`check_input`), then the input dist's
-    request turned into one that waits the module's split exchange first (`exchange_splits`), counted when the
-    module counts its bytes (`comm_stats`)."""
+class CheckedInput(metaclass=abc.ABCMeta):
+    """The door of our sharded EBC and EC and of the managed-collision modules, mixed in before TorchRec's sharded
+    module: `input_dist` checks the batch (`check_input`), then turns TorchRec's input dist's request into one that
+    waits the module's split exchange first (`exchange_splits`), counted when the module counts its bytes
+    (`comm_stats`)."""
 
     _validate: InputValidator
     comm_stats: Optional[CommStats]
     _exchange_counter: Optional[SplitsExchangeCounter] = None
     _batch_dtypes = 0  # the last checked batch's dtypes (_dtypes_code), which its exchange carries
+
+    @abc.abstractmethod
+    def embedding_sharding_types(self) -> List[str]:
+        """The sharding-type strings of the module's shardings, in its input dists' order (which the exchange's
+        errors name)."""
+
+    def input_dist(self, ctx: Any, features: Any) -> KJTListSplitsAwaitable:
+        """The batch checked, then TorchRec's input dist, whose request waits the module's split exchange first
+        (which raises a bad batch's error on every rank); a bad batch only takes part in the exchange."""
+        features, fault = self.check_input(features)
+        request = None
+        if fault is None:
+            request = super().input_dist(ctx, features)  # type: ignore[misc]
+            self._after_input_dist(ctx)
+        pg = module_env(self).process_group
+        return self.exchange_splits(ctx, request, fault, pg, self.embedding_sharding_types(), module_device(self))
+
+    def _after_input_dist(self, ctx: Any) -> None:
+        """TorchRec's input dist has run on a good batch, whose request is not sent yet: a module whose input dists
+        cut state from the batch files it in the batch's context here (EmbarkShardedModule); the managed collisions
+        cut none."""
 
     def check_input(self, features: Any) -> tuple[Any, Optional[InputFault]]:
         if isinstance(features, KeyedJaggedTensor):

@@ -43,8 +43,6 @@ from .torchrec_compat import (
     managed_collision_collection,
     managed_collision_embeddings,
     managed_collision_input_sizes,
-    module_device,
-    module_env,
     module_sharding_types,
     on_input_dists_created,
     sequence_sharding_types,
@@ -86,20 +84,19 @@ class CheckedManagedCollision(CheckedInput):
             collection=type(module).__name__,
         )
         types = module_sharding_types if bagged else sequence_sharding_types
-        self._sharding_types = types(sharded_managed_collision_embeddings(self))
+        self._inner_sharding_types = types(sharded_managed_collision_embeddings(self))
         on_input_dists_created(collisions, defer_kjt_all_to_alls)
 
+    def embedding_sharding_types(self) -> List[str]:
+        return self._inner_sharding_types
+
     def input_dist(self, ctx: Any, features: KeyedJaggedTensor) -> Awaitable[Awaitable[KJTList]]:
-        """The batch checked, then TorchRec's managed-collision input dist, whose request waits the module's split
-        exchange first (which raises a bad batch's error on every rank); a bad batch only takes part in the
-        exchange."""
+        """CheckedInput's, in front of TorchRec's managed-collision input dist; a batch of embeddings to write
+        (TorchRec's write path) goes to TorchRec's unchecked."""
         weights = features.weights_or_none() if isinstance(features, KeyedJaggedTensor) else None
         if weights is not None and weights.dim() == 2:  # TorchRec's write path: embeddings to write, not weights
-            return super().input_dist(ctx, features)  # type: ignore[misc]
-        features, fault = self.check_input(features)
-        pg = module_env(self).process_group
-        request = None if fault is not None else super().input_dist(ctx, features)  # type: ignore[misc]
-        return self.exchange_splits(ctx, request, fault, pg, self._sharding_types, module_device(self))
+            return super(CheckedInput, self).input_dist(ctx, features)  # type: ignore[misc]
+        return super().input_dist(ctx, features)
 
 
 class EmbarkShardedManagedCollisionEmbeddingBagCollection(

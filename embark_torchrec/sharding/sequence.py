@@ -52,6 +52,7 @@ from .batch_state import BatchStateHandover
 from .comm_stats import CountsComm, Ledger
 from .grid import BaseGridEmbeddingSharding, CellRoute, GridSparseFeaturesDist, _ledger_hook
 from .torchrec_compat import (
+    add_grouping_key,
     emb_dims_per_rank,
     sharding_device,
     sharding_env,
@@ -326,13 +327,10 @@ class GridSequenceEmbeddingDist(BaseEmbeddingDist[EmbarkSequenceContext, torch.T
 
 
 def by_cell_width(tables_per_rank: List[List[ShardedEmbeddingTable]]) -> List[List[ShardedEmbeddingTable]]:
-    """The cells grouped into one TBE per width: a sequence TBE takes a single row width (TorchRec groups tables
-    by its grouping-only fused param "_batch_key", which never reaches the TBE)."""
+    """The cells grouped into one TBE per width: a sequence TBE takes a single row width."""
     for tables in tables_per_rank:
         for table in tables:
-            params = dict(table.fused_params or {})
-            params["_batch_key"] = (params.get("_batch_key"), table.local_cols)
-            table.fused_params = params
+            add_grouping_key(table, table.local_cols)
     return tables_per_rank
 
 

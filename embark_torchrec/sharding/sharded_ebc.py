@@ -3,50 +3,40 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
-from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torchrec.distributed.comm import get_local_size
 from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo, KJTList
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionContext, ShardedEmbeddingBagCollection
 from torchrec.distributed.fbgemm_qcomm_codec import CommOp
-from torchrec.distributed.types import Awaitable, ParameterSharding, QuantizedCommCodecs, ShardingEnv
+from torchrec.distributed.types import ParameterSharding, QuantizedCommCodecs, ShardingEnv
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from ..plan.layout.kinds import cluster_kind
 from ..plan.layout.groups import torchrec_type
 from ..plan.layout.tables import SHARDING_TYPE_PREFIX, parse_sharding_type
+from ..plan.layout.torchrec_types import DATA_PARALLEL, ROW_WISE, TABLE_ROW_WISE
 from .cluster_runtimes import cluster_runtime
 from .codecs import builtin_codecs, cluster_codecs
-from .comm_stats import CommStats, CountsComm
-from .grid import BaseGridEmbeddingSharding
-from .input_exchange import CheckedInput, defer_kjt_all_to_alls
+from .sharded_module import EmbarkShardedModule
 from .torchrec_compat import (
     add_mean_fixup_features,
-    is_virtual_table,
-    local_shards_by_table,
     mean_fixup_features,
     module_configs,
     module_device,
     module_env,
     module_input_dists,
-    module_lookups,
-    module_output_dists,
     module_sharding_types,
     module_shardings,
-    skip_missing_weight,
 )
-from .torchrec_counting import KJTCounter, count_borrowed_dists
-from .unique import UniquePooledEmbeddingSharding, UniqueShardingContext, UniqueSparseFeaturesDist
-from .validation import InputValidator, check_equal_batches
+from .unique import UniqueShardingContext, UniqueSparseFeaturesDist
+from .validation import check_equal_batches
 
 
 # TorchRec's types whose output dist reduce-scatters partial sums per rank (and whose MEAN tables it fixes up)
-_REDUCE_SCATTER_TYPES = ("row_wise", "table_row_wise")
+_REDUCE_SCATTER_TYPES = (ROW_WISE, TABLE_ROW_WISE)
 
 
 def _by_pooling(configs: Any) -> Dict[str, List[str]]:
@@ -57,76 +47,7 @@ def _by_pooling(configs: Any) -> Dict[str, List[str]]:
     return out
 
 
-def key_tables(configs: List[Any]) -> Dict[str, str]:
-    """The table each KJT key the dists send stands for: features, and TorchRec's embedding names
-    ("feature@table") that our cells use for a feature read by several tables (the feature itself
-    then counts to the first of them)."""
-    keys: Dict[str, str] = {}
-    for config, names in zip(configs, get_embedding_names_by_table(configs)):
-        for feature, name in zip(config.feature_names, names):
-            keys.setdefault(feature, config.name)
-            keys[name] = config.name
-    return keys
-
-
-def load_cells(module: Any, state_dict: Dict[str, Any], table_prefix: str) -> None:
-    """Copies each of the module's local cells from its own region of the incoming weight (a
-    ShardedTensor from any plan, matched by offsets, or a full tensor) and takes the weight out of
-    `state_dict`. TorchRec's load hooks view a rank's shards of a table as rows of the first shard's
-    width, which our cells of other rows and widths break. Virtual tables stay with TorchRec."""
-    for table, local_shards in local_shards_by_table(module).items():
-        key = f"{table_prefix}{table}.weight"
-        value = state_dict.get(key)
-        if is_virtual_table(module, table) or not isinstance(value, torch.Tensor):
-            continue
-        incoming = (
-            {tuple(s.metadata.shard_offsets): s.tensor for s in value.local_shards()}
-            if isinstance(value, ShardedTensor)
-            else None
-        )
-        with torch.no_grad():
-            for shard in local_shards:
-                offsets, sizes = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-                if incoming is None:
-                    source = value[offsets[0] : offsets[0] + sizes[0], offsets[1] : offsets[1] + sizes[1]]
-                else:
-                    source = incoming.get(tuple(offsets))
-                if source is None or tuple(source.shape) != tuple(sizes):
-                    raise ValueError(
-                        f"table {table!r}: the state dict has no shard of shape {list(sizes)} "
-                        f"at offsets {list(offsets)} "
-                        "for this rank; was it saved with another plan? load it with torch.distributed.checkpoint"
-                    )
-                shard.tensor.copy_(source)
-        del state_dict[key]
-        skip_missing_weight(module, key)
-
-
-class CountedModule:
-    """What our sharded EBC and EC share for byte counting (comm_stats.enable_comm_stats): a CommStats
-    for the module's process group, and counting its dists into one (each class's `_count_dists`
-    says how)."""
-
-    comm_stats: Optional[CommStats]
-    _count_dists: Callable[[Any], None]
-
-    def new_comm_stats(self) -> CommStats:
-        pg = module_env(self).process_group
-        world = dist.get_world_size(pg)
-        return CommStats(dist.get_rank(pg), world, get_local_size(world))
-
-    def count_comm(self, stats: CommStats) -> None:
-        """Counts this module's collectives into `stats` (see comm_stats.enable_comm_stats)."""
-        if self.comm_stats is not None:
-            if self.comm_stats is not stats:
-                raise ValueError("this module already counts into another CommStats")
-            return
-        self.comm_stats = stats
-        self._count_dists(module_output_dists(self))
-        self._count_dists(module_input_dists(self))  # empty until the first batch: see _create_input_dist
-
-
-class EmbarkShardedEmbeddingBagCollection(CheckedInput, CountedModule, ShardedEmbeddingBagCollection):
+class EmbarkShardedEmbeddingBagCollection(EmbarkShardedModule, ShardedEmbeddingBagCollection):
     """torchrec builds one EmbeddingSharding per distinct sharding-type string, so each EMBark
     cluster variant (one string) gets its own dists; built-in strings go to torchrec.
 
@@ -137,6 +58,8 @@ class EmbarkShardedEmbeddingBagCollection(CheckedInput, CountedModule, ShardedEm
     - its load_state_dict merges a rank's local shards as equal-width column slices; ours may
       differ in rows and widths, so weights are loaded shard by shard, matched by offsets.
     """
+
+    _counts_torchrec_shardings = True  # torchrec_counting.py hooks TorchRec's pooled dists too
 
     def __init__(
         self,
@@ -157,31 +80,19 @@ class EmbarkShardedEmbeddingBagCollection(CheckedInput, CountedModule, ShardedEm
                 and torchrec_type(table_name_to_parameter_sharding[c.name].sharding_type) in _REDUCE_SCATTER_TYPES
             ),
         )
-        self._unique_lookup = unique_lookup
-        self.comm_stats: Optional[CommStats] = None
-        self._kjt_counters: Dict[int, KJTCounter] = {}  # sharding index -> its input KJT all-to-all's counter
-        self._validate = InputValidator(
-            {c.name: list(c.feature_names) for c in module_configs(self)},
-            {c.name: c.num_embeddings for c in module_configs(self)},
+        self._init_embark(
             invalid_ids,
+            unique_lookup,
             uniform_batch_features=[  # TorchRec's data-parallel output dist cannot expand a variable batch
                 f
                 for kind, sharding in zip(module_sharding_types(self), module_shardings(self))
-                if kind == "data_parallel"
+                if kind == DATA_PARALLEL
                 for f in sharding.feature_names()
             ],
             weighted=module.is_weighted(),
         )
-        self._embark_shardings = [
-            i for i, s in enumerate(module_shardings(self)) if isinstance(s, BaseGridEmbeddingSharding)
-        ]
         self._reduce_scatter_shardings = [  # TorchRec's types whose output dist reduce-scatters per rank
             i for i, t in enumerate(module_sharding_types(self)) if torchrec_type(t) in _REDUCE_SCATTER_TYPES
-        ]
-        self._unique_shardings = [
-            (i, sharding)
-            for i, sharding in enumerate(module_shardings(self))
-            if isinstance(sharding, UniquePooledEmbeddingSharding)
         ]
         fixup = mean_fixup_features(self)
         self._undivide: Optional[torch.Tensor] = None
@@ -246,81 +157,43 @@ class EmbarkShardedEmbeddingBagCollection(CheckedInput, CountedModule, ShardedEm
         codecs = cluster_codecs(precision, qcomm_codecs_registry, CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL)
         return cluster_runtime(cluster_kind(cluster)).pooled(sharding_infos, env, device, codecs, hierarchical)
 
-    def input_dist(
-        self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor
-    ) -> Awaitable[Awaitable[KJTList]]:
-        """The batch checked (validation.py), then torchrec's input dist; then each UB dist's
-        de-duplication state goes into this batch's context, where its output dist finds it
-        (pipelined batches each carry their own). The request waits the module's split exchange
-        first (input_exchange.py), which raises a bad batch's error on every rank; a bad batch
-        itself only takes part in the exchange."""
-        features, fault = self.check_input(features)
-        env = module_env(self)
-        if fault is not None:
-            return self.exchange_splits(
-                ctx, None, fault, env.process_group, module_sharding_types(self), module_device(self)
+    def embedding_configs(self) -> List[Any]:
+        return module_configs(self)
+
+    def embedding_shardings(self) -> List[Any]:
+        return module_shardings(self)
+
+    def embedding_sharding_types(self) -> List[str]:
+        return module_sharding_types(self)
+
+    def _own_context(self, ctx: EmbeddingBagCollectionContext, index: int, torchrec_context: Any) -> Any:
+        """Our dists pad every feature to the longest batch (variable_batch.py); a UB dist's de-duplication state
+        goes into the batch's context, where its output dist finds it (pipelined batches each carry their own)."""
+        if ctx.variable_batch_per_feature:
+            longest = max(torchrec_context.batch_size_per_feature_pre_a2a, default=0)
+            torchrec_context.batch_size_per_feature_pre_a2a = [longest] * len(
+                torchrec_context.batch_size_per_feature_pre_a2a
             )
-        awaitable = super().input_dist(ctx, features)
-        input_dists = module_input_dists(self)
-        first = len(ctx.sharding_contexts) - len(input_dists)
-        if ctx.variable_batch_per_feature:  # our dists pad every feature to the longest (variable_batch.py)
-            for i in self._embark_shardings:
-                base = ctx.sharding_contexts[first + i]
-                longest = max(base.batch_size_per_feature_pre_a2a, default=0)
-                base.batch_size_per_feature_pre_a2a = [longest] * len(base.batch_size_per_feature_pre_a2a)
-        for i, input_dist in enumerate(input_dists):
-            if isinstance(input_dist, UniqueSparseFeaturesDist):
-                base = ctx.sharding_contexts[first + i]
-                ctx.sharding_contexts[first + i] = UniqueShardingContext(
-                    batch_size_per_rank=base.batch_size_per_rank,
-                    batch_size_per_rank_per_feature=base.batch_size_per_rank_per_feature,
-                    batch_size_per_feature_pre_a2a=base.batch_size_per_feature_pre_a2a,
-                    variable_batch_per_feature=base.variable_batch_per_feature,
-                    unique=input_dist.take_state(),
-                )
-        return self.exchange_splits(
-            ctx, awaitable, None, env.process_group, module_sharding_types(self), module_device(self)
+        input_dist = module_input_dists(self)[index]
+        if not isinstance(input_dist, UniqueSparseFeaturesDist):
+            return torchrec_context
+        return UniqueShardingContext(
+            batch_size_per_rank=torchrec_context.batch_size_per_rank,
+            batch_size_per_rank_per_feature=torchrec_context.batch_size_per_rank_per_feature,
+            batch_size_per_feature_pre_a2a=torchrec_context.batch_size_per_feature_pre_a2a,
+            variable_batch_per_feature=torchrec_context.variable_batch_per_feature,
+            unique=input_dist.take_state(),
         )
 
-    def _create_input_dist(self, input_feature_names: List[str]) -> None:
-        super()._create_input_dist(input_feature_names)
-        defer_kjt_all_to_alls(module_input_dists(self))
-        if self.comm_stats is not None:
-            self._count_dists(module_input_dists(self))
-
-    def _count_dists(self, dists: Any) -> None:
-        assert self.comm_stats is not None
-        feature_table = key_tables(module_configs(self))
-        for i, (sharding_type, sharding, dist_module) in enumerate(
-            zip(module_sharding_types(self), module_shardings(self), dists)
-        ):
-            for m in dist_module.modules():
-                if isinstance(m, CountsComm):
-                    m.comm_stats, m.comm_sharding_type = self.comm_stats, sharding_type
-            counter = count_borrowed_dists(sharding, dist_module, self.comm_stats, sharding_type, feature_table)
-            if counter is not None:
-                self._kjt_counters[i] = counter
-
     def compute_and_output_dist(self, ctx: EmbeddingBagCollectionContext, input: KJTList) -> Any:
-        """torchrec's; when counting, the KJT all-to-alls' received bytes are read off their
-        output here (the same path with and without TrainPipelineSparseDist). UB groups turn the
-        distinct IDs they received into their lookup's input here, and file the received counts
-        in the batch's context for their output dist."""
+        """EmbarkShardedModule's, after every rank's batch size is checked for TorchRec's reduce-scatters; TorchRec's
+        MEAN fix-up of row-wise tables is undone where it divides columns it must not (_wrongly_divided_columns)."""
         if not ctx.variable_batch_per_feature:
+            contexts = self.sharding_contexts(ctx)
             for i in self._reduce_scatter_shardings:
                 check_equal_batches(
-                    ctx.sharding_contexts[i].batch_size_per_rank, module_env(self).rank, module_sharding_types(self)[i]
+                    contexts[i].batch_size_per_rank, module_env(self).rank, module_sharding_types(self)[i]
                 )
-        for i, counter in self._kjt_counters.items():
-            sharding_ctx = ctx.sharding_contexts[i]
-            counter.record_received(input[i], sharding_ctx.batch_size_per_rank if sharding_ctx is not None else None)
-        if self._unique_shardings:
-            features = list(input)
-            for i, sharding in self._unique_shardings:
-                features[i], ctx.sharding_contexts[i].received_counts = sharding.lookup_input(
-                    features[i], module_lookups(self)[i], self._unique_lookup
-                )
-            input = KJTList(features)
         awaitable = super().compute_and_output_dist(ctx, input)
         if self._undivide is not None and ctx.divisor is not None:
             undivide = torch.where(self._undivide, ctx.divisor, torch.ones_like(ctx.divisor))
@@ -335,5 +208,5 @@ class EmbarkShardedEmbeddingBagCollection(CheckedInput, CountedModule, ShardedEm
     def _pre_load_state_dict_hook(
         self: "EmbarkShardedEmbeddingBagCollection", state_dict: Dict[str, Any], prefix: str, *args: Any
     ) -> None:
-        load_cells(self, state_dict, f"{prefix}embedding_bags.")
+        self.load_cells(state_dict, f"{prefix}embedding_bags.")
         ShardedEmbeddingBagCollection._pre_load_state_dict_hook(self, state_dict, prefix, *args)

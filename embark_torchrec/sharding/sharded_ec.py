@@ -6,78 +6,57 @@ TorchRec's own EC types (data_parallel, table_wise, column_wise, row_wise) pass 
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Type, Union
+from typing import Any, Dict, List, Optional, Type
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.embedding import (
     EmbeddingCollectionContext,
     EmbeddingCollectionSharder,
     ShardedEmbeddingCollection,
 )
-from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo, KJTList
+from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
 from torchrec.distributed.fbgemm_qcomm_codec import CommOp
-from torch.nn.parallel import DistributedDataParallel
-from torchrec.distributed.types import Awaitable, ParameterSharding, QuantizedCommCodecs, ShardingEnv
+from torchrec.distributed.types import ParameterSharding, QuantizedCommCodecs, ShardingEnv
 from torchrec.modules.embedding_modules import EmbeddingCollection
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..plan.layout.kinds import cluster_kind
 from ..plan.layout.tables import SHARDING_TYPE_PREFIX, parse_sharding_type
 from .cluster_runtimes import cluster_runtime
 from .codecs import builtin_codecs, cluster_codecs
-from .comm_stats import CommStats, CountsComm
-from .input_exchange import CheckedInput, defer_kjt_all_to_alls
-from .sequence import (
-    EmbarkSequenceContext,
-    GridSequenceEmbeddingSharding,
-    GridSequenceFeaturesDist,
-    UniqueSequenceEmbeddingSharding,
-)
-from .sharded_ebc import CountedModule, key_tables, load_cells
+from .sequence import EmbarkSequenceContext, GridSequenceFeaturesDist
+from .sharded_module import EmbarkShardedModule
 from .sharder import check_sharder_mappings
 from .torchrec_compat import (
     is_virtual_table,
     local_shards_by_table,
-    module_env,
     module_input_dists,
-    module_device,
     module_lookups,
     sequence_configs,
     sequence_sharding_types,
     sequence_shardings,
     uses_index_dedup,
 )
-from .torchrec_counting import KJTCounter, count_borrowed_dists
 from .unique import UniqueSparseFeaturesDist
-from .validation import INVALID_ID_POLICIES, InputValidator
+from .validation import INVALID_ID_POLICIES
 
 
-class EmbarkShardedEmbeddingCollection(CheckedInput, CountedModule, ShardedEmbeddingCollection):
+class EmbarkShardedEmbeddingCollection(EmbarkShardedModule, ShardedEmbeddingCollection):
     """TorchRec builds one EmbeddingSharding per distinct sharding-type string, so each EMBark
     cluster variant gets its own dists; built-in strings go to TorchRec. Every batch is checked
     first (validation.py), for every sharding type. Byte counting covers our types' input KJT
     all-to-alls and embedding all-to-alls; TorchRec's own EC types are not counted."""
 
+    _counts_torchrec_shardings = False  # torchrec_counting.py hooks TorchRec's pooled dists only
+
     def __init__(self, *args: Any, invalid_ids: str = "raise", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.comm_stats: Optional[CommStats] = None
-        self._kjt_counters: Dict[int, KJTCounter] = {}  # sharding index -> its input KJT all-to-all's counter
-        self._validate = InputValidator(
-            {c.name: list(c.feature_names) for c in sequence_configs(self)},
-            {c.name: c.num_embeddings for c in sequence_configs(self)},
+        self._init_embark(
             invalid_ids,
+            "padded",  # a sequence lookup takes each distinct ID as a bag of one
             weighted=False,  # TorchRec's EmbeddingCollection takes no per-sample weights: its shardings drop them
             collection="EmbeddingCollection",
         )
-        shardings = sequence_shardings(self)
-        self._ours = [
-            i
-            for i, s in enumerate(shardings)
-            if isinstance(s, (GridSequenceEmbeddingSharding, UniqueSequenceEmbeddingSharding))
-        ]
-        self._unique_shardings = [
-            (i, s) for i, s in enumerate(shardings) if isinstance(s, UniqueSequenceEmbeddingSharding)
-        ]
 
     @classmethod
     def create_embedding_sharding(
@@ -104,49 +83,24 @@ class EmbarkShardedEmbeddingCollection(CheckedInput, CountedModule, ShardedEmbed
             return 1
         return super()._embedding_dim_for_sharding_type(sharding_type)
 
-    def input_dist(
-        self, ctx: EmbeddingCollectionContext, features: Union[KeyedJaggedTensor, Any]
-    ) -> Awaitable[Awaitable[KJTList]]:
-        """The batch checked, then TorchRec's input dist; then each of our dists' per-batch state
-        goes into this batch's context, where its output dist finds it. The request waits the module's
-        split exchange first (input_exchange.py), which raises a bad batch's error on every rank."""
-        features, fault = self.check_input(features)
-        env = module_env(self)
-        if fault is not None:
-            return self.exchange_splits(
-                ctx, None, fault, env.process_group, sequence_sharding_types(self), module_device(self)
-            )
-        awaitable = super().input_dist(ctx, features)
-        first = len(ctx.sharding_contexts) - len(module_input_dists(self))
-        for i in self._ours:
-            input_dist = module_input_dists(self)[i]
-            base = ctx.sharding_contexts[first + i]
-            sharding_ctx = EmbarkSequenceContext(features_before_input_dist=base.features_before_input_dist)
-            if isinstance(input_dist, GridSequenceFeaturesDist):
-                sharding_ctx.placement = input_dist.take_state()
-            elif isinstance(input_dist, UniqueSparseFeaturesDist):
-                sharding_ctx.unique = input_dist.take_state()
-            ctx.sharding_contexts[first + i] = sharding_ctx
-        return self.exchange_splits(
-            ctx, awaitable, None, env.process_group, sequence_sharding_types(self), module_device(self)
-        )
+    def embedding_configs(self) -> List[Any]:
+        return sequence_configs(self)
 
-    def compute_and_output_dist(self, ctx: EmbeddingCollectionContext, input: KJTList) -> Any:
-        """TorchRec's; when counting, the KJT all-to-alls' received bytes are read off their output
-        here. UB groups turn the distinct IDs they received into their lookup's input (each ID a bag
-        of one) and file the received counts in the batch's context for their output dist."""
-        for i, counter in self._kjt_counters.items():
-            counter.record_received(input[i], ctx.sharding_contexts[i].batch_size_per_rank)
-        if self._unique_shardings:
-            features = list(input)
-            for i, sharding in self._unique_shardings:
-                sharding_ctx = ctx.sharding_contexts[i]
-                assert isinstance(sharding_ctx, EmbarkSequenceContext)
-                features[i], sharding_ctx.received_counts = sharding.lookup_input(
-                    features[i], module_lookups(self)[i], "padded"
-                )
-            input = KJTList(features)
-        return super().compute_and_output_dist(ctx, input)
+    def embedding_shardings(self) -> List[Any]:
+        return sequence_shardings(self)
+
+    def embedding_sharding_types(self) -> List[str]:
+        return sequence_sharding_types(self)
+
+    def _own_context(self, ctx: EmbeddingCollectionContext, index: int, torchrec_context: Any) -> EmbarkSequenceContext:
+        """Our output dists' state from this batch's input dist: the grid's placement, or UB's de-duplication."""
+        input_dist = module_input_dists(self)[index]
+        own = EmbarkSequenceContext(features_before_input_dist=torchrec_context.features_before_input_dist)
+        if isinstance(input_dist, GridSequenceFeaturesDist):
+            own.placement = input_dist.take_state()
+        elif isinstance(input_dist, UniqueSparseFeaturesDist):
+            own.unique = input_dist.take_state()
+        return own
 
     @staticmethod
     def _pre_load_state_dict_hook(
@@ -158,33 +112,11 @@ class EmbarkShardedEmbeddingCollection(CheckedInput, CountedModule, ShardedEmbed
         if any(is_virtual_table(self, table) for table in local_shards_by_table(self)):
             ShardedEmbeddingCollection._pre_load_state_dict_hook(self, state_dict, prefix, *args)
             return
-        load_cells(self, state_dict, f"{prefix}embeddings.")
+        self.load_cells(state_dict, f"{prefix}embeddings.")
         for lookup in module_lookups(self):  # as TorchRec's hook ends: drop what caches hold of the old weights
             while isinstance(lookup, DistributedDataParallel):
                 lookup = lookup.module
             lookup.purge()
-
-    def _create_input_dist(
-        self, input_feature_names: List[str], ctx: Optional[EmbeddingCollectionContext] = None
-    ) -> None:
-        super()._create_input_dist(input_feature_names, ctx)
-        defer_kjt_all_to_alls(module_input_dists(self))
-        if self.comm_stats is not None:
-            self._count_dists(module_input_dists(self))
-
-    def _count_dists(self, dists: List[torch.nn.Module]) -> None:
-        assert self.comm_stats is not None
-        feature_table = key_tables(sequence_configs(self))
-        types, shardings = sequence_sharding_types(self), sequence_shardings(self)
-        for i in self._ours:
-            if i >= len(dists):
-                continue
-            for m in dists[i].modules():
-                if isinstance(m, CountsComm):
-                    m.comm_stats, m.comm_sharding_type = self.comm_stats, types[i]
-            counter = count_borrowed_dists(shardings[i], dists[i], self.comm_stats, types[i], feature_table)
-            if counter is not None:
-                self._kjt_counters[i] = counter
 
 
 class EmbarkEmbeddingCollectionSharder(EmbeddingCollectionSharder):

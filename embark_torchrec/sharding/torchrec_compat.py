@@ -315,6 +315,15 @@ def sharding_grouped_configs(sharding: Any) -> List[Any]:
     return sharding._grouped_embedding_configs
 
 
+def add_grouping_key(table: Any, key: Any) -> None:
+    """Keeps a ShardedEmbeddingTable out of any TBE whose tables differ in `key`: TorchRec groups a sharding's
+    tables into TBEs by their fused params, of which `_batch_key` is for grouping only (group_tables drops it before
+    it builds the TBE)."""
+    params = dict(table.fused_params or {})
+    params["_batch_key"] = (params.get("_batch_key"), key)
+    table.fused_params = params
+
+
 # KJTAllToAll (distributed/dist_data.py) and what TrainPipelineSparseDist's forward of it returns
 # (KJTSplitsAllToAllMeta, distributed/embedding_sharding.py): what input_exchange.py reads.
 

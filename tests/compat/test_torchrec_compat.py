@@ -189,9 +189,9 @@ def test_sharded_ebc_and_sharding_state_our_subclasses_read() -> None:
 
 def test_sharded_ec_state_our_subclass_reads() -> None:
     """The same for TorchRec's ShardedEmbeddingCollection, its sharder and the sharding state our sequence lookups
-    read."""
+    read; and TorchRec still drops the fused param our sequence cells are grouped by before it builds a TBE."""
     from torchrec.distributed.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
-    from torchrec.distributed.embedding_sharding import EmbeddingSharding
+    from torchrec.distributed.embedding_sharding import EmbeddingSharding, group_tables
     from torchrec.distributed.sharding.tw_sharding import BaseTwEmbeddingSharding
     from torchrec.modules.embedding_configs import EmbeddingConfig
 
@@ -213,6 +213,7 @@ def test_sharded_ec_state_our_subclass_reads() -> None:
     assert sets(EmbeddingCollectionSharder, "_use_index_dedup")
     for attr in ("_env", "_grouped_embedding_configs"):
         assert sets(BaseTwEmbeddingSharding, attr) or sets(EmbeddingSharding, attr), attr
+    assert '"_batch_key"' in inspect.getsource(group_tables)  # a grouping-only fused param (add_grouping_key)
     assert callable(getattr(ShardedEmbeddingCollection, "_embedding_dim_for_sharding_type"))
     assert callable(getattr(ShardedEmbeddingCollection, "_create_input_dist"))
     assert callable(getattr(ShardedEmbeddingCollection, "_pre_load_state_dict_hook"))
