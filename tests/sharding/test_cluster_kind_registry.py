@@ -23,7 +23,7 @@ from embark_torchrec.plan.layout.kinds import (
 )
 from embark_torchrec.plan.layout.constraints import TableConstraints
 from embark_torchrec.plan.cost.model import CostModel
-from embark_torchrec.plan.layout.groups import collectives_per_step, sharding_type
+from embark_torchrec.plan.layout.groups import ShardingGroup, sharding_group
 from embark_torchrec.plan.layout.tables import Plan, PlanError, TableLayout
 from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.plan.model.spec import ModelSpec, TableSpec
@@ -61,11 +61,11 @@ def test_a_toy_kind_is_read_from_plan_files_and_named_in_sharding_types(toy: Toy
     plan = Plan(4, 2, {"t": TableLayout.table_wise(64, 16, 1, "toy"), "g": _toy_grid(hierarchical=True)})
     again = Plan.from_dict(plan.to_dict())
     assert again == plan and again["t"].kind is toy
-    assert sharding_type(plan["t"], 64, 4, 2) == "embark_toy"  # RB would run it as "table_wise"
-    assert sharding_type(TableLayout.table_wise(64, 16, 1), 64, 4, 2) == "table_wise"
-    assert sharding_type(plan["g"], 64, 4, 2) == "embark_toy_hier"
-    assert collectives_per_step("embark_toy") == FLAT_COLLECTIVES
-    assert collectives_per_step("embark_toy_hier") == HIERARCHICAL_COLLECTIVES
+    assert sharding_group(plan["t"], 64, 4, 2).name == "embark_toy"  # RB would run it as "table_wise"
+    assert sharding_group(TableLayout.table_wise(64, 16, 1), 64, 4, 2).name == "table_wise"
+    assert sharding_group(plan["g"], 64, 4, 2).name == "embark_toy_hier"
+    assert ShardingGroup.parse("embark_toy").collectives_per_step == FLAT_COLLECTIVES
+    assert ShardingGroup.parse("embark_toy_hier").collectives_per_step == HIERARCHICAL_COLLECTIVES
 
 
 def test_an_unregistered_kind_is_refused_naming_the_table_and_the_known_kinds() -> None:

@@ -5,9 +5,12 @@ It is the one thing the cluster kinds (plan/layout/kinds.py) and the cost model 
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ..layout.groups import ShardingGroup
 
 # send_/recv_paired: the part of send_/recv_inter that goes to the ranks of the same local rank only (stage 2)
 _ROWS = (
@@ -45,12 +48,16 @@ class RankLoad:
     its collectives while it has any table)."""
 
     def __init__(
-        self, rows: np.ndarray, dp_intra: float = 0.0, dp_inter: float = 0.0, groups: Mapping[str, int] | None = None
+        self,
+        rows: np.ndarray,
+        dp_intra: float = 0.0,
+        dp_inter: float = 0.0,
+        groups: Mapping[ShardingGroup, int] | None = None,
     ) -> None:
         self.rows = rows
         self.dp_intra = dp_intra
         self.dp_inter = dp_inter
-        self.groups: dict[str, int] = dict(groups or {})
+        self.groups: dict[ShardingGroup, int] = dict(groups or {})
 
     @classmethod
     def zeros(cls, world_size: int) -> "RankLoad":
@@ -80,8 +87,8 @@ class RankLoad:
         self.rows += other.rows if sign == 1.0 else sign * other.rows
         self.dp_intra += sign * other.dp_intra
         self.dp_inter += sign * other.dp_inter
-        for kind, n in other.groups.items():
-            self.groups[kind] = self.groups.get(kind, 0) + int(sign) * n
+        for group, n in other.groups.items():
+            self.groups[group] = self.groups.get(group, 0) + int(sign) * n
 
     def copy(self) -> "RankLoad":
         return RankLoad(self.rows.copy(), self.dp_intra, self.dp_inter, self.groups)
