@@ -75,8 +75,9 @@ def test_an_unregistered_kind_is_refused_naming_the_table_and_the_known_kinds() 
         Plan.from_dict(document)
     with pytest.raises(ValueError, match="already registered"):
         register_cluster_kind(ReductionKind())
-    with pytest.raises(ValueError, match="without '_'"):
-        register_cluster_kind(type("Bad", (ReductionKind,), {"name": "rb_x"})())
+    for bad in ("rb_x", "rb:x", "rb@x"):
+        with pytest.raises(ValueError, match="without '_', ':' or '@'"):
+            register_cluster_kind(type("Bad", (ReductionKind,), {"name": bad})())
 
 
 def _cost(world_size: int = 4, local_world_size: int = 2) -> CostModel:
