@@ -21,7 +21,7 @@ sharding they build). The string's grammar, for TorchRec's types: "<type>[:<forw
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..model.fields import POOLED, SEQUENCE
 from .kinds import ClusterKind, cluster_kind, cluster_kind_names
@@ -39,6 +39,9 @@ SHARDING_TYPE_PREFIX = "embark_"
 _HIERARCHICAL_SUFFIX = "_hier"
 _PRECISION_SEPARATOR = ":"
 _ROW_WIDTH_SEPARATOR = "@"
+# one instance per distinct group the planner meets, so that a dict keyed by groups finds its key by identity
+# (a dataclass compares field by field)
+_GROUPS: dict[ShardingGroup, ShardingGroup] = {}
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,15 @@ class ShardingGroup:
     hierarchical: bool = False
     precision: WirePrecision = WirePrecision()
     row_width: int = 0
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        values = (self.module, self.runner, self.hierarchical, self.precision, self.row_width)
+        object.__setattr__(self, "_hash", hash(values))
+
+    def __hash__(self) -> int:
+        """Computed once: RankLoad.groups is looked up at every load the search adds, as a string's cached hash was."""
+        return self._hash
 
     @classmethod
     def ours(cls, layout: TableLayout, module: str = POOLED) -> ShardingGroup:
@@ -136,12 +148,14 @@ def sharding_group(
     module = SEQUENCE if sequence else POOLED
     builtin = layout.kind.builtin_sharding_type(layout, rows, world_size, local_world_size)
     if builtin == DATA_PARALLEL:
-        return ShardingGroup(module, DATA_PARALLEL)
-    if builtin is not None and (not sequence or builtin in SEQUENCE_BUILTIN_TYPES):
+        group = ShardingGroup(module, DATA_PARALLEL)
+    elif builtin is not None and (not sequence or builtin in SEQUENCE_BUILTIN_TYPES):
         scaled = {layout.precision.forward, layout.precision.backward} & ROW_SCALED_PRECISIONS
         width = layout.col_bounds[1] - layout.col_bounds[0] if scaled else 0
-        return ShardingGroup(module, builtin, False, layout.precision, width)
-    return ShardingGroup.ours(layout, module)
+        group = ShardingGroup(module, builtin, False, layout.precision, width)
+    else:
+        group = ShardingGroup.ours(layout, module)
+    return _GROUPS.setdefault(group, group)
 
 
 def module_collectives_per_step(groups: Iterable[ShardingGroup]) -> int:
