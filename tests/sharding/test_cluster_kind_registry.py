@@ -93,7 +93,7 @@ def test_a_toy_kind_prices_and_sends_what_its_base_kind_does(toy: ToyKind, hiera
     as_rb = TableLayout("rb", grid.row_bounds, grid.col_bounds, grid.ranks, hierarchical=hierarchical)
     toy_load, rb_load = cost.table_load("t", grid), cost.table_load("t", as_rb)
     np.testing.assert_array_equal(toy_load.rows, rb_load.rows)
-    assert set(toy_load.groups) == {"embark_toy" + ("_hier" if hierarchical else "")}
+    assert set(toy_load.groups) == {ShardingGroup("pooled", "toy", hierarchical)}
     assert table_messages(cost, "t", grid) == table_messages(cost, "t", as_rb)
     sent = sum(m.nbytes for m in table_messages(cost, "t", grid))
     assert sent == pytest.approx(float((toy_load.send_intra + toy_load.send_inter).sum()))
@@ -110,7 +110,7 @@ def test_the_planner_and_the_bound_take_a_table_forced_to_a_toy_kind(toy: ToyKin
     planned = plan_model(spec, topology, constraints=constraints, progress=False)
     assert planned.plan["t"].cluster == "toy" and planned.plan["u"].cluster != "toy"
     groups = CostModel(spec, topology).rank_load(planned.plan).groups
-    assert any(kind.startswith("embark_toy") for kind in groups)
+    assert any(group.runner == "toy" for group in groups)
     assert 0.0 < step_lower_bound(CostModel(spec, topology), constraints) <= planned.cost.step_ms
 
 
