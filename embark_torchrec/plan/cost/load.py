@@ -5,12 +5,10 @@ It is the one thing the cluster kinds (plan/layout/kinds.py) and the cost model 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Mapping
+from collections.abc import Hashable
+from typing import Iterable, Mapping
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from ..layout.groups import ShardingGroup
 
 # send_/recv_paired: the part of send_/recv_inter that goes to the ranks of the same local rank only (stage 2)
 _ROWS = (
@@ -45,19 +43,20 @@ class RankLoad:
     memory bytes, host work ms (UB's own per ID, DP tables' updates), IDs looked up, and the inter-node
     bytes sent / received between ranks of the same local rank only (already in the inter rows); plus the DP
     all-reduce bytes per rank, intra and inter node, and the tables per sharding group (a group costs
-    its collectives while it has any table)."""
+    its collectives while it has any table), keyed by layout/groups.py's ShardingGroup, which this file, below the
+    layouts, does not import."""
 
     def __init__(
         self,
         rows: np.ndarray,
         dp_intra: float = 0.0,
         dp_inter: float = 0.0,
-        groups: Mapping[ShardingGroup, int] | None = None,
+        groups: Mapping[Hashable, int] | None = None,
     ) -> None:
         self.rows = rows
         self.dp_intra = dp_intra
         self.dp_inter = dp_inter
-        self.groups: dict[ShardingGroup, int] = dict(groups or {})
+        self.groups: dict[Hashable, int] = dict(groups or {})
 
     @classmethod
     def zeros(cls, world_size: int) -> "RankLoad":
