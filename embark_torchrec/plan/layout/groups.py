@@ -35,7 +35,7 @@ DENSE_COLLECTIVES = 1
 # once per sharded module and step, whatever its groups (data-parallel ones only included): the split
 # exchange of every group's split sizes and every rank's input check
 INPUT_EXCHANGE_COLLECTIVES = 1
-SHARDING_TYPE_PREFIX = "embark_"
+_SHARDING_TYPE_PREFIX = "embark_"
 _HIERARCHICAL_SUFFIX = "_hier"
 _PRECISION_SEPARATOR = ":"
 _ROW_WIDTH_SEPARATOR = "@"
@@ -87,12 +87,12 @@ class ShardingGroup:
         runner, _, wire = body.partition(_PRECISION_SEPARATOR)
         forward, _, backward = (wire or "fp32-fp32").partition("-")
         precision = WirePrecision(forward, backward or forward)
-        if not runner.startswith(SHARDING_TYPE_PREFIX):
+        if not runner.startswith(_SHARDING_TYPE_PREFIX):
             scaled = bool({precision.forward, precision.backward} & ROW_SCALED_PRECISIONS)
             if scaled != bool(width):
                 raise PlanError(f"sharding type {name!r}: a row width goes with a row-scaled precision, and only there")
             return cls(module, runner, False, precision, int(width or 0))
-        cluster, _, variant = runner[len(SHARDING_TYPE_PREFIX) :].partition("_")
+        cluster, _, variant = runner[len(_SHARDING_TYPE_PREFIX) :].partition("_")
         if cluster not in cluster_kind_names() or cluster_kind(cluster).replicated or variant not in ("", "hier"):
             raise PlanError(f"unknown embark sharding type {name!r}")
         if width:
@@ -107,7 +107,7 @@ class ShardingGroup:
         if self.torchrec_type is not None:
             width = f"{_ROW_WIDTH_SEPARATOR}{self.row_width}" if self.row_width else ""
             return self.runner + wire + width
-        return SHARDING_TYPE_PREFIX + self.runner + (_HIERARCHICAL_SUFFIX if self.hierarchical else "") + wire
+        return _SHARDING_TYPE_PREFIX + self.runner + (_HIERARCHICAL_SUFFIX if self.hierarchical else "") + wire
 
     @property
     def torchrec_type(self) -> str | None:
