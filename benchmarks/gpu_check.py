@@ -149,7 +149,7 @@ def _module_plan(kind: str, module: Any, sharder: Any, world_size: int, local_wo
     every shard placed on device index 0 (one GPU plays every rank)."""
     from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
 
-    from embark_torchrec.plan.layout.groups import sharding_type
+    from embark_torchrec.plan.layout.groups import sharding_group
     from embark_torchrec.plan.layout.tables import Plan
     from embark_torchrec.planner.parameter_sharding import module_sharding_plan
     from embark_torchrec.plan.model.spec import ModelSpec
@@ -162,7 +162,7 @@ def _module_plan(kind: str, module: Any, sharder: Any, world_size: int, local_wo
     if base in OURS or kind in BUILTIN_AT_FP8:
         layouts = _our_layouts(base, precision, world_size)
         spec = ModelSpec.from_module(module, batch_size=world_size * BATCH)
-        got = {sharding_type(layouts[t.name], t.rows, world_size, local_world_size) for t in spec.tables}
+        got = {sharding_group(layouts[t.name], t.rows, world_size, local_world_size).name for t in spec.tables}
         if got != {expected}:
             raise AssertionError(f"layouts run as {sorted(got)}, not {expected}")
         params = module_sharding_plan(Plan(world_size, local_world_size, layouts), spec, device_type)

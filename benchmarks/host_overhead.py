@@ -47,15 +47,10 @@ from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embark_torchrec.plan.layout.groups import sharding_type
-from embark_torchrec.plan.layout.tables import (
-    TableLayout,
-    WirePrecision,
-    precision_suffix,
-    row_width_suffix,
-    sharding_type_name,
-)
+from embark_torchrec.plan.layout.groups import ShardingGroup, sharding_group
+from embark_torchrec.plan.layout.tables import TableLayout, WirePrecision
 from embark_torchrec.plan.layout.wire import ROW_SCALED_PRECISIONS
+from embark_torchrec.plan.model.fields import POOLED
 from embark_torchrec.sharding.codecs import wire_codecs
 from embark_torchrec.testing import global_kjt_batch, run_ranks
 from embark_torchrec.testing.host_work import HostWorkCounter
@@ -133,10 +128,11 @@ def _layouts(tables: list[EmbeddingBagConfig], kind: str, precision: str, ws: in
             precision=plan_precision,
             torchrec_at_fp8=kind in FP8_ON_TORCHREC and precision == "fp8",
         )
-        runs_as = sharding_type(layout, ROWS, ws, LOCAL_WORLD_SIZE)
-        builtin = kind.removesuffix(QCOMMS) + precision_suffix(plan_precision) + row_width_suffix(plan_precision, DIM)
+        runs_as = sharding_group(layout, ROWS, ws, LOCAL_WORLD_SIZE)
+        width = DIM if {plan_precision.forward, plan_precision.backward} & ROW_SCALED_PRECISIONS else 0
+        builtin = ShardingGroup(POOLED, kind.removesuffix(QCOMMS), precision=plan_precision, row_width=width)
         ours = kind in OUR_TYPES or (kind in FP8_ON_OURS and precision in ROW_SCALED_PRECISIONS)
-        expected = sharding_type_name(layout) if ours else builtin
+        expected = ShardingGroup.ours(layout) if ours else builtin
         assert runs_as == expected, f"{kind} {precision}: table {t.name} would run as {runs_as}"
         layouts[t.name] = layout
     return layouts

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from embark_torchrec.plan.search.baselines import table_row_wise_plan
-from embark_torchrec.plan.layout.tables import Plan, TableLayout, sharding_type_name
+from embark_torchrec.plan.layout.groups import ShardingGroup
+from embark_torchrec.plan.layout.tables import Plan, TableLayout
 from embark_torchrec.planner.parameter_sharding import module_sharding_plan
 from embark_torchrec.plan.model.spec import ModelSpec
 from embark_torchrec.plan.model.topology import Topology, hardware_preset
@@ -63,7 +64,7 @@ def _model(tables: list[EmbeddingBagConfig], layout: str, ours: bool) -> torch.n
     assert all(ps.sharding_type == BUILTIN[layout] for ps in module_plan.values())
     if ours:
         for name, ps in module_plan.items():
-            module_plan[name] = dataclasses.replace(ps, sharding_type=sharding_type_name(plan[name]))
+            module_plan[name] = dataclasses.replace(ps, sharding_type=ShardingGroup.ours(plan[name]).name)
     sharder = EmbarkEmbeddingBagCollectionSharder(fused_params={"learning_rate": 0.01})
     return DistributedModelParallel(
         meta,

@@ -41,6 +41,7 @@ from embark_torchrec.plan.cost.bound import allowed_clusters
 from embark_torchrec.plan.layout.constraints import TableConstraints
 from embark_torchrec.plan.cost.model import CostModel, StepCost
 from embark_torchrec.plan.cost.load import RankLoad
+from embark_torchrec.plan.layout.groups import ShardingGroup
 from embark_torchrec.plan.layout.tables import Plan, PlanError, TableLayout, WirePrecision
 from embark_torchrec.plan.cost.objective import Objective, better, objective
 
@@ -464,14 +465,14 @@ class Yardstick:
             return []
         return [[(name, replace(layout, hierarchical=not layout.hierarchical))]]
 
-    def _group_of(self, state: _State, name: str) -> str:
+    def _group_of(self, state: _State, name: str) -> ShardingGroup:
         return next(iter(state.loads[name].groups))
 
     def _group(self, state: _State, name: str) -> list[Changes]:
         """Many tables of `name`'s sharding group at once: all of them, the heaviest few, or a random
         few, turned into one other form."""
-        kind = self._group_of(state, name)
-        members = [n for n in self.free if self._group_of(state, n) == kind]
+        group = self._group_of(state, name)
+        members = [n for n in self.free if self._group_of(state, n) == group]
         u = self.rng.random()
         if u < 0.4 or len(members) == 1:
             chosen = members
@@ -689,7 +690,8 @@ def layout_summary(layout: TableLayout, local_world_size: int) -> str:
 
 
 def _groups(load: RankLoad) -> str:
-    return ", ".join(f"{k} {n}" for k, n in sorted(load.groups.items()) if n > 0)
+    used = sorted((g.module, g.name, n) for g, n in load.groups.items() if n > 0)
+    return ", ".join(f"{module} {name} {n}" for module, name, n in used)
 
 
 def plan_differences(cost: CostModel, a: Plan, b: Plan, top: int = 6) -> list[str]:

@@ -593,9 +593,8 @@ def _reference_estimate_ms(job: Job, s: Settings, hardware: Hardware) -> tuple[f
 
     model = CostModel(_reference_spec(job, s), Topology(job.world_size, job.local_world_size, hardware))
     load = model.rank_load(_reference_plan(job, s, REDUCTION_KIND.name))
-    (kind,) = load.groups
     cost = model.step_cost(load)
-    return cost.lookup_ms + cost.comm_ms, module_collectives_per_step([kind])
+    return cost.lookup_ms + cost.comm_ms, module_collectives_per_step(load.groups)
 
 
 def _ub_round_times(job: Job, s: Settings, optimizer: str) -> tuple[list[float], list[float]]:

@@ -8,6 +8,7 @@ never from this package, so that this file may import any of them.
 from .cli import UsageError, check_output
 from .cost.model import CostModel, StepCost
 from .layout.constraints import TableConstraints
+from .layout.groups import ShardingGroup
 from .layout.tables import (
     ALLREDUCE_PRECISIONS,
     PRECISIONS,
@@ -15,7 +16,6 @@ from .layout.tables import (
     PlanError,
     TableLayout,
     WirePrecision,
-    sharding_type_name,
 )
 from .layout.torchrec_types import ceil_row_bounds
 from .layout.wire import ELEMENT_BYTES
@@ -42,6 +42,7 @@ __all__ = [
     "PlannedModel",
     "ScoredPlan",
     "SearchConfig",
+    "ShardingGroup",
     "SpecError",
     "StepCost",
     "TableConstraints",
@@ -62,6 +63,5 @@ __all__ = [
     "render",
     "resolve_hardware",
     "save_hardware",
-    "sharding_type_name",
     "table_row_wise_plan",
 ]

@@ -7,24 +7,24 @@ from typing import Any
 from torch.distributed._shard.sharding_spec import ShardMetadata
 from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSharding
 
-from ..plan.layout.groups import DATA_PARALLEL, sharding_type
+from ..plan.layout.groups import DATA_PARALLEL, sharding_group
 from ..plan.layout.tables import Plan
 from ..plan.model.spec import ModelSpec
 from ..sharding.torchrec_compat import tiled_sharding_spec
 
 
 def module_sharding_plan(plan: Plan, spec: ModelSpec, compute_device: str = "cuda") -> Any:
-    """A Plan as torchrec's EmbeddingModuleShardingPlan (one ParameterSharding per table): our
-    sharding-type strings where no built-in type runs a layout exactly (plan/layout/groups.py; for sequence
-    tables, where TorchRec's EmbeddingCollection has no such type)."""
+    """A Plan as torchrec's EmbeddingModuleShardingPlan (one ParameterSharding per table, its type string the
+    table's ShardingGroup.name): ours where no built-in type runs a layout exactly (plan/layout/groups.py; for
+    sequence tables, where TorchRec's EmbeddingCollection has no such type)."""
     lws = plan.local_world_size
     out = EmbeddingModuleShardingPlan()
     for t in spec.tables:
         layout = plan[t.name]
-        kind = sharding_type(layout, t.rows, plan.world_size, lws, t.is_sequence)
-        if kind == DATA_PARALLEL:
+        group = sharding_group(layout, t.rows, plan.world_size, lws, t.is_sequence)
+        if group.torchrec_type == DATA_PARALLEL:
             out[t.name] = ParameterSharding(
-                sharding_type=kind, compute_kernel="dense", ranks=list(range(plan.world_size))
+                sharding_type=group.name, compute_kernel="dense", ranks=list(range(plan.world_size))
             )
             continue
         shards = list(layout.shards())
@@ -42,7 +42,7 @@ def module_sharding_plan(plan: Plan, spec: ModelSpec, compute_device: str = "cud
             for s in shards
         ]
         out[t.name] = ParameterSharding(
-            sharding_type=kind,
+            sharding_type=group.name,
             compute_kernel="fused",
             ranks=[s.rank for s in shards],
             sharding_spec=tiled_sharding_spec(metadata),

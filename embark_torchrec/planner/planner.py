@@ -22,7 +22,8 @@ from torchrec.distributed.types import ShardingPlan, ShardingPlanner
 from ..plan.layout.constraints import TableConstraints, from_torchrec
 from ..plan.cost.model import CostModel, OptimizerMemory
 from ..plan.model.fields import FieldError, boolean, choice, integer, reading, shown
-from ..plan.layout.tables import SHARDING_TYPE_PREFIX, Plan, PlanError, TableLayout
+from ..plan.layout.groups import ShardingGroup
+from ..plan.layout.tables import Plan, PlanError, TableLayout
 from ..plan.layout.torchrec_types import ceil_row_bounds
 from ..plan.report import ScoredPlan, render
 from ..plan.plan_model import PlannedModel, plan_model
@@ -100,7 +101,7 @@ def _check_sharders(result: Any, modules: list["_Planned"], sharders: list[Any])
         ours = [
             f"{m.path or 'model'}.{table}"
             for table, ps in result.plan[m.path].items()
-            if ps.sharding_type.startswith(SHARDING_TYPE_PREFIX)
+            if ShardingGroup.parse(ps.sharding_type).torchrec_type is None
         ]
         if ours:
             raise ValueError(

@@ -17,7 +17,8 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 
 from ..plan.layout.kinds import DATA_PARALLEL_KIND, REDUCTION_KIND
 from ..plan.model.fields import POOLED, SEQUENCE
-from ..plan.layout.tables import SHARDING_TYPE_PREFIX, Plan, parse_sharding_type, split_precision, split_row_width
+from ..plan.layout.groups import ShardingGroup
+from ..plan.layout.tables import Plan
 from ..plan.model.spec import ModelSpec
 from ..plan.layout.torchrec_types import DATA_PARALLEL
 from ..plan.model.topology import Topology
@@ -50,18 +51,18 @@ def from_sharding_plan(sharding_plan: Any, topology: Topology, module_path: str 
             for m in ps.sharding_spec.shards
             if m.shard_sizes[0] > 0 and m.shard_sizes[1] > 0
         ]
-        if ps.sharding_type.startswith(SHARDING_TYPE_PREFIX):
-            cluster, hierarchical, precision = parse_sharding_type(ps.sharding_type)
+        group = ShardingGroup.parse(ps.sharding_type)
+        if group.torchrec_type is None:
+            cluster, hierarchical = group.runner, group.hierarchical
         else:
-            base, precision = split_precision(ps.sharding_type)
-            cluster, hierarchical = REDUCTION_KIND.name, base in _HIERARCHICAL_TYPES
+            cluster, hierarchical = REDUCTION_KIND.name, group.torchrec_type in _HIERARCHICAL_TYPES
         entry: dict[str, Any] = {
             "cluster": cluster,
             "shards": shards,
             "hierarchical": hierarchical,
-            "precision": {"forward": precision.forward, "backward": precision.backward},
+            "precision": {"forward": group.precision.forward, "backward": group.precision.backward},
         }
-        if split_row_width(ps.sharding_type)[1]:  # TorchRec's type at fp8, one group per row width
+        if group.row_width:  # TorchRec's type at fp8, one group per row width
             entry["torchrec_at_fp8"] = True
         tables[name] = entry
     return Plan.from_dict(

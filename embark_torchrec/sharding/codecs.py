@@ -38,7 +38,8 @@ from torchrec.distributed.types import (
     QuantizedCommCodecs,
 )
 
-from ..plan.layout.tables import WirePrecision, split_precision, split_row_width
+from ..plan.layout.groups import ShardingGroup
+from ..plan.layout.tables import WirePrecision
 from ..plan.layout.wire import FP8_SCALE_BYTES, intra_node_reduction_precision, rows_bytes
 
 # A message part: `elems` values laid out as rows of `width`; a width given as a tuple is a row of
@@ -299,16 +300,15 @@ def _intra_node_codec(codec: QuantizedCommCodec) -> QuantizedCommCodec:
 
 
 def builtin_codecs(
-    sharding_type: str, registry: Optional[Dict[str, QuantizedCommCodecs]]
-) -> Tuple[str, Optional[Dict[str, QuantizedCommCodecs]]]:
-    """The TorchRec sharding type a group of a built-in type runs as, and the codec registry it takes: a group
-    below fp32 names its precision ("table_wise:fp16-fp16"; at fp8 also the row width its row-scaled codec is told,
-    "table_wise:fp8-fp8@64"), whose codecs replace the sharder's (the plan's precision wins, as on our types); else
-    the type and the sharder's registry as given."""
-    builtin, precision = split_precision(sharding_type)
-    if builtin == sharding_type:
-        return builtin, registry
-    return builtin, wire_codecs(precision, split_row_width(sharding_type)[1])
+    group: ShardingGroup, registry: Optional[Dict[str, QuantizedCommCodecs]]
+) -> Optional[Dict[str, QuantizedCommCodecs]]:
+    """The codec registry a group of TorchRec's type takes: below fp32 (its string names the precision,
+    "table_wise:fp16-fp16"; at fp8 also the row width its row-scaled codec is told, "table_wise:fp8-fp8@64") its
+    precision's codecs, which replace the sharder's (the plan's precision wins, as on our types); else the
+    sharder's registry as given."""
+    if group.precision == WirePrecision():
+        return registry
+    return wire_codecs(group.precision, group.row_width)
 
 
 def active_codec(codec: Optional[QuantizedCommCodec]) -> Optional[QuantizedCommCodec]:

@@ -14,9 +14,7 @@ from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
-from ..plan.layout.kinds import cluster_kind
-from ..plan.layout.groups import torchrec_type
-from ..plan.layout.tables import SHARDING_TYPE_PREFIX, parse_sharding_type
+from ..plan.layout.groups import ShardingGroup
 from ..plan.layout.torchrec_types import DATA_PARALLEL, ROW_WISE, TABLE_ROW_WISE
 from .cluster_runtimes import cluster_runtime
 from .codecs import builtin_codecs, cluster_codecs
@@ -37,6 +35,11 @@ from .validation import check_equal_batches
 
 # TorchRec's types whose output dist reduce-scatters partial sums per rank (and whose MEAN tables it fixes up)
 _REDUCE_SCATTER_TYPES = (ROW_WISE, TABLE_ROW_WISE)
+
+
+def _torchrec_type(sharding_type: str) -> str | None:
+    """The TorchRec sharding type that runs a group of this module's string, None for ours."""
+    return ShardingGroup.parse(sharding_type).torchrec_type
 
 
 def _by_pooling(configs: Any) -> Dict[str, List[str]]:
@@ -77,7 +80,7 @@ class EmbarkShardedEmbeddingBagCollection(EmbarkShardedModule, ShardedEmbeddingB
                 c
                 for c in module_configs(self)
                 if table_name_to_parameter_sharding[c.name].sharding_type not in _REDUCE_SCATTER_TYPES
-                and torchrec_type(table_name_to_parameter_sharding[c.name].sharding_type) in _REDUCE_SCATTER_TYPES
+                and _torchrec_type(table_name_to_parameter_sharding[c.name].sharding_type) in _REDUCE_SCATTER_TYPES
             ),
         )
         self._init_embark(
@@ -85,14 +88,14 @@ class EmbarkShardedEmbeddingBagCollection(EmbarkShardedModule, ShardedEmbeddingB
             unique_lookup,
             uniform_batch_features=[  # TorchRec's data-parallel output dist cannot expand a variable batch
                 f
-                for kind, sharding in zip(module_sharding_types(self), module_shardings(self))
-                if kind == DATA_PARALLEL
+                for sharding_type, sharding in zip(module_sharding_types(self), module_shardings(self))
+                if sharding_type == DATA_PARALLEL
                 for f in sharding.feature_names()
             ],
             weighted=module.is_weighted(),
         )
         self._reduce_scatter_shardings = [  # TorchRec's types whose output dist reduce-scatters per rank
-            i for i, t in enumerate(module_sharding_types(self)) if torchrec_type(t) in _REDUCE_SCATTER_TYPES
+            i for i, t in enumerate(module_sharding_types(self)) if _torchrec_type(t) in _REDUCE_SCATTER_TYPES
         ]
         fixup = mean_fixup_features(self)
         self._undivide: Optional[torch.Tensor] = None
@@ -116,8 +119,8 @@ class EmbarkShardedEmbeddingBagCollection(EmbarkShardedModule, ShardedEmbeddingB
         mean_tables = {c.name for c in module_configs(self) if c.pooling == PoolingType.MEAN}
         wrong: List[bool] = []
         seen: set[str] = set()
-        for kind, sharding in zip(module_sharding_types(self), module_shardings(self)):
-            row_split = torchrec_type(kind) in _REDUCE_SCATTER_TYPES
+        for sharding_type, sharding in zip(module_sharding_types(self), module_shardings(self)):
+            row_split = _torchrec_type(sharding_type) in _REDUCE_SCATTER_TYPES
             for feature, name, dim in zip(
                 sharding.feature_names(), sharding.embedding_names(), sharding.embedding_dims()
             ):
@@ -139,8 +142,10 @@ class EmbarkShardedEmbeddingBagCollection(EmbarkShardedModule, ShardedEmbeddingB
         qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
     ) -> EmbeddingSharding:
         sharding_type = sharding_infos[0].param_sharding.sharding_type
-        if not sharding_type.startswith(SHARDING_TYPE_PREFIX):
-            builtin, qcomm_codecs_registry = builtin_codecs(sharding_type, qcomm_codecs_registry)
+        group = ShardingGroup.parse(sharding_type)
+        builtin = group.torchrec_type
+        if builtin is not None:
+            qcomm_codecs_registry = builtin_codecs(group, qcomm_codecs_registry)
             if builtin != sharding_type:  # TorchRec dispatches on the infos' type string
                 sharding_infos = [
                     replace(info, param_sharding=replace(info.param_sharding, sharding_type=builtin))
@@ -153,9 +158,8 @@ class EmbarkShardedEmbeddingBagCollection(EmbarkShardedModule, ShardedEmbeddingB
                 permute_embeddings=permute_embeddings,
                 qcomm_codecs_registry=qcomm_codecs_registry,
             )
-        cluster, hierarchical, precision = parse_sharding_type(sharding_type)
-        codecs = cluster_codecs(precision, qcomm_codecs_registry, CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL)
-        return cluster_runtime(cluster_kind(cluster)).pooled(sharding_infos, env, device, codecs, hierarchical)
+        codecs = cluster_codecs(group.precision, qcomm_codecs_registry, CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL)
+        return cluster_runtime(group.cluster_kind).pooled(sharding_infos, env, device, codecs, group.hierarchical)
 
     def embedding_configs(self) -> List[Any]:
         return module_configs(self)

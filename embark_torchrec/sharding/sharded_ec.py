@@ -20,8 +20,8 @@ from torchrec.distributed.fbgemm_qcomm_codec import CommOp
 from torchrec.distributed.types import ParameterSharding, QuantizedCommCodecs, ShardingEnv
 from torchrec.modules.embedding_modules import EmbeddingCollection
 
-from ..plan.layout.kinds import cluster_kind
-from ..plan.layout.tables import SHARDING_TYPE_PREFIX, parse_sharding_type
+from ..plan.layout.groups import ShardingGroup
+from ..plan.model.fields import SEQUENCE
 from .cluster_runtimes import cluster_runtime
 from .codecs import builtin_codecs, cluster_codecs
 from .sequence import EmbarkSequenceContext, GridSequenceFeaturesDist
@@ -67,19 +67,22 @@ class EmbarkShardedEmbeddingCollection(EmbarkShardedModule, ShardedEmbeddingColl
         device: Optional[torch.device] = None,
         qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
     ) -> EmbeddingSharding:
-        if not sharding_type.startswith(SHARDING_TYPE_PREFIX):
-            builtin, qcomm_codecs_registry = builtin_codecs(sharding_type, qcomm_codecs_registry)
+        group = ShardingGroup.parse(sharding_type, SEQUENCE)
+        if group.torchrec_type is not None:
             return super().create_embedding_sharding(
-                builtin, sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry
+                group.torchrec_type,
+                sharding_infos,
+                env,
+                device,
+                qcomm_codecs_registry=builtin_codecs(group, qcomm_codecs_registry),
             )
-        cluster, _, precision = parse_sharding_type(sharding_type)
-        codecs = cluster_codecs(precision, qcomm_codecs_registry, CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL)
-        return cluster_runtime(cluster_kind(cluster)).sequence(sharding_infos, env, device, codecs, False)
+        codecs = cluster_codecs(group.precision, qcomm_codecs_registry, CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL)
+        return cluster_runtime(group.cluster_kind).sequence(sharding_infos, env, device, codecs, False)
 
     def _embedding_dim_for_sharding_type(self, sharding_type: str) -> int:
         """TorchRec views each lookup's output as rows of this width; our cells may be narrower than
         the table and of several widths, so our dists take it as single elements."""
-        if sharding_type.startswith(SHARDING_TYPE_PREFIX):
+        if ShardingGroup.parse(sharding_type, SEQUENCE).torchrec_type is None:
             return 1
         return super()._embedding_dim_for_sharding_type(sharding_type)
 

@@ -50,13 +50,13 @@ from embark_torchrec import (
 )
 from embark_torchrec.plan import (
     ModelSpec,
+    ShardingGroup,
     TableConstraints,
     TableLayout,
     Topology,
     ceil_row_bounds,
     hardware_preset,
     profile_features,
-    sharding_type_name,
 )
 from embark_torchrec.planner import torchrec_topology
 
@@ -235,7 +235,7 @@ def make_plan(
     plan = planner.collective_plan(model, sharders)
     if args.history_layout == "rw":
         # row-wise on our grid sharding rather than TorchRec's built-in row_wise, so that the same counters count it
-        plan.plan[EC_PATH][HISTORY].sharding_type = sharding_type_name(forced)
+        plan.plan[EC_PATH][HISTORY].sharding_type = ShardingGroup.ours(forced, "sequence").name
     return plan
 
 

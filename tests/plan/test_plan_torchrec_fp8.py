@@ -12,7 +12,7 @@ import pytest
 
 from embark_torchrec.plan.layout.constraints import TableConstraints
 from embark_torchrec.plan.cost.model import CostModel
-from embark_torchrec.plan.layout.groups import sharding_type, torchrec_type
+from embark_torchrec.plan.layout.groups import sharding_group
 from embark_torchrec.plan.layout.tables import Plan, TableLayout, WirePrecision
 from embark_torchrec.plan.plan_model import EMBARK, plan_model
 from embark_torchrec.plan.report import ScoredPlan, render, summary
@@ -46,7 +46,7 @@ def cost() -> CostModel:
 
 
 def _groups(plan: Plan) -> set[str]:
-    return {sharding_type(plan.tables[t.name], t.rows, WS, LWS) for t in SPEC.tables}
+    return {sharding_group(plan.tables[t.name], t.rows, WS, LWS).name for t in SPEC.tables}
 
 
 def test_unbounded_tolerance_moves_every_table_and_column_wise_fp8_table(cost: CostModel) -> None:
@@ -84,7 +84,7 @@ def test_a_fixed_layout_is_never_moved(cost: CostModel) -> None:
     fixed = {"t0": TableConstraints(layout=plan.tables["t0"])}
     moved, _ = torchrec_fp8_groups(cost, plan, cost.evaluate(plan), fixed, math.inf)
     assert not moved.tables["t0"].torchrec_at_fp8 and moved.tables["t2"].torchrec_at_fp8
-    assert torchrec_type(sharding_type(moved.tables["t2"], 1_000_000, WS, LWS)) == "table_wise"
+    assert sharding_group(moved.tables["t2"], 1_000_000, WS, LWS).torchrec_type == "table_wise"
 
 
 def test_plan_model_applies_the_search_configs_tolerance() -> None:

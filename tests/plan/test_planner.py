@@ -30,8 +30,8 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from embark_torchrec.plan.search.baselines import table_row_wise_plan
 from embark_torchrec.planner.torchrec_plans import from_sharding_plan
 from embark_torchrec.plan.layout.constraints import TableConstraints
-from embark_torchrec.plan.layout.groups import builtin_sharding_type
-from embark_torchrec.plan.layout.tables import Plan, TableLayout, WirePrecision, sharding_type_name
+from embark_torchrec.plan.layout.groups import ShardingGroup
+from embark_torchrec.plan.layout.tables import Plan, TableLayout, WirePrecision
 from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.planner.planner import TORCHREC_DEFAULT, EmbarkPlanner, default_hardware
 from embark_torchrec.plan.model.ranges import MAX_PLANNED_WORLD_SIZE
@@ -151,8 +151,8 @@ def test_plan_is_consistent_with_the_layouts(planned: tuple[EmbarkPlanner, Any])
             ([s.rows[0], s.cols[0]], [s.rows[1] - s.rows[0], s.cols[1] - s.cols[0]], s.rank, f"cuda:{s.rank % 4}")
             for s in shards
         ], t.name
-        kind = builtin_sharding_type(layout, t.rows, 8, 4)
-        assert ps.sharding_type == (kind or sharding_type_name(layout)), t.name
+        builtin = layout.kind.builtin_sharding_type(layout, t.rows, 8, 4)
+        assert ps.sharding_type == (builtin or ShardingGroup.ours(layout).name), t.name
         assert ps.compute_kernel == "fused"
 
 
@@ -280,7 +280,7 @@ def test_builtin_sharding_type(case: str) -> None:
     rows, UB, fp8 on the wire either way, grids and any other rank order."""
     layout, expected = BUILTIN_CASES[case]
     layout.validate("t", ROWS, 64, W)
-    assert builtin_sharding_type(layout, ROWS, W, L) == expected
+    assert layout.kind.builtin_sharding_type(layout, ROWS, W, L) == expected
 
 
 def _torchrec_param_sharding(kind: str, rows: int, dim: int, world: int, local: int, **kw: Any) -> Any:
@@ -320,7 +320,7 @@ def test_builtin_types_match_torchrec_constructors(kind: str, rows: int, dim: in
     layout = from_sharding_plan(ShardingPlan(plan={"": {"t": theirs}}), topo)["t"]
     if kind == "table_row_wise":
         assert layout.hierarchical
-    assert builtin_sharding_type(layout, rows, W, L) == kind
+    assert layout.kind.builtin_sharding_type(layout, rows, W, L) == kind
     spec = ModelSpec("one", 1024, (TableSpec("t", rows, dim, 1.0),))
     ours = module_sharding_plan(Plan(W, L, {"t": layout}), spec)["t"]
     assert ours.sharding_type == theirs.sharding_type
@@ -346,10 +346,12 @@ def test_builtin_types_match_torchrec_constructors(kind: str, rows: int, dim: in
         (TableLayout("rb", (0, 10), (0, 8), ((0,),), WirePrecision("fp32", "fp16")), "embark_rb:fp32-fp16"),
     ],
 )
-def test_sharding_type_name(layout: TableLayout, name: str) -> None:
+def test_our_sharding_type_names(layout: TableLayout, name: str) -> None:
     """Our sharding-type strings: embark_<cluster>[_hier][:<forward>-<backward>], the precision part
-    only when it is not fp32 both ways."""
-    assert sharding_type_name(layout) == name
+    only when it is not fp32 both ways; each parses back to its group."""
+    group = ShardingGroup.ours(layout)
+    assert group.name == name
+    assert ShardingGroup.parse(name) == group
 
 
 # ---- round trips through torchrec's plan types -----------------------------------------------------
@@ -677,7 +679,7 @@ def test_table_row_wise_plan_layout() -> None:
         assert layout.ranks == tuple((node * 4 + j,) for j in range(len(expected_bounds) - 1)), t.name
         assert layout.hierarchical == (layout.num_row_slices > 1), t.name
         whole = t.rows >= 4 and t.rows - 3 * block > 0
-        assert (builtin_sharding_type(layout, t.rows, 12, 4) == "table_row_wise") == whole, t.name
+        assert (layout.kind.builtin_sharding_type(layout, t.rows, 12, 4) == "table_row_wise") == whole, t.name
         if t.rows > 1:
             theirs = _torchrec_param_sharding("table_row_wise", t.rows, 16, 12, 4, host_index=node)
             assert from_sharding_plan(ShardingPlan(plan={"": {t.name: theirs}}), topo)[t.name] == layout, t.name

@@ -23,7 +23,7 @@ from embark_torchrec.plan.layout.kinds import (
 )
 from embark_torchrec.plan.layout.constraints import TableConstraints
 from embark_torchrec.plan.cost.model import CostModel
-from embark_torchrec.plan.layout.groups import collectives_per_step, sharding_type
+from embark_torchrec.plan.layout.groups import ShardingGroup, sharding_group
 from embark_torchrec.plan.layout.tables import Plan, PlanError, TableLayout
 from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.plan.model.spec import ModelSpec, TableSpec
@@ -61,11 +61,11 @@ def test_a_toy_kind_is_read_from_plan_files_and_named_in_sharding_types(toy: Toy
     plan = Plan(4, 2, {"t": TableLayout.table_wise(64, 16, 1, "toy"), "g": _toy_grid(hierarchical=True)})
     again = Plan.from_dict(plan.to_dict())
     assert again == plan and again["t"].kind is toy
-    assert sharding_type(plan["t"], 64, 4, 2) == "embark_toy"  # RB would run it as "table_wise"
-    assert sharding_type(TableLayout.table_wise(64, 16, 1), 64, 4, 2) == "table_wise"
-    assert sharding_type(plan["g"], 64, 4, 2) == "embark_toy_hier"
-    assert collectives_per_step("embark_toy") == FLAT_COLLECTIVES
-    assert collectives_per_step("embark_toy_hier") == HIERARCHICAL_COLLECTIVES
+    assert sharding_group(plan["t"], 64, 4, 2).name == "embark_toy"  # RB would run it as "table_wise"
+    assert sharding_group(TableLayout.table_wise(64, 16, 1), 64, 4, 2).name == "table_wise"
+    assert sharding_group(plan["g"], 64, 4, 2).name == "embark_toy_hier"
+    assert ShardingGroup.parse("embark_toy").collectives_per_step == FLAT_COLLECTIVES
+    assert ShardingGroup.parse("embark_toy_hier").collectives_per_step == HIERARCHICAL_COLLECTIVES
 
 
 def test_an_unregistered_kind_is_refused_naming_the_table_and_the_known_kinds() -> None:
@@ -75,8 +75,9 @@ def test_an_unregistered_kind_is_refused_naming_the_table_and_the_known_kinds() 
         Plan.from_dict(document)
     with pytest.raises(ValueError, match="already registered"):
         register_cluster_kind(ReductionKind())
-    with pytest.raises(ValueError, match="without '_'"):
-        register_cluster_kind(type("Bad", (ReductionKind,), {"name": "rb_x"})())
+    for bad in ("rb_x", "rb:x", "rb@x"):
+        with pytest.raises(ValueError, match="without '_', ':' or '@'"):
+            register_cluster_kind(type("Bad", (ReductionKind,), {"name": bad})())
 
 
 def _cost(world_size: int = 4, local_world_size: int = 2) -> CostModel:
@@ -92,7 +93,7 @@ def test_a_toy_kind_prices_and_sends_what_its_base_kind_does(toy: ToyKind, hiera
     as_rb = TableLayout("rb", grid.row_bounds, grid.col_bounds, grid.ranks, hierarchical=hierarchical)
     toy_load, rb_load = cost.table_load("t", grid), cost.table_load("t", as_rb)
     np.testing.assert_array_equal(toy_load.rows, rb_load.rows)
-    assert set(toy_load.groups) == {"embark_toy" + ("_hier" if hierarchical else "")}
+    assert set(toy_load.groups) == {ShardingGroup("pooled", "toy", hierarchical)}
     assert table_messages(cost, "t", grid) == table_messages(cost, "t", as_rb)
     sent = sum(m.nbytes for m in table_messages(cost, "t", grid))
     assert sent == pytest.approx(float((toy_load.send_intra + toy_load.send_inter).sum()))
@@ -109,7 +110,7 @@ def test_the_planner_and_the_bound_take_a_table_forced_to_a_toy_kind(toy: ToyKin
     planned = plan_model(spec, topology, constraints=constraints, progress=False)
     assert planned.plan["t"].cluster == "toy" and planned.plan["u"].cluster != "toy"
     groups = CostModel(spec, topology).rank_load(planned.plan).groups
-    assert any(kind.startswith("embark_toy") for kind in groups)
+    assert any(group.runner == "toy" for group in groups)
     assert 0.0 < step_lower_bound(CostModel(spec, topology), constraints) <= planned.cost.step_ms
 
 

@@ -34,7 +34,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from tests.sharding import test_sharding_pipeline as P
 from embark_torchrec.plan.cost.model import CostModel
-from embark_torchrec.plan.layout.groups import sharding_type
+from embark_torchrec.plan.layout.groups import sharding_group
 from embark_torchrec.plan.layout.tables import TableLayout, WirePrecision
 from embark_torchrec.plan.model.spec import ModelSpec, TableSpec
 from embark_torchrec.plan.model.topology import Topology
@@ -227,7 +227,7 @@ def _per_rank(messages: Iterable[Message]) -> np.ndarray:
 
 
 def _groups(tables: Iterable[EmbeddingBagConfig], layouts: dict[str, TableLayout]) -> int:
-    return len({sharding_type(layouts[t.name], t.num_embeddings, WS, LWS) for t in tables})
+    return len({sharding_group(layouts[t.name], t.num_embeddings, WS, LWS).name for t in tables})
 
 
 # per case of _one_step's exchanges: (the module's sharding groups, its batches)

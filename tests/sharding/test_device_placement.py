@@ -48,7 +48,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embark_torchrec.plan.layout.groups import sharding_type
+from embark_torchrec.plan.layout.groups import sharding_group
 from embark_torchrec.plan.layout.tables import Plan, TableLayout, WirePrecision
 from embark_torchrec.planner.parameter_sharding import module_sharding_plan
 from embark_torchrec.plan.model.spec import ModelSpec
@@ -247,7 +247,7 @@ def _dists_one_by_one(module: EmbeddingBagCollection, params: dict[str, Any], en
 
 def _placement_problems(kind: str, precision: str, rank: int) -> tuple[list[str], int]:
     layouts = _layouts(kind, precision)
-    assert {sharding_type(layouts[t.name], ROWS, WS, LWS) for t in TABLES} == {_expected_type(kind, precision)}
+    assert {sharding_group(layouts[t.name], ROWS, WS, LWS).name for t in TABLES} == {_expected_type(kind, precision)}
     with fake_world(WS, rank=rank, local_world_size=LWS) as pg:
         module, params = _meta_inputs(layouts)
         env = ShardingEnv.from_process_group(pg)

@@ -23,14 +23,10 @@ from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embark_torchrec.plan.layout.groups import module_collectives_per_step, sharding_type
-from embark_torchrec.plan.layout.tables import (
-    TableLayout,
-    WirePrecision,
-    precision_suffix,
-    row_width_suffix,
-    sharding_type_name,
-)
+from embark_torchrec.plan.layout.groups import ShardingGroup, module_collectives_per_step, sharding_group
+from embark_torchrec.plan.layout.tables import TableLayout, WirePrecision
+from embark_torchrec.plan.layout.wire import ROW_SCALED_PRECISIONS
+from embark_torchrec.plan.model.fields import POOLED
 from embark_torchrec.sharding.codecs import wire_codecs
 from embark_torchrec.testing import run_ranks
 from embark_torchrec.testing.host_work import COLLECTIVES, HostWorkCounter
@@ -113,10 +109,11 @@ def _count_steps() -> dict[str, dict[str, Any]]:
             elif plan_precision is None:
                 plan_precision = WirePrecision(precision, precision)
             layouts = {t.name: _layout(kind, i, plan_precision) for i, t in enumerate(tables)}
-            runs_as = {sharding_type(layout, ROWS, WS, LWS) for layout in layouts.values()}
+            runs_as = {sharding_group(layout, ROWS, WS, LWS) for layout in layouts.values()}
             p = layouts["t0"].precision
-            builtin = kind + precision_suffix(p) + row_width_suffix(p, DIM)
-            assert runs_as == {sharding_type_name(layouts["t0"]) if kind in OURS else builtin}, (case, runs_as)
+            width = DIM if {p.forward, p.backward} & ROW_SCALED_PRECISIONS else 0
+            builtin = ShardingGroup(POOLED, kind, precision=p, row_width=width)
+            assert runs_as == {ShardingGroup.ours(layouts["t0"]) if kind in OURS else builtin}, (case, runs_as)
             registry = registry_of() if qcomms else None
             model = sharded_model(tables, layouts, LWS, qcomm_codecs_registry=registry)
             result[f"{case}:{n}"] = second_step_work(model, tables, WS, BATCH, _step)
@@ -194,7 +191,8 @@ def test_counter_sees_torchrec_collectives(counts: list[dict[str, dict[str, Any]
     torch.distributed, all async, on every rank."""
     for n in TABLE_COUNTS:
         for c in counts:
-            assert c[f"{BASELINE}:{n}"]["collectives"] == module_collectives_per_step(["table_wise"]) == 5
+            table_wise = ShardingGroup.parse("table_wise")
+            assert c[f"{BASELINE}:{n}"]["collectives"] == module_collectives_per_step([table_wise]) == 5
             assert c[f"{BASELINE}:{n}"]["blocking_collectives"] == 0
 
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embark_torchrec.plan.layout.groups import sharding_type
+from embark_torchrec.plan.layout.groups import sharding_group
 from embark_torchrec.plan.layout.torchrec_types import ceil_row_bounds
 from embark_torchrec.plan.layout.tables import TableLayout
 from embark_torchrec.sharding.torchrec_compat import module_sharding_types, sequence_sharding_types
@@ -407,7 +407,7 @@ def test_each_module_runs_the_sharding_type_it_stands_for(results: tuple[int, li
     for name, r in per_rank[0].items():
         kind = name.split("/")[1]
         layout = _layouts(ws)[kind]
-        want = sharding_type(layout, ROWS, ws, LWS, sequence=name.startswith("ec"))
+        want = sharding_group(layout, ROWS, ws, LWS, sequence=name.startswith("ec")).name
         assert r["runs_as"] == [want], (name, r["runs_as"], want)
         if kind in ("grid", "grid_hier", "ub"):
             assert want.startswith("embark_"), (name, want)

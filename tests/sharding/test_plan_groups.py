@@ -22,9 +22,9 @@ from embark_torchrec.plan.cost.model import CostModel
 from embark_torchrec.plan.layout.kinds import UNIQUE_COLLECTIVES
 from embark_torchrec.plan.layout.groups import (
     INPUT_EXCHANGE_COLLECTIVES,
-    collectives_per_step,
+    ShardingGroup,
     module_collectives_per_step,
-    sharding_type,
+    sharding_group,
 )
 from embark_torchrec.plan.layout.tables import Plan, TableLayout
 from embark_torchrec.plan.layout.torchrec_types import FLAT_COLLECTIVES, HIERARCHICAL_COLLECTIVES
@@ -95,7 +95,7 @@ def counted() -> list[dict[str, int]]:
 
 
 def _expected(tables: list[EmbeddingBagConfig], layouts: Mapping[str, TableLayout]) -> int:
-    return module_collectives_per_step(sharding_type(layouts[t.name], t.num_embeddings, WS, LWS) for t in tables)
+    return module_collectives_per_step(sharding_group(layouts[t.name], t.num_embeddings, WS, LWS) for t in tables)
 
 
 @pytest.mark.parametrize("kind", sorted(LAYOUTS))
@@ -103,8 +103,9 @@ def test_group_issues_the_collectives_it_is_charged(counted: list[dict[str, int]
     """A module of one group issues the group's collectives and its split exchange (a data-parallel group alone:
     its DDP all-reduce and the exchange, which carries the batch's input check to every rank)."""
     tables, layouts = CASES[kind]
-    assert {sharding_type(layouts[t.name], ROWS, WS, LWS) for t in tables} == {kind}
-    assert [c[kind] for c in counted] == [collectives_per_step(kind) + INPUT_EXCHANGE_COLLECTIVES] * WS
+    assert {sharding_group(layouts[t.name], ROWS, WS, LWS).name for t in tables} == {kind}
+    charged = ShardingGroup.parse(kind).collectives_per_step + INPUT_EXCHANGE_COLLECTIVES
+    assert [c[kind] for c in counted] == [charged] * WS
 
 
 def test_groups_add_up(counted: list[dict[str, int]]) -> None:
@@ -139,7 +140,7 @@ def test_cost_model_charges_each_distinct_group_once() -> None:
     tw = {f"t{i}": TableLayout.table_wise(ROWS, DIM, i) for i in range(3)}
     one_group = collective_ms(tw)
     assert one_group > 0
-    dp_group = collectives_per_step("data_parallel") * price  # its own DDP's all-reduce
+    dp_group = ShardingGroup.parse("data_parallel").collectives_per_step * price  # its own DDP's all-reduce
     assert collective_ms({**tw, "t2": TableLayout.data_parallel()}) == pytest.approx(one_group + dp_group)
     mixed = {**tw, "t1": LAYOUTS["embark_ub"][0], "t2": LAYOUTS["embark_rb_hier"][0]}
     assert collective_ms(mixed) == pytest.approx(one_group + (4 + 6) * price)
@@ -154,7 +155,7 @@ def test_cost_model_charges_each_distinct_group_once() -> None:
 
 
 def _groups(plan: Plan, spec: ModelSpec) -> set[str]:
-    return {sharding_type(plan[t.name], t.rows, plan.world_size, plan.local_world_size) for t in spec.tables}
+    return {sharding_group(plan[t.name], t.rows, plan.world_size, plan.local_world_size).name for t in spec.tables}
 
 
 def test_costly_collectives_keep_the_plan_in_one_group() -> None:

@@ -34,7 +34,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from embark_torchrec.plan import cli
 from embark_torchrec.plan.layout.constraints import TableConstraints
 from embark_torchrec.plan.cost.model import CostModel
+from embark_torchrec.plan.layout.groups import ShardingGroup
 from embark_torchrec.plan.layout.tables import Plan, PlanError, TableLayout, WirePrecision
+from embark_torchrec.plan.model.fields import SEQUENCE
 from embark_torchrec.planner.planner import EmbarkPlanner
 from embark_torchrec.plan.model.profile import profile_features
 from embark_torchrec.plan.model.spec import ModelSpec, SpecError, TableSpec
@@ -182,7 +184,7 @@ def test_cost_model_prices_a_sequence_table_per_id_by_hand() -> None:
     flat = seq.table_load("t", TableLayout("rb", (0, 250, 1000), (0, 16), ((0,), (2,)), hierarchical=False))
     hier = seq.table_load("t", TableLayout("rb", (0, 250, 1000), (0, 16), ((0,), (2,)), hierarchical=True))
     np.testing.assert_array_equal(flat.rows, hier.rows)
-    assert list(flat.groups) == list(hier.groups) == ["sequence/embark_rb"]
+    assert list(flat.groups) == list(hier.groups) == [ShardingGroup.parse("embark_rb", SEQUENCE)]
     ub = TableLayout("ub", (0, 250, 1000), (0, 16), ((0,), (2,)))
     seq_ub, pooled_ub = seq.table_load("t", ub), pooled.table_load("t", ub)
     for row in ("send_intra", "send_inter", "recv_intra", "recv_inter", "lookup_bytes", "host_ms"):

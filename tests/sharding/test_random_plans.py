@@ -33,7 +33,6 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
 from embark_torchrec.plan.layout.tables import PlanError, TableLayout
 from embark_torchrec.plan.plan_model import plan_model
-from embark_torchrec.plan.layout.groups import builtin_sharding_type
 from embark_torchrec.plan.model.spec import IdDistribution, ModelSpec, TableSpec
 from embark_torchrec.plan.model.topology import PRESETS, Hardware, Topology
 from embark_torchrec.testing import run_ranks
@@ -115,7 +114,7 @@ def _kind(layout: TableLayout, rows: int, ws: int, lws: int) -> str:
     nr, nc = layout.num_row_slices, layout.num_col_slices
     shape = "grid" if nr > 1 and nc > 1 else "rows" if nr > 1 else "cols" if nc > 1 else "whole"
     hier = " hier" if layout.hierarchical and nr > 1 else ""
-    return f"{layout.cluster} {shape}{hier} {builtin_sharding_type(layout, rows, ws, lws) or 'embark'}"
+    return f"{layout.cluster} {shape}{hier} {layout.kind.builtin_sharding_type(layout, rows, ws, lws) or 'embark'}"
 
 
 def _coverage() -> Counter[str]:

@@ -20,7 +20,8 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConf
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import embark_torchrec.sharding as sharding_package
-from embark_torchrec.plan.layout.tables import SHARDING_TYPE_PREFIX, TableLayout
+from embark_torchrec.plan.layout.groups import ShardingGroup
+from embark_torchrec.plan.layout.tables import TableLayout
 from embark_torchrec.plan.layout.torchrec_types import ceil_row_bounds
 from embark_torchrec.sharding.sharded_module import EmbarkShardedModule
 from embark_torchrec.sharding.torchrec_compat import module_input_dists, module_output_dists
@@ -141,7 +142,7 @@ def test_each_output_dist_gets_its_shardings_context_of_the_batch(
     for UB, the received counts compute_and_output_dist filed), TorchRec's keep TorchRec's (on every rank)."""
     for rank, result in enumerate(contexts):
         r = result[kind]
-        ours = [t.startswith(SHARDING_TYPE_PREFIX) for t in r["types"]]
+        ours = [ShardingGroup.parse(t).torchrec_type is None for t in r["types"]]
         unique = ["embark_ub" in t for t in r["types"]]
         assert any(ours) and not all(ours), r["types"]
         assert all(r["same"]), (rank, r)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embark_torchrec.plan.layout.groups import sharding_type
+from embark_torchrec.plan.layout.groups import sharding_group
 from embark_torchrec.plan.layout.tables import TableLayout, WirePrecision
 from embark_torchrec.plan.layout.torchrec_types import ceil_row_bounds
 from embark_torchrec.sharding.comm_stats import CommKey, enable_comm_stats
@@ -265,7 +265,7 @@ def test_torchrec_types_keep_their_sharding_below_fp32(world: tuple[int, list[di
     codecs ran); the fp32 grid beside them is exact."""
     ws, results = world
     for name, (rows, _, kind, layout) in _torchrec_precision_layouts(ws).items():
-        assert sharding_type(layout, rows, ws, WORLDS[ws], sequence=True) == kind, name
+        assert sharding_group(layout, rows, ws, WORLDS[ws], sequence=True).name == kind, name
     for rank, diffs in enumerate(r["torchrec_precision"] for r in results):
         for table, bound in (("tw_fp16", 2e-3), ("rw_bf16", 1.6e-2), ("tw_fp8", 0.1)):
             found = [v for k, v in diffs.items() if table in k]

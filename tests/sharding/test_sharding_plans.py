@@ -19,7 +19,6 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from embark_torchrec.plan.layout.tables import Plan, PlanError, TableLayout, WirePrecision
 from embark_torchrec.plan.plan_model import plan_model
-from embark_torchrec.plan.layout.groups import builtin_sharding_type
 from embark_torchrec.planner.parameter_sharding import module_sharding_plan
 from embark_torchrec.plan.model.spec import ModelSpec, builtin_model
 from embark_torchrec.planner.load_plan import load_plan
@@ -52,7 +51,7 @@ def planned() -> dict[str, tuple[ModelSpec, list[EmbeddingBagConfig], Plan]]:
 
 def _kind(layout: TableLayout, rows: int) -> str:
     """The sharding-type string module_sharding_plan gives the layout."""
-    return builtin_sharding_type(layout, rows, WORLD_SIZE, LOCAL_WORLD_SIZE) or (
+    return layout.kind.builtin_sharding_type(layout, rows, WORLD_SIZE, LOCAL_WORLD_SIZE) or (
         "embark_" + layout.cluster + ("_hier" if layout.hierarchical else "")
     )
 

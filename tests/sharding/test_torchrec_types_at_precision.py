@@ -23,14 +23,8 @@ import pytest
 import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
-from embark_torchrec.plan.layout.groups import collectives_per_step, id_bytes, sharding_type, torchrec_type
-from embark_torchrec.plan.layout.tables import (
-    TableLayout,
-    WirePrecision,
-    precision_suffix,
-    split_precision,
-    split_row_width,
-)
+from embark_torchrec.plan.layout.groups import ShardingGroup, sharding_group
+from embark_torchrec.plan.layout.tables import TableLayout, WirePrecision
 from embark_torchrec.plan.layout.wire import TORCHREC_ID_BYTES
 from embark_torchrec.sharding.torchrec_compat import (
     collective_codecs,
@@ -102,13 +96,13 @@ def test_torchrec_layouts_keep_their_type_below_fp32(table: str) -> None:
     """A TorchRec-shaped layout below fp32 is TorchRec's type with the precision in its string (at fp8 also its rows'
     width), priced with TorchRec's collectives and int64 IDs."""
     layout = LAYOUTS[table]
-    kind = sharding_type(layout, _rows(table), WS, LWS)
-    assert kind == GROUPS[table]
-    base = kind.partition(":")[0]
-    assert torchrec_type(kind) == base
-    assert split_precision(kind)[1] == layout.precision
-    assert collectives_per_step(kind) == collectives_per_step(base)
-    assert id_bytes(kind) == TORCHREC_ID_BYTES
+    group = sharding_group(layout, _rows(table), WS, LWS)
+    assert group.name == GROUPS[table]
+    base = GROUPS[table].partition(":")[0]
+    assert group.torchrec_type == base
+    assert group.precision == layout.precision
+    assert group.collectives_per_step == ShardingGroup.parse(base).collectives_per_step
+    assert group.id_bytes == TORCHREC_ID_BYTES
 
 
 @pytest.mark.parametrize("table", sorted(set(GROUPS) - {"tw32"}))
@@ -120,16 +114,16 @@ def test_at_fp8_table_and_column_wise_run_on_torchrecs_one_group_per_width_where
     is TorchRec's type, its string naming the width its row-scaled codec is told; unset, it is ours. A row-wise or
     table-row-wise one, and a column-wise one of uneven slices, cannot be TorchRec's at fp8: always ours."""
     layout = replace(LAYOUTS[table], precision=fp8, torchrec_at_fp8=False)
-    ours = sharding_type(layout, _rows(table), WS, LWS)
-    assert ours.startswith("embark_rb") and torchrec_type(ours) is None, ours
+    ours = sharding_group(layout, _rows(table), WS, LWS)
+    assert ours.name.startswith("embark_rb") and ours.torchrec_type is None, ours
     base = GROUPS[table].partition(":")[0]
     if base in ("table_wise", "column_wise"):
         width = layout.col_bounds[1] - layout.col_bounds[0]
-        kind = sharding_type(replace(layout, torchrec_at_fp8=True), _rows(table), WS, LWS)
-        assert kind == f"{base}{precision_suffix(fp8)}@{width}"
-        assert torchrec_type(kind) == base and split_row_width(kind) == (kind.partition("@")[0], width)
-        assert split_precision(kind) == (base, fp8)
-        assert collectives_per_step(kind) == collectives_per_step(base) and id_bytes(kind) == TORCHREC_ID_BYTES
+        group = sharding_group(replace(layout, torchrec_at_fp8=True), _rows(table), WS, LWS)
+        assert group.name == f"{base}:{fp8.forward}-{fp8.backward}@{width}"
+        assert (group.torchrec_type, group.precision, group.row_width) == (base, fp8, width)
+        assert group.collectives_per_step == ShardingGroup.parse(base).collectives_per_step
+        assert group.id_bytes == TORCHREC_ID_BYTES
         assert TableLayout("rb", (0, 20), (0, 4, 12), ((0, 1),), fp8).fp8_builtin_type() is None  # uneven slices
     else:
         assert layout.fp8_builtin_type() is None
@@ -138,11 +132,11 @@ def test_at_fp8_table_and_column_wise_run_on_torchrecs_one_group_per_width_where
 def test_sequence_tables_keep_torchrec_types_below_fp32() -> None:
     """An EmbeddingCollection's table-wise and row-wise tables stay TorchRec's at fp16 too, and its table-wise ones at
     fp8 (column-wise, which TorchRec runs only for tables of one width, stays ours at every precision)."""
-    assert sharding_type(LAYOUTS["tw"], 20, WS, LWS, sequence=True) == "table_wise:fp16-fp16"
-    assert sharding_type(LAYOUTS["rw"], 22, WS, LWS, sequence=True) == "row_wise:fp16-bf16"
-    assert sharding_type(LAYOUTS["cw"], 20, WS, LWS, sequence=True).startswith("embark_rb")
-    assert sharding_type(LAYOUTS["tw8"], 20, WS, LWS, sequence=True) == "table_wise:fp8-fp8@12"
-    assert sharding_type(LAYOUTS["rw8"], 22, WS, LWS, sequence=True) == "embark_rb:fp8-fp8"
+    assert sharding_group(LAYOUTS["tw"], 20, WS, LWS, sequence=True).name == "table_wise:fp16-fp16"
+    assert sharding_group(LAYOUTS["rw"], 22, WS, LWS, sequence=True).name == "row_wise:fp16-bf16"
+    assert sharding_group(LAYOUTS["cw"], 20, WS, LWS, sequence=True).name.startswith("embark_rb")
+    assert sharding_group(LAYOUTS["tw8"], 20, WS, LWS, sequence=True).name == "table_wise:fp8-fp8@12"
+    assert sharding_group(LAYOUTS["rw8"], 22, WS, LWS, sequence=True).name == "embark_rb:fp8-fp8"
 
 
 def _run() -> dict[str, Any]:
@@ -151,14 +145,16 @@ def _run() -> dict[str, Any]:
     model(batch)  # TorchRec builds its pooled collectives on first use
     (ebc,) = [m for m in model.modules() if hasattr(m, "_embedding_shardings")]
     groups: dict[str, Any] = {}
-    for kind, sharding, output_dist in zip(module_sharding_types(ebc), module_shardings(ebc), module_output_dists(ebc)):
+    for sharding_type, sharding, output_dist in zip(
+        module_sharding_types(ebc), module_shardings(ebc), module_output_dists(ebc)
+    ):
         codecs = [
             None
             if c is None
             else tuple((x.wire_precision, getattr(x, "row_width", 0)) for x in (c.forward, c.backward))
             for c in (collective_codecs(m) for m in output_dist.modules() if hasattr(m, "_codecs"))
         ]
-        groups[kind] = (type(sharding).__name__, codecs)
+        groups[sharding_type] = (type(sharding).__name__, codecs)
     return {"groups": groups, "diffs": compare_sharded_training(TABLES, LAYOUTS, LWS, steps=2, ids="zipf")}
 
 
@@ -173,12 +169,13 @@ def test_compressed_groups_run_on_torchrec_shardings_with_the_plans_codecs(resul
     row width; the fp32 group carries none."""
     for r in results:
         assert sorted(r["groups"]) == sorted(SHARDING_CLASSES)
-        for kind, (name, codecs) in r["groups"].items():
-            assert name == SHARDING_CLASSES[kind], kind
-            assert codecs, kind
-            p, width = split_precision(kind)[1], split_row_width(kind)[1]
+        for sharding_type, (name, codecs) in r["groups"].items():
+            assert name == SHARDING_CLASSES[sharding_type], sharding_type
+            assert codecs, sharding_type
+            group = ShardingGroup.parse(sharding_type)
+            p, width = group.precision, group.row_width
             expected = tuple((x, width if x == "fp8" else 0) for x in (p.forward, p.backward))
-            assert all(c == (None if kind == "table_wise" else expected) for c in codecs), (kind, codecs)
+            assert all(c == (None if sharding_type == "table_wise" else expected) for c in codecs), (group, codecs)
 
 
 def test_outputs_and_weights_within_the_wire_rounding(results: list[dict[str, Any]]) -> None:

@@ -27,6 +27,7 @@ import numpy as np
 from ..layout.constraints import TableConstraints
 from .model import BACKWARD_COMPUTE_MULTIPLIER, CostModel
 from .load import RankLoad
+from ..layout.groups import ShardingGroup
 from ..layout.kinds import DATA_PARALLEL_KIND, REDUCTION_KIND, UNIQUE_KIND, cluster_kind
 from ..layout.tables import TableLayout, WirePrecision
 from ..progress import Progress
@@ -104,7 +105,7 @@ def step_lower_bound(
     w = cost.topology.world_size
     lookup_div = min(w, hw.host_cores) if hw.host_cores else w
     options: list[np.ndarray] = []  # per table: [option, (lookup ms, traffic ms, DP intra ms, DP inter ms)]
-    fixed_kinds: set[str] = set()
+    fixed_groups: set[ShardingGroup] = set()
     least_group = 0.0  # the cheapest group some table must join
     for i, t in enumerate(cost.spec.tables):
         if progress is not None:
@@ -112,7 +113,7 @@ def step_lower_bound(
         c = constraints.get(t.name, _FREE)
         if c.layout is not None:
             layouts = [c.layout]
-            fixed_kinds.update(cost.table_load(t.name, c.layout).groups)
+            fixed_groups.update(cost.table_load(t.name, c.layout).groups)
         else:
             layouts = []
             for cluster in allowed_clusters(c):
@@ -121,7 +122,7 @@ def step_lower_bound(
         parts = _parts_ms(cost, [cost.table_load(t.name, layout) for layout in layouts])
         options.append(parts / np.array([lookup_div, w, 1.0, 1.0]))
         least_group = max(least_group, _least_group_ms(cost, allowed_clusters(c)))
-    collectives = max(sum(cost.group_ms(k) for k in fixed_kinds), least_group)
+    collectives = max(sum(cost.group_ms(g) for g in fixed_groups), least_group)
     idle = cost.step_cost(RankLoad.zeros(w))  # no table: the dense part alone
     dense_compute = cost.dense_compute_ms
     dense_allreduce = idle.dense_ms - dense_compute

@@ -5,6 +5,7 @@ It is the one thing the cluster kinds (plan/layout/kinds.py) and the cost model 
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -42,15 +43,20 @@ class RankLoad:
     memory bytes, host work ms (UB's own per ID, DP tables' updates), IDs looked up, and the inter-node
     bytes sent / received between ranks of the same local rank only (already in the inter rows); plus the DP
     all-reduce bytes per rank, intra and inter node, and the tables per sharding group (a group costs
-    its collectives while it has any table)."""
+    its collectives while it has any table), keyed by layout/groups.py's ShardingGroup, which this file, below the
+    layouts, does not import."""
 
     def __init__(
-        self, rows: np.ndarray, dp_intra: float = 0.0, dp_inter: float = 0.0, groups: Mapping[str, int] | None = None
+        self,
+        rows: np.ndarray,
+        dp_intra: float = 0.0,
+        dp_inter: float = 0.0,
+        groups: Mapping[Hashable, int] | None = None,
     ) -> None:
         self.rows = rows
         self.dp_intra = dp_intra
         self.dp_inter = dp_inter
-        self.groups: dict[str, int] = dict(groups or {})
+        self.groups: dict[Hashable, int] = dict(groups or {})
 
     @classmethod
     def zeros(cls, world_size: int) -> "RankLoad":
@@ -80,8 +86,8 @@ class RankLoad:
         self.rows += other.rows if sign == 1.0 else sign * other.rows
         self.dp_intra += sign * other.dp_intra
         self.dp_inter += sign * other.dp_inter
-        for kind, n in other.groups.items():
-            self.groups[kind] = self.groups.get(kind, 0) + int(sign) * n
+        for group, n in other.groups.items():
+            self.groups[group] = self.groups.get(group, 0) + int(sign) * n
 
     def copy(self) -> "RankLoad":
         return RankLoad(self.rows.copy(), self.dp_intra, self.dp_inter, self.groups)

@@ -52,13 +52,13 @@ methods, and the runtime's dists send exactly that):
   of host work, the same passes over the IDs as UB's de-duplication and expansion), so between RB
   and UB only the repeats differ: UB looks up, sends and updates each distinct ID once. Their
   sharding groups are other modules' than the pooled tables' (an EmbeddingCollection's), so they
-  pay their collectives apart (group keys SEQUENCE_GROUP + type).
+  pay their collectives apart (a ShardingGroup's module).
 - Memory per rank: per row of a cell, w_c x (4 + optimizer bytes per element) + optimizer bytes
   per row; DP tables in full on every rank.
 
-- Collectives: each sharding group the plan runs (one per distinct sharding-type string, see
-  groups.py) issues a fixed number of collectives per step, each costing collective_us to launch
-  and synchronise, whatever its size (milliseconds on gloo; zero in the GPU presets). A
+- Collectives: each sharding group the plan runs (a ShardingGroup, one per distinct sharding-type
+  string TorchRec sees, see groups.py) issues a fixed number of collectives per step, each costing
+  collective_us to launch and synchronise, whatever its size (milliseconds on gloo; zero in the GPU presets). A
   data-parallel group issues one, its own DDP's all-reduce; each sharded module (the pooled
   tables' EBC, the sequence tables' EC) one split exchange, whatever its groups; the dense part's
   DDP one more.
@@ -86,20 +86,14 @@ from typing import Mapping
 import numpy as np
 
 from ..model.constants import BACKWARD_COMPUTE_MULTIPLIER, WEIGHT_BYTES
-from ..layout.groups import (
-    DENSE_COLLECTIVES,
-    collectives_per_step,
-    id_bytes,
-    module_collectives_per_step,
-    sharding_type,
-)
+from ..model.fields import TABLE_KINDS
+from ..layout.groups import DENSE_COLLECTIVES, ShardingGroup, module_collectives_per_step, sharding_group
 from ..layout.tables import Plan, TableLayout
 from ..model.spec import IdDistribution, ModelSpec, TableSpec
 from ..model.topology import Topology
 from ..layout.wire import ELEMENT_BYTES
 from .load import RankLoad
 
-SEQUENCE_GROUP = "sequence/"  # prefixes the sharding groups of sequence tables in RankLoad.groups
 _LOAD_CACHE_SIZE = 16384
 _RATIO_CACHE_SIZE = 1 << 17  # tables' unique ratios kept across cost models
 _SUM_ELEMENTS = 1 << 17  # elements of a stack add_in_order sums: 1 MB, in cache (fastest at 256-1,024 ranks)
@@ -348,9 +342,9 @@ class CostModel:
         t = self._tables[name]
         w = self.topology.world_size
         load = RankLoad.zeros(w)
-        kind = sharding_type(layout, t.rows, w, self.topology.local_world_size, t.is_sequence)
-        load.groups[SEQUENCE_GROUP + kind if t.is_sequence else kind] = 1
-        layout.kind.add_load(self, name, layout, load, id_bytes(kind))
+        group = sharding_group(layout, t.rows, w, self.topology.local_world_size, t.is_sequence)
+        load.groups[group] = 1
+        layout.kind.add_load(self, name, layout, load, group.id_bytes)
         return load
 
     def cell_ms(self, name: str, layout: TableLayout) -> np.ndarray:
@@ -363,24 +357,21 @@ class CostModel:
         """
         t = self._tables[name]
         topology = self.topology
-        kind = sharding_type(layout, t.rows, topology.world_size, topology.local_world_size, t.is_sequence)
-        return layout.kind.cell_ms(self, name, layout, id_bytes(kind))
+        group = sharding_group(layout, t.rows, topology.world_size, topology.local_world_size, t.is_sequence)
+        return layout.kind.cell_ms(self, name, layout, group.id_bytes)
 
     # ---- whole plans ----------------------------------------------------------------------
 
-    def group_ms(self, kind: str) -> float:
-        """What one sharding group of this sharding type (SEQUENCE_GROUP + type for sequence tables)
-        costs per step in collective launches."""
-        return collectives_per_step(kind.removeprefix(SEQUENCE_GROUP)) * self.topology.collective_us / 1e3
+    def group_ms(self, group: ShardingGroup) -> float:
+        """What one sharding group costs per step in collective launches."""
+        return group.collectives_per_step * self.topology.collective_us / 1e3
 
-    def collectives_ms(self, groups: Mapping[str, int]) -> float:
+    def collectives_ms(self, groups: Mapping[ShardingGroup, int]) -> float:
         """What a plan's sharding groups (RankLoad.groups) cost per step in collective launches: each group's
         own (group_ms) and one split exchange per sharded module holding any (the pooled tables' EBC, the
         sequence tables' EC)."""
-        kinds = [kind for kind, n in groups.items() if n > 0]
-        sequence = [kind.removeprefix(SEQUENCE_GROUP) for kind in kinds if kind.startswith(SEQUENCE_GROUP)]
-        pooled = [kind for kind in kinds if not kind.startswith(SEQUENCE_GROUP)]
-        count = module_collectives_per_step(pooled) + module_collectives_per_step(sequence)
+        used = [group for group, n in groups.items() if n > 0]
+        count = sum(module_collectives_per_step(g for g in used if g.module == module) for module in TABLE_KINDS)
         return count * self.topology.collective_us / 1e3
 
     @property

@@ -33,7 +33,7 @@ import numpy as np
 
 from .model import CostModel
 from ..layout.wire import intra_node_reduction_precision, split_exchange_bytes, vector_bytes
-from ..layout.groups import id_bytes, sharding_type
+from ..layout.groups import sharding_group
 from ..layout.tables import TableLayout
 
 
@@ -72,7 +72,7 @@ def table_messages(cost: CostModel, name: str, layout: TableLayout, ids: np.ndar
     b, feats = cost.local_batch, len(t.feature_names)
     widths = np.diff(layout.col_bounds)
     fwd, bwd = layout.precision.forward, layout.precision.backward
-    per_id = id_bytes(sharding_type(layout, t.rows, w, lws, t.is_sequence))
+    per_id = sharding_group(layout, t.rows, w, lws, t.is_sequence).id_bytes
     msgs: list[Message] = []
     cells = [(r, c, layout.ranks[r][c]) for r in range(layout.num_row_slices) for c in range(layout.num_col_slices)]
     # the IDs and their lengths (or counts) to each receiver of a row slice

@@ -429,9 +429,10 @@ _KINDS: dict[str, ClusterKind] = {}
 
 def register_cluster_kind(kind: ClusterKind) -> ClusterKind:
     """Adds a kind under its name. A name is what plan files and sharding-type strings ("embark_<name>") carry, so
-    it is refused if taken, empty, or holding '_' or ':' (which separate a sharding type's parts)."""
-    if not kind.name or "_" in kind.name or ":" in kind.name:
-        raise ValueError(f"cluster kind name {kind.name!r}: expected a non-empty name without '_' or ':'")
+    it is refused if taken, empty, or holding '_', ':' or '@' (which separate a sharding type's parts; every TorchRec
+    type's name holds a '_', so no kind's name is one, groups.ShardingGroup)."""
+    if not kind.name or any(c in kind.name for c in "_:@"):
+        raise ValueError(f"cluster kind name {kind.name!r}: expected a non-empty name without '_', ':' or '@'")
     if kind.name in _KINDS:
         raise ValueError(f"cluster kind {kind.name!r} is already registered ({_KINDS[kind.name]!r})")
     _KINDS[kind.name] = kind

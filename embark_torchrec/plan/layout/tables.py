@@ -35,8 +35,6 @@ PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
 ALLREDUCE_PRECISIONS = ("fp32", "fp16", "bf16")  # what TorchRec's DefaultDataParallelWrapper runs DDP's all-reduce at
 PLAN_FORMAT = "embark-plan"
 PLAN_VERSION = 1
-SHARDING_TYPE_PREFIX = "embark_"
-ROW_WIDTH_SEPARATOR = "@"
 _REQUIRED_PLAN_KEYS = ("format", "version", "world_size", "local_world_size", "tables")
 _PLAN_KEYS = (*_REQUIRED_PLAN_KEYS, "allreduce_precision")
 _LAYOUT_KEYS = ("cluster", "kind", "precision", "shards", "hierarchical", "torchrec_at_fp8")
@@ -81,7 +79,7 @@ class TableLayout:
     DP tables have no grid (replicated on every rank). `hierarchical` says that partial sums of
     row slices are reduced inside each node before they cross nodes. `torchrec_at_fp8`: a table-wise or
     column-wise layout (column slices of one width) at a row-scaled precision (fp8) runs on TorchRec's own
-    sharding, in a group of its row width (groups.sharding_type), not on ours; the planner sets it while the step
+    sharding, in a group of its row width (groups.sharding_group), not on ours; the planner sets it while the step
     stays within SearchConfig.torchrec_fp8_tolerance (torchrec_fp8.py), as each width's group adds collectives and
     TorchRec sends int64 IDs.
     """
@@ -459,53 +457,3 @@ def _shard_from_dict(entry: Any, field: str, world_size: int) -> Shard:
     rows = integers(s["rows"], f"{field}.rows", length=2)
     cols = integers(s["cols"], f"{field}.cols", length=2)
     return Shard((rows[0], rows[1]), (cols[0], cols[1]), rank)
-
-
-def precision_suffix(precision: WirePrecision) -> str:
-    """A sharding-type string's precision part: none at fp32 both ways, else ":<forward>-<backward>"."""
-    p = precision
-    return "" if (p.forward, p.backward) == ("fp32", "fp32") else f":{p.forward}-{p.backward}"
-
-
-def row_width_suffix(precision: WirePrecision, row_width: int) -> str:
-    """A built-in sharding-type string's row-width part: none unless a direction is row-scaled (fp8), else
-    "@<width>". TorchRec's dists size a message by its element count alone, so a row-scaled codec on them must be
-    told the width of every row it scales: a group of TorchRec's type at fp8 holds rows of one width, and tables
-    of another width are another group (wire.py)."""
-    scaled = {precision.forward, precision.backward} & ROW_SCALED_PRECISIONS
-    return f"{ROW_WIDTH_SEPARATOR}{row_width}" if scaled else ""
-
-
-def split_row_width(name: str) -> tuple[str, int]:
-    """A sharding-type string as (the string without its row width, the width or 0): the inverse of appending
-    row_width_suffix."""
-    body, _, width = name.partition(ROW_WIDTH_SEPARATOR)
-    if width and not width.isdigit():
-        raise PlanError(f"sharding type {name!r}: its row width {width!r} is not a whole number")
-    return body, int(width or 0)
-
-
-def split_precision(name: str) -> tuple[str, WirePrecision]:
-    """A sharding-type string as (its type, its precision): the inverse of appending precision_suffix (and a row
-    width, which it drops: split_row_width reads it)."""
-    body, _, precision = split_row_width(name)[0].partition(":")
-    fwd, _, bwd = (precision or "fp32-fp32").partition("-")
-    return body, WirePrecision(fwd, bwd or fwd)
-
-
-def sharding_type_name(layout: TableLayout) -> str:
-    """Our sharding-type string for a layout no built-in type runs: one string per EMBark cluster
-    variant, e.g. "embark_rb", "embark_rb_hier", "embark_ub:fp16-bf16"."""
-    name = SHARDING_TYPE_PREFIX + layout.cluster + ("_hier" if layout.hierarchical else "")
-    return name + precision_suffix(layout.precision)
-
-
-def parse_sharding_type(name: str) -> tuple[str, bool, WirePrecision]:
-    """The inverse of sharding_type_name: (cluster, hierarchical, precision)."""
-    if not name.startswith(SHARDING_TYPE_PREFIX):
-        raise PlanError(f"{name!r} is not an embark sharding type")
-    body, precision = split_precision(name[len(SHARDING_TYPE_PREFIX) :])
-    cluster, _, variant = body.partition("_")
-    if cluster not in cluster_kind_names() or cluster_kind(cluster).replicated or variant not in ("", "hier"):
-        raise PlanError(f"unknown embark sharding type {name!r}")
-    return cluster, variant == "hier", precision

@@ -8,7 +8,8 @@ cannot drift apart.
 - embedding and gradient rows: ELEMENT_BYTES per value at the cluster's wire precision; fp8 adds one
   fp32 scale per row (sharding/codecs.py's row-wise e4m3 codec). A row-scaled precision needs each row's
   width, which TorchRec's own dists do not tell a codec (they size a message by its element count), so
-  only element-wise precisions run on TorchRec's shardings (groups.py).
+  TorchRec's shardings run a row-scaled precision only for rows of one width, told in the group's row width
+  (groups.ShardingGroup, a layout's torchrec_at_fp8).
 - a hierarchical reduction's intra-node hop (stage 1: partial sums, summed again at the node's
   aggregator) runs at intra_node_reduction_precision of the layout's precision, its cross-node hop at
   the layout's: a row-scaled precision's partial sums travel at fp32 inside the node.

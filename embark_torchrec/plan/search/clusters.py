@@ -17,7 +17,7 @@ from typing import Mapping
 from ..layout.kinds import DATA_PARALLEL_KIND, REDUCTION_KIND, UNIQUE_KIND, cluster_kind
 from ..layout.constraints import TableConstraints
 from ..cost.model import CostModel
-from ..layout.groups import sharding_type
+from ..layout.groups import sharding_group
 from ..layout.tables import TableLayout
 from ..progress import Progress
 from ..model.spec import TableSpec
@@ -119,4 +119,4 @@ def _group_ms(cost: CostModel, tables: list[TableSpec], cluster: str) -> float:
     t = tables[0]
     topology = cost.topology
     layout = _table_wise(t, cluster)
-    return cost.group_ms(sharding_type(layout, t.rows, topology.world_size, topology.local_world_size, t.is_sequence))
+    return cost.group_ms(sharding_group(layout, t.rows, topology.world_size, topology.local_world_size, t.is_sequence))

@@ -53,6 +53,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..cost.model import StepCost
+from ..layout.groups import ShardingGroup
 from .moves import (
     cell_moves,
     cells_on,
@@ -153,10 +154,10 @@ class Improvement:
         s = self.state
         best = None
         current = objective(step)[0]
-        sizes: dict[str, int] = {}
+        sizes: dict[ShardingGroup, int] = {}
         for name in s.names:
-            kind = group_of(s, name)
-            sizes[kind] = sizes.get(kind, 0) + 1
+            group = group_of(s, name)
+            sizes[group] = sizes.get(group, 0) + 1
         options = []
         for change in dissolutions(s, step.rank_load_ms):
             best = better_move(best, s.evaluate(change))

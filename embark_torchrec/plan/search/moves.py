@@ -18,8 +18,7 @@ import numpy as np
 
 from ..cost.bound import allowed_clusters
 from ..layout.kinds import DATA_PARALLEL_KIND, REDUCTION_KIND, UNIQUE_KIND, cluster_kind
-from ..cost.model import SEQUENCE_GROUP
-from ..layout.groups import sharding_type
+from ..layout.groups import ShardingGroup, sharding_group
 from ..layout.tables import TableLayout
 from .state import Changes, SearchState
 
@@ -232,16 +231,16 @@ def swaps(state: SearchState, name: str, rank: int, targets: list[int]) -> Itera
             yield [(name, layout.with_ranks(((q,),))), (other, state.layouts[other].with_ranks(((rank,),)))]
 
 
-def group_kind(state: SearchState, name: str, layout: TableLayout) -> str:
-    """The sharding group the table runs in under this layout, as RankLoad.groups keys it."""
+def group_under(state: SearchState, name: str, layout: TableLayout) -> ShardingGroup:
+    """The sharding group the table runs in under this layout."""
     t = state.cost.table(name)
-    kind = sharding_type(layout, t.rows, state.world_size, state.local_world_size, t.is_sequence)
-    return SEQUENCE_GROUP + kind if t.is_sequence else kind
+    return sharding_group(layout, t.rows, state.world_size, state.local_world_size, t.is_sequence)
 
 
-def group_of(state: SearchState, name: str) -> str:
-    (kind,) = state.load(name).groups
-    return kind
+def group_of(state: SearchState, name: str) -> ShardingGroup:
+    """The sharding group the table runs in now."""
+    (group,) = state.load(name).groups
+    return group
 
 
 def table_wise(state: SearchState, names: list[str], rank_ms: np.ndarray) -> Changes | None:
@@ -269,12 +268,13 @@ def dissolutions(state: SearchState, rank_ms: np.ndarray, most: int | None = Non
     one table is left in it, which no single-table move can change, so these are priced whole (when
     every table of the group may take the form). `most`: only the groups of at most that many
     tables (a move's work grows with its tables)."""
-    groups: dict[str, list[str]] = {}
+    groups: dict[ShardingGroup, list[str]] = {}
     for name in state.names:
         groups.setdefault(group_of(state, name), []).append(name)
+    emptied = list(groups.values())
     if len(groups) > 1 and most is None:
-        groups[""] = list(state.names)
-    for names in groups.values():
+        emptied.append(list(state.names))
+    for names in emptied:
         if most is not None and len(names) > most:
             continue
         clusters = {state.layouts[n].cluster for n in names}
@@ -338,7 +338,7 @@ def confinement(state: SearchState, name: str, rank_ms: np.ndarray) -> TableLayo
 
 
 def regroupings(
-    state: SearchState, options: Sequence[tuple[float, str, TableLayout, str]], rank_ms: np.ndarray
+    state: SearchState, options: Sequence[tuple[float, str, TableLayout, ShardingGroup]], rank_ms: np.ndarray
 ) -> Iterator[Changes]:
     """Tables moved into another sharding group together. `options`: per priced one-table move, what
     it changes the step by, the table, its layout and its sharding group (a group's first table pays
@@ -351,19 +351,19 @@ def regroupings(
     SearchState.hierarchy declines for the table alone when the group's collectives are not yet paid
     for. The moves are made together as placed_together places them, each table reduced as its
     layout says (SearchState.evaluate with decide_hierarchy False)."""
-    best: dict[tuple[str, bool], dict[str, tuple[float, int, str, TableLayout]]] = {}
+    best: dict[tuple[ShardingGroup, bool], dict[str, tuple[float, int, str, TableLayout]]] = {}
     lws = state.local_world_size
-    for gain, name, layout, kind in options:
-        variants = [(layout, kind)]
+    for gain, name, layout, group in options:
+        variants = [(layout, group)]
         if len(layout.kind.hierarchy_options(layout.num_row_slices)) > 1 and not state.cost.table(name).is_sequence:
             other = replace(layout, hierarchical=not layout.hierarchical)  # the group a hierarchy() alone declined
-            variants.append((other, group_kind(state, name, other)))
+            variants.append((other, group_under(state, name, other)))
         one_node = not layout.kind.replicated and len({k // lws for k in layout.used_ranks()}) == 1
-        for variant, group in variants:
-            if group == group_kind(state, name, state.layouts[name]):
+        for variant, target in variants:
+            if target == group_under(state, name, state.layouts[name]):
                 continue
             entry = (gain, state.order[name], name, variant)
-            for key in ((group, False), (group, True)) if one_node else ((group, False),):
+            for key in ((target, False), (target, True)) if one_node else ((target, False),):
                 here = best.setdefault(key, {})
                 if name not in here or entry[:2] < here[name][:2]:
                     here[name] = entry

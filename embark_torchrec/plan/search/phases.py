@@ -36,6 +36,7 @@ from typing import Iterator, Mapping
 import numpy as np
 
 from ..cost.load import RankLoad
+from ..layout.groups import ShardingGroup
 from ..layout.tables import PlanError, TableLayout, WirePrecision
 from .moves import cell_moves, cells_on, even_grid, light_ranks
 from ..cost.objective import Objective, better, objective
@@ -55,7 +56,7 @@ class _Cells:
 
     grid: TableLayout
     cells: list[Cell]
-    groups: Mapping[str, int] | None = None
+    groups: Mapping[ShardingGroup, int] | None = None
 
 
 @dataclass
@@ -142,7 +143,7 @@ class SplitRounds:
             layout = placement.layouts[name] = self.state.hierarchy(name, grid.with_ranks(placement.grids[name]))
         return layout
 
-    def _one_cell(self, name: str, entry: _Cells) -> Mapping[str, int]:
+    def _one_cell(self, name: str, entry: _Cells) -> Mapping[ShardingGroup, int]:
         """A one-cell table's sharding groups; the first call keeps its load on rank 0's
         CostModel.one_cell_columns in self._columns, which give its load on any rank (the whole loads
         are not kept: 50,000 tables' take 800 MB at 256 ranks)."""
@@ -160,19 +161,19 @@ class SplitRounds:
         self.stats.tables_summed += len(self.state.movable)
         total = self.state.fixed_total.copy()
         full: dict[int, np.ndarray] = {}
-        kinds: list[Mapping[str, int]] = []
+        table_groups: list[Mapping[ShardingGroup, int]] = []
         for j, name in enumerate(self.state.movable):
             entry = self._cells(name, placement.shapes[name])
             if entry.cells[0][-1]:
-                kinds.append(self._one_cell(name, entry))
+                table_groups.append(self._one_cell(name, entry))
             else:
                 load = self.state.cost.table_load(name, self.placed_layout(placement, name))
                 full[j] = load.rows
-                kinds.append(load.groups)
+                table_groups.append(load.groups)
         self.state.cost.add_in_order(total.rows, self._columns, placement.cell_ranks, full)
         groups = total.groups
-        for kind, n in ((kind, n) for g in kinds for kind, n in g.items()):
-            groups[kind] = groups.get(kind, 0) + n
+        for group, n in ((group, n) for g in table_groups for group, n in g.items()):
+            groups[group] = groups.get(group, 0) + n
         return objective(self.state.cost.step_cost(total)), total
 
     # ---- phase 1: split and re-place ----------------------------------------------------------

@@ -19,8 +19,9 @@ from typing import Mapping
 
 from ..layout.constraints import TableConstraints
 from ..cost.model import CostModel, StepCost
-from ..layout.groups import sharding_type
+from ..layout.groups import ShardingGroup, sharding_group
 from ..layout.tables import Plan
+from ..model.fields import SEQUENCE
 
 
 def torchrec_fp8_groups(
@@ -31,22 +32,22 @@ def torchrec_fp8_groups(
     tolerance: float = 0.0,
 ) -> tuple[Plan, StepCost]:
     """`plan` (priced `step`) with each would-be TorchRec fp8 group, its tables of one module, type, precision and row
-    width (in sharding-type order), moved onto TorchRec's sharding while the step stays within `tolerance` of
-    `step`'s; a table whose layout its constraints fix keeps it."""
+    width (pooled ones first, each module's by sharding-type string), moved onto TorchRec's sharding while the step
+    stays within `tolerance` of `step`'s; a table whose layout its constraints fix keeps it."""
     cap = step.step_ms * (1.0 + tolerance)
     topology = cost.topology
-    groups: dict[tuple[bool, str], list[str]] = defaultdict(list)  # (sequence, sharding type): one module's group
+    groups: dict[ShardingGroup, list[str]] = defaultdict(list)
     for t in cost.spec.tables:
         layout = plan.tables[t.name]
         fixed = constraints.get(t.name, TableConstraints()).layout is not None
         if fixed or layout.torchrec_at_fp8 or layout.fp8_builtin_type(t.is_sequence) is None:
             continue
-        kind = sharding_type(
+        group = sharding_group(
             replace(layout, torchrec_at_fp8=True), t.rows, topology.world_size, topology.local_world_size, t.is_sequence
         )
-        groups[(t.is_sequence, kind)].append(t.name)
-    for key in sorted(groups):
-        moved = {n: replace(plan.tables[n], torchrec_at_fp8=True) for n in groups[key]}
+        groups[group].append(t.name)
+    for group in sorted(groups, key=lambda g: (g.module == SEQUENCE, g.name)):
+        moved = {n: replace(plan.tables[n], torchrec_at_fp8=True) for n in groups[group]}
         trial = replace(plan, tables={**plan.tables, **moved})
         trial_step = cost.evaluate(trial)
         if trial_step.step_ms <= cap:
