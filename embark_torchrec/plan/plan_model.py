@@ -6,6 +6,11 @@ constraints, and any candidate plan the caller passes (EmbarkPlanner passes Torc
 plan, which needs TorchRec's planner to build). A candidate counts only when it lays out every
 table, fits every rank's memory and honours every table's constraints; the cheapest plan wins,
 the search's on a tie, and a baseline that wins is logged.
+
+One candidate may be the incumbent: the plan the user would run without us (EmbarkPlanner names TorchRec's default
+plan). It is replaced only when the cheapest plan is predicted faster by more than the cost model has been measured
+to miss a speedup by on this hardware (Hardware.plan_error): a gain inside that error is not one the user can count
+on, and a plan only predicted faster may measure slower. PlanChoice says which way it went, and why.
 """
 
 from __future__ import annotations
@@ -49,6 +54,44 @@ class PlannedModel:
     clusters: Mapping[str, str] = field(default_factory=dict)
     stats: SearchStats | None = None
     source: str = EMBARK  # whose plan this is: the search's, or the baseline that priced faster
+    choice: "PlanChoice | None" = None  # against the incumbent, when plan_model was given one
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    """The best plan's predicted speedup over the incumbent's, the cost model's measured error on such speedups on
+    this hardware (Hardware.plan_error; 0: not measured), and the plan returned: the incumbent's unless the speedup
+    clears the error."""
+
+    incumbent: str
+    best: str  # the cheapest plan other than the incumbent's
+    predicted_speedup: float  # the incumbent's estimated step / the best's
+    error: float
+    chosen: str
+
+    @property
+    def kept(self) -> bool:
+        return self.chosen == self.incumbent
+
+    def sentence(self) -> str:
+        """What the report says: the speedup expected, with its band, or why the incumbent's plan was kept."""
+        speedup, error = self.predicted_speedup, self.error
+        if self.kept:
+            if speedup <= 1.0:
+                return f"kept {self.incumbent}'s plan: it is estimated at least as fast as the {self.best} plan"
+            return (
+                f"kept {self.incumbent}'s plan: the {self.best} plan is predicted {speedup:.2f}x its speed, within the "
+                f"cost model's measured error on plan differences here (±{error:.2f})"
+            )
+        if error == 0:
+            return (
+                f"predicted {speedup:.2f}x {self.incumbent}'s plan's speed; the cost model's error on plan differences "
+                "has not been measured on this hardware (hardware field plan_error, measured by benchmarks/sweep.py)"
+            )
+        return (
+            f"predicted {speedup:.2f}x {self.incumbent}'s plan's speed, within the cost model's measured error of "
+            f"±{error:.2f} here: {speedup - error:.2f}x to {speedup + error:.2f}x"
+        )
 
 
 class CostError(ValueError):
@@ -126,27 +169,41 @@ def _cheapest(
     candidates: Mapping[str, Plan],
     cost: CostModel,
     constraints: Mapping[str, TableConstraints],
-) -> tuple[str, Plan, StepCost]:
-    """The search's plan, or the usable candidate its cost model prices faster (the first on a tie)."""
-    source, (plan, step) = EMBARK, planned
+    incumbent: str | None = None,
+) -> tuple[str, Plan, StepCost, PlanChoice | None]:
+    """The search's plan, or the usable candidate its cost model prices faster (the first on a tie); but the
+    incumbent's (a candidate's name) while the cheapest is not predicted faster by more than Hardware.plan_error."""
     topology = cost.topology
+    priced: dict[str, tuple[Plan, StepCost]] = {EMBARK: planned}
     for name, candidate in candidates.items():
         why = _usable(candidate, cost.spec, topology, constraints)
         if why is not None:
             logger.debug("the %s plan is not considered: %s", name, why)
             continue
         candidate_step = cost.evaluate(candidate)
-        if candidate_step.rank_memory.max() > topology.hbm_cap_bytes or candidate_step.step_ms >= step.step_ms:
-            continue
-        source, plan, step = name, candidate, candidate_step
+        if candidate_step.rank_memory.max() <= topology.hbm_cap_bytes:
+            priced[name] = (candidate, candidate_step)
+    choice = None
+    if incumbent in priced:
+        others = {name: p for name, p in priced.items() if name != incumbent}
+        best = min(others, key=lambda name: others[name][1].step_ms)  # the first on a tie: the search's
+        speedup = priced[incumbent][1].step_ms / others[best][1].step_ms
+        error = topology.hardware.plan_error
+        kept = speedup < 1.0 or (error > 0 and speedup - error <= 1.0)
+        choice = PlanChoice(incumbent, best, speedup, error, incumbent if kept else best)
+        source = choice.chosen
+    else:
+        source = min(priced, key=lambda name: priced[name][1].step_ms)
+    plan, step = priced[source]
     if source != EMBARK:
         logger.info(
-            "the %s plan (%.3f ms) beats the search's (%.3f ms) under the cost model: returning it",
+            "the %s plan (%.3f ms) is returned rather than the search's (%.3f ms)%s",
             source,
             step.step_ms,
             planned[1].step_ms,
+            f": {choice.sentence()}" if choice is not None else ", which the cost model prices slower",
         )
-    return source, plan, step
+    return source, plan, step, choice
 
 
 def plan_model(
@@ -157,13 +214,16 @@ def plan_model(
     optimizer: OptimizerMemory | None = None,
     progress: bool | Progress | None = None,
     candidates: Mapping[str, Plan] | None = None,
+    incumbent: str | None = None,
 ) -> PlannedModel:
     """Clusters, then the greedy 3D search; the result is validated against every invariant.
 
     The search is greedy, so its plan is also compared with the table-row-wise baseline (EMBark's
     reference layout; when no table has constraints) and with `candidates` (by name, e.g.
     TorchRec's default plan), and the cheapest that fits memory and honours the constraints is
-    returned (PlannedModel.source names it).
+    returned (PlannedModel.source names it). `incumbent`, one of the candidates' names (EmbarkPlanner: TorchRec's
+    default plan), is returned instead unless the cheapest is predicted faster than it by more than the cost model's
+    measured error on plan differences (Hardware.plan_error); PlannedModel.choice says which way it went.
 
     progress: a Progress to call as planning goes; True draws a ProgressLine on stderr, False
     nothing, None (the default) a ProgressLine when stderr is a terminal (it shows only once
@@ -175,6 +235,8 @@ def plan_model(
     unknown = sorted(set(constraints) - {t.name for t in spec.tables})
     if unknown:
         raise ValueError(f"constraints name tables the model does not have: {unknown}")
+    if incumbent is not None and incumbent not in (candidates or {}):
+        raise ValueError(f"incumbent {incumbent!r} is not one of the candidates {sorted(candidates or {})}")
     own_line = progress is None or isinstance(progress, bool)
     line = progress_line(progress, f"planning {spec.name}") if own_line else None
     report = line if own_line else progress
@@ -191,7 +253,9 @@ def plan_model(
         if report is not None:
             report("scoring the baselines", 0, None, "")
         baselines = {TABLE_ROW_WISE: table_row_wise_plan(spec, topology)}
-        source, plan, step = _cheapest((plan, step), {**baselines, **(candidates or {})}, cost, constraints)
+        source, plan, step, choice = _cheapest(
+            (plan, step), {**baselines, **(candidates or {})}, cost, constraints, incumbent
+        )
         if source != EMBARK:
             clusters = {name: layout.cluster for name, layout in plan.tables.items()}
         check_finite(source, step)
@@ -202,4 +266,4 @@ def plan_model(
         if line is not None:
             line.close()
     seconds = time.perf_counter() - start
-    return PlannedModel(spec, topology, plan, step, seconds, clusters, search.stats, source)
+    return PlannedModel(spec, topology, plan, step, seconds, clusters, search.stats, source, choice)

@@ -391,12 +391,13 @@ class EmbarkPlanner(ShardingPlanner):
     `torchrec_candidate`: whether plan() also runs TorchRec's own EmbeddingShardingPlanner (its
     default sharders and options, on the same tables, batch and hardware figures: the plan
     `python -m embark_torchrec.planner --compare torchrec` scores) and passes its plan to plan_model as a
-    candidate, which returns it when our cost model prices it faster than the search's and it honours
-    every table's constraints: the plan returned is then never slower than TorchRec's default under
-    the cost model. TorchRec's planner takes seconds to minutes (on this project's CPU box: 8 s for
-    DCNv2's 26 tables at 16 ranks, 65 s at 128, over 5 minutes for 177 tables at 16), so None
-    (default) runs it on CUDA when tables x world size is at most TORCHREC_CANDIDATE_WORK; True always,
-    False never. A failure of TorchRec's planner is logged, and the search's plan stands.
+    candidate and the incumbent: plan_model returns it unless our plan is predicted faster by more than
+    the cost model's measured error on plan differences on this hardware (Hardware.plan_error, from a hardware
+    file; 0, not measured, for the presets: then any predicted gain counts), and report() says which way it
+    went. TorchRec's planner takes seconds to minutes (on this project's CPU box: 8 s for DCNv2's 26 tables at
+    16 ranks, 65 s at 128, over 5 minutes for 177 tables at 16), so None (default) runs it where the hardware
+    has a measured plan_error, or on CUDA when tables x world size is at most TORCHREC_CANDIDATE_WORK; True
+    always, False never. A failure of TorchRec's planner is logged, and the search's plan stands.
     """
 
     def __init__(
@@ -518,8 +519,8 @@ class EmbarkPlanner(ShardingPlanner):
     def _torchrec_candidate(self, joint: ModelSpec, topology: Topology) -> dict[str, Plan]:
         """TorchRec's default plan of the joint spec, by name, when asked for (see torchrec_candidate)."""
         wanted = self.torchrec_candidate
-        if wanted is None:
-            wanted = (
+        if wanted is None:  # the hardware's measured error decides against TorchRec's plan: it must be at hand
+            wanted = topology.hardware.plan_error > 0 or (
                 self.compute_device == "cuda" and len(joint.tables) * topology.world_size <= TORCHREC_CANDIDATE_WORK
             )
         if not wanted:
@@ -572,7 +573,10 @@ class EmbarkPlanner(ShardingPlanner):
         )
         here = {n: c for m in modules for n, c in self._constraints(m, sharders, topology).items()}
         candidates = self._torchrec_candidate(joint, topology)
-        planned = plan_model(joint, topology, here, self.config, self.optimizer, self._progress(), candidates)
+        incumbent = TORCHREC_DEFAULT if candidates else None
+        planned = plan_model(
+            joint, topology, here, self.config, self.optimizer, self._progress(), candidates, incumbent
+        )
         result = ShardingPlan(plan={})
         for m in modules:
             layouts = {t.name: planned.plan[m.names[t.name]] for t in m.spec.tables}
@@ -599,8 +603,9 @@ class EmbarkPlanner(ShardingPlanner):
             )
         return "\n\n".join(
             render(
-                [ScoredPlan("embark", p.plan, p.cost, p.seconds)], p.topology, path or "model", self.hardware_sources
+                [ScoredPlan(p.source, p.plan, p.cost, p.seconds)], p.topology, path or "model", self.hardware_sources
             )
+            + ("" if p.choice is None else f"\n\n{p.choice.sentence()}")
             for path, p in self.plans.items()
         )
 

@@ -32,6 +32,7 @@ from embark_torchrec.planner.torchrec_plans import from_sharding_plan
 from embark_torchrec.plan.layout.constraints import TableConstraints
 from embark_torchrec.plan.layout.groups import ShardingGroup
 from embark_torchrec.plan.layout.tables import Plan, TableLayout, WirePrecision
+from embark_torchrec.plan.cost.model import CostModel
 from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.planner.planner import TORCHREC_DEFAULT, EmbarkPlanner, default_hardware
 from embark_torchrec.plan.model.ranges import MAX_PLANNED_WORLD_SIZE
@@ -846,6 +847,71 @@ def test_torchrec_planner_by_default_only_on_cuda_and_its_failure_leaves_the_sea
         EmbarkPlanner(world_size=8, torchrec_candidate="yes")
 
 
+def _priced_apart() -> tuple[ModelSpec, Topology, Plan, float]:
+    """A model, its topology, a worse plan than the search's (table-row-wise) and the search's predicted speedup."""
+    spec = ModelSpec.from_module(_ebc(), batch_size=512 * 8, name="sparse")
+    topology = Topology(8, 4, PRESETS["dgx-h100"])
+    worse = table_row_wise_plan(spec, topology)
+    cost = CostModel(spec, topology)
+    speedup = cost.evaluate(worse).step_ms / plan_model(spec, topology, progress=False).cost.step_ms
+    assert speedup > 1.05, speedup  # the search's plan is clearly faster, so the error decides
+    return spec, topology, worse, speedup
+
+
+@pytest.mark.parametrize("clears", [True, False])
+def test_the_incumbent_stands_unless_the_gain_clears_the_measured_error(clears: bool) -> None:
+    """plan_model keeps the incumbent's plan while the best plan's predicted speedup over it is within
+    Hardware.plan_error, and returns the best beyond it; either way PlanChoice's sentence gives the speedup and the
+    error (and, when the best is returned, the band the measured speedup should fall in)."""
+    spec, topology, worse, speedup = _priced_apart()
+    error = (speedup - 1) * (0.5 if clears else 1.5)
+    here = Topology(8, 4, PRESETS["dgx-h100"].with_overrides(plan_error=round(error, 6)))
+    planned = plan_model(spec, here, progress=False, candidates={"torchrec": worse}, incumbent="torchrec")
+    choice = planned.choice
+    assert choice is not None and choice.predicted_speedup == pytest.approx(speedup)
+    assert choice.kept is (not clears) and planned.source == ("embark" if clears else "torchrec")
+    assert (planned.plan.tables == worse.tables) is (not clears)
+    words = f"±{round(error, 6):.2f}"
+    assert words in choice.sentence() and f"{speedup:.2f}x" in choice.sentence()
+    if clears:
+        assert f"{speedup - error:.2f}x to {speedup + error:.2f}x" in choice.sentence()
+    else:
+        assert choice.sentence().startswith("kept torchrec's plan")
+
+
+def test_an_unmeasured_error_leaves_every_gain_and_says_so() -> None:
+    """plan_error 0 (the presets: not measured) keeps the plan the cheapest-wins rule returns, and the sentence says
+    the error is not measured rather than print a band of zero width."""
+    spec, topology, worse, _ = _priced_apart()
+    without = plan_model(spec, topology, progress=False)
+    planned = plan_model(spec, topology, progress=False, candidates={"torchrec": worse}, incumbent="torchrec")
+    assert planned.source == "embark" and planned.plan.tables == without.plan.tables
+    assert planned.choice is not None and "has not been measured" in planned.choice.sentence()
+    with pytest.raises(ValueError, match="incumbent 'tr' is not one of the candidates"):
+        plan_model(spec, topology, progress=False, candidates={"torchrec": worse}, incumbent="tr")
+
+
+def test_a_measured_error_brings_torchrecs_plan_in_and_the_report_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On hardware with a measured plan_error TorchRec's planner runs by default (on CPU too), its plan is the
+    incumbent, and report() ends with the choice's sentence."""
+    spec, topology, worse, speedup = _priced_apart()
+    calls: list[int] = []
+
+    def torchrec(s: ModelSpec, t: Topology) -> Plan:
+        calls.append(t.world_size)
+        return worse
+
+    import embark_torchrec.planner.planner as planner_module
+
+    monkeypatch.setattr(planner_module, "torchrec_default_plan", torchrec)
+    hardware = PRESETS["dgx-h100"].with_overrides(plan_error=round(speedup, 6))
+    planner = EmbarkPlanner(world_size=8, local_world_size=4, batch_size=512, hardware=hardware, compute_device="cpu")
+    planner.plan(_Model(), [EmbarkEmbeddingBagCollectionSharder()])
+    assert calls == [8] and planner.plans["sparse"].source == TORCHREC_DEFAULT
+    assert planner.report().startswith("# torchrec plan for sparse")
+    assert planner.report().endswith(planner.plans["sparse"].choice.sentence())
+
+
 @pytest.mark.parametrize("where", ["lookup_ms", "rank_memory"])
 def test_a_plan_whose_cost_is_not_finite_is_refused_by_name(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
     """plan_model and EmbarkPlanner share the CLI's backstop: a plan whose estimated step part (or one rank's
@@ -856,12 +922,12 @@ def test_a_plan_whose_cost_is_not_finite_is_refused_by_name(monkeypatch: pytest.
     cheapest = plan_model_module._cheapest
 
     def non_finite(*args: Any) -> Any:
-        source, plan, step = cheapest(*args)
+        source, plan, step, choice = cheapest(*args)
         if where == "lookup_ms":
-            return source, plan, replace(step, lookup_ms=math.nan)
+            return source, plan, replace(step, lookup_ms=math.nan), choice
         memory = step.rank_memory.astype(float)
         memory[1] = math.inf
-        return source, plan, replace(step, rank_memory=memory)
+        return source, plan, replace(step, rank_memory=memory), choice
 
     monkeypatch.setattr(plan_model_module, "_cheapest", non_finite)
     words = "estimated lookup_ms is nan" if where == "lookup_ms" else "estimated memory bytes of rank 1 is inf"

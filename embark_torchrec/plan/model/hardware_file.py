@@ -49,7 +49,13 @@ VERSION = 1
 # measured here; read off the machine (memory, cores); counted in the model (dense parameters); from `base`
 SOURCES = ("measured", "machine", "model", "preset")
 
-OPTIONAL_FIELDS = ("update_ns_per_row", "inter_node_paired_ratio", "shared_host_ranks", "oversubscribed_collective_us")
+OPTIONAL_FIELDS = (
+    "update_ns_per_row",
+    "inter_node_paired_ratio",
+    "shared_host_ranks",
+    "oversubscribed_collective_us",
+    "plan_error",
+)
 _TOP_KEYS = ("format", "version", "hardware", "base", "sources", "measurements", "run")
 _STAT_NUMBERS = ("median", "p25", "p75", "min", "max")
 _STAT_KEYS = (*_STAT_NUMBERS, "samples", "unit", "what")

@@ -41,6 +41,11 @@ class Hardware:
     # with shared_host_ranks: what each rank beyond the host's cores adds to a collective (its peers wait for it to be
     # scheduled), a part of collective_us where the figures were measured with more ranks than cores
     oversubscribed_collective_us: float = 0.0
+    # how far the cost model's predicted speedup of one plan over another has been measured to miss the measured one
+    # on this hardware (the largest |predicted - measured| speedup, 0.05: 5 points), which benchmarks/sweep.py
+    # measures end to end; the planner keeps TorchRec's plan unless ours is predicted faster by more (plan_model,
+    # `incumbent`). 0: not measured, so every predicted gain counts
+    plan_error: float = 0.0
 
     def with_overrides(self, **overrides: Any) -> "Hardware":
         known = {f.name for f in fields(self)}
