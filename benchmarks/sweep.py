@@ -1,0 +1,296 @@
+"""The sweep: fresh generated models (benchmarks/model_generator.py) end to end on an emulated cluster, each planned
+by embark, by TorchRec's default planner given the calibrated topology ("torchrec"), by TorchRec's planner as a user
+runs it, without a hardware file ("torchrec-user"), and table-row-wise ("trw"), in interleaved rounds; then the
+distribution of measured speedups and of the cost model's errors, and the error on plan differences it implies.
+
+Models we never tuned for are the test of the planner's claim: on a model where it predicts a gain the gain must be
+measured, and where the gain is within the cost model's error it must keep TorchRec's plan. So each run draws new
+seeds (printed, so that a result can be rerun with --seeds), one calibration of the cluster serves every model
+(--hardware reuses one), and every plan that ran is priced again with that calibrated hardware file, so that the
+predicted speedups and the measured ones are of the same plans on the same figures.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/sweep.py [--count 10 | --seeds 1,2,3] [--hardware FILE]
+        [--nodes 2] [--gpus-per-node 2] [--link-mbit 50] [--rounds 2] [--steps 25] [--batch-size 2048]
+        [--out benchmarks/sweep.md] [--write-error FILE]
+
+The error on plan differences (the largest |predicted - measured| speedup of embark over torchrec over the models)
+is the figure the planner needs to be honest (Hardware.plan_error): --write-error FILE writes the calibrated hardware
+file with it, for the planner to plan with. Needs root (network namespaces), ip and tc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from embark_torchrec.cluster import ClusterError, ClusterSpec, preflight
+from embark_torchrec.plan import CostModel, ModelSpec, Plan, Topology
+from embark_torchrec.plan.model.hardware_file import load_hardware, save_hardware
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from cluster_e2e import (  # noqa: E402 (next to this file)
+    INTERRUPTS,
+    STOP_S,
+    TIMEOUT_S,
+    display,
+    launcher,
+    on_interrupt,
+    stop_if_interrupted,
+)
+from e2e import calibrate, round_ratio, run_example  # noqa: E402
+from model_generator import describe, generate_model  # noqa: E402
+
+OUT = ROOT / "benchmarks" / "sweep.md"
+# run name -> (the example's --planner, whether it plans with the calibrated hardware file)
+RUNS = {"embark": ("embark", True), "torchrec": ("torchrec", True), "torchrec-user": ("torchrec", False),
+        "trw": ("trw", True)}  # fmt: skip
+# (a, b): a's speedup over b, measured and predicted
+PAIRS = (("embark", "torchrec"), ("embark", "torchrec-user"), ("embark", "trw"))
+FLOOR = 0.98  # embark / TorchRec's planner, on every model
+MEDIAN_TARGET = 1.10  # embark / TorchRec's planner, median over the models
+TRW_TARGET = 1.5  # embark / trw, median over the models
+ESTIMATE_TARGET = 0.15  # |estimated / measured step - 1|, every plan
+SPEEDUP_TARGET = 0.07  # |predicted - measured| speedup of embark over torchrec, every model
+
+
+@dataclass
+class ModelOutcome:
+    """One generated model: its seed, spec, the rounds' RESULTs per run, and every plan priced with the hardware."""
+
+    seed: int
+    spec: ModelSpec
+    runs: dict[str, list[dict[str, Any]]]
+    estimated_ms: dict[str, float]
+    kept_torchrec: bool
+    seconds: float
+
+    def measured(self, a: str, b: str) -> float:
+        """a's speedup over b: the median over rounds of the per-round samples/s ratios."""
+        return round_ratio(self.runs, a, b, "samples_per_s")
+
+    def predicted(self, a: str, b: str) -> float:
+        return self.estimated_ms[b] / self.estimated_ms[a]
+
+    def estimate_error(self, run: str) -> float:
+        """The estimated step over the measured one (the step less the slowest rank's batch making), less 1."""
+        measured = statistics.median(r["step_ms"] - r["data_ms_per_step"] for r in self.runs[run])
+        return self.estimated_ms[run] / measured - 1
+
+
+def run_args(args: argparse.Namespace, spec_file: Path, hardware: Path | None, out: Path) -> argparse.Namespace:
+    """What e2e.run_example and e2e.calibrate read for one model on the cluster."""
+    return argparse.Namespace(
+        model=str(spec_file),
+        world_size=args.nodes * args.gpus_per_node,
+        local_world_size=args.gpus_per_node,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        no_pipeline=False,
+        timeout_s=args.timeout_s + STOP_S,
+        hardware=hardware,
+        launcher=launcher(args, args.link_mbit[0]),
+        quick_calibration=True,
+        out=out,
+    )
+
+
+def price(plan_file: Path, spec: ModelSpec, topology: Topology) -> float:
+    """A plan that ran, priced with the calibrated figures (whatever its planner planned with)."""
+    return CostModel(spec, topology).evaluate(Plan.load(plan_file)).step_ms
+
+
+def measure(args: argparse.Namespace, seed: int, hardware: Path, tmp: Path) -> ModelOutcome:
+    """One model's interleaved rounds of every run, each plan priced again with the calibrated hardware."""
+    start = time.perf_counter()
+    ws = args.nodes * args.gpus_per_node
+    spec = generate_model(seed)
+    spec_file = tmp / f"{spec.name}.json"
+    spec_file.write_text(json.dumps(spec.to_dict()))
+    plans = {run: tmp / f"{spec.name}_{run}.plan.json" for run in RUNS}
+    runs: dict[str, list[dict[str, Any]]] = {run: [] for run in RUNS}
+    names = list(RUNS)
+    for i in range(args.rounds):
+        for run in names if i % 2 == 0 else names[::-1]:
+            stop_if_interrupted()
+            planner, with_hardware = RUNS[run]
+            once = run_args(args, spec_file, hardware if with_hardware else None, tmp / "unused.md")
+            result = run_example(planner, once, plans[run])
+            runs[run].append(result)
+            print(
+                f"seed {seed} round {i + 1}/{args.rounds} {run}: {result['samples_per_s']:,.0f} samples/s, "
+                f"{result['inter_node_bytes_per_step']:,} inter-node bytes/step",
+                flush=True,
+            )
+    topology = Topology(ws, args.gpus_per_node, load_hardware(hardware))
+    planned = spec.with_batch_size(args.batch_size * ws)
+    estimated = {run: price(plans[run], planned, topology) for run in RUNS}
+    kept = Plan.load(plans["embark"]).tables == Plan.load(plans["torchrec"]).tables
+    return ModelOutcome(seed, spec, runs, estimated, kept, time.perf_counter() - start)
+
+
+def plan_difference_error(outcomes: list[ModelOutcome]) -> float:
+    """The largest |predicted - measured| speedup of embark over torchrec: what Hardware.plan_error holds."""
+    return max(abs(o.predicted("embark", "torchrec") - o.measured("embark", "torchrec")) for o in outcomes)
+
+
+def write_error(hardware: Path, out: Path, error: float, seeds: list[int]) -> None:
+    """The calibrated hardware file with the measured error on plan differences, marked measured."""
+    document = json.loads(hardware.read_text())
+    document["hardware"]["plan_error"] = round(error, 4)
+    document.setdefault("sources", {})["plan_error"] = "measured"
+    document.setdefault("measurements", {})["plan_error"] = {
+        **{stat: round(error, 4) for stat in ("median", "p25", "p75", "min", "max")},
+        "samples": len(seeds),
+        "unit": "speedup",
+        "what": f"largest |predicted - measured| speedup of embark over torchrec, benchmarks/sweep.py seeds {seeds}",
+    }
+    save_hardware(out, document)
+    print(f"wrote {out} with plan_error {error:.4f}")
+
+
+def verdict(met: bool) -> str:
+    return "met" if met else "**not met**"
+
+
+def summary(outcomes: list[ModelOutcome]) -> list[str]:
+    """The acceptance lines over every model measured."""
+    lines = []
+    for b in ("torchrec", "torchrec-user"):
+        got = [o.measured("embark", b) for o in outcomes]
+        lines.append(
+            f"- embark / {b}: min {min(got):.2f}x, median {statistics.median(got):.2f}x, max {max(got):.2f}x; "
+            f">= {FLOOR}x on every model {verdict(min(got) >= FLOOR)}, median >= {MEDIAN_TARGET}x "
+            f"{verdict(statistics.median(got) >= MEDIAN_TARGET)}"
+        )
+    trw = statistics.median(o.measured("embark", "trw") for o in outcomes)
+    lines.append(f"- embark / trw: median {trw:.2f}x; >= {TRW_TARGET}x {verdict(trw >= TRW_TARGET)}")
+    misses = [abs(o.estimate_error(run)) for o in outcomes for run in RUNS if run != "torchrec-user"]
+    lines.append(
+        f"- estimated / measured step (every plan priced with the calibrated file): worst {max(misses):.0%} off, "
+        f"median {statistics.median(misses):.0%}; within {ESTIMATE_TARGET:.0%} "
+        f"{verdict(max(misses) <= ESTIMATE_TARGET)}"
+    )
+    error = plan_difference_error(outcomes)
+    lines.append(
+        f"- predicted - measured speedup of embark over torchrec: worst {error:.3f} (the error on plan differences, "
+        f"Hardware.plan_error); within {SPEEDUP_TARGET} {verdict(error <= SPEEDUP_TARGET)}"
+    )
+    kept = [o.seed for o in outcomes if o.kept_torchrec]
+    lines.append(f"- TorchRec's plan kept on {len(kept)} of {len(outcomes)} models (seeds {kept or 'none'})")
+    return lines
+
+
+def markdown(outcomes: list[ModelOutcome], args: argparse.Namespace, hardware: Path, seconds: float) -> str:
+    ws = args.nodes * args.gpus_per_node
+    lines = [
+        f"# The sweep: {len(outcomes)} generated models on {args.nodes} emulated nodes x {args.gpus_per_node} CPU "
+        f"ranks at {args.link_mbit[0]:g} Mbit/s",
+        "",
+        f"Models from benchmarks/model_generator.py, seeds {', '.join(str(o.seed) for o in outcomes)}; batch "
+        f"{args.batch_size} per rank ({args.batch_size * ws} global), {args.steps} steps a run, {args.rounds} "
+        f"interleaved rounds of {', '.join(RUNS)}; planned with `{display(hardware)}` (torchrec-user: without it); "
+        "every plan priced again with that file. Speedups: measured, the median of per-round samples/s ratios; "
+        f"predicted, the estimated steps' ratio. {seconds / 60:.1f} min in all.",
+        "",
+        "## Targets",
+        "",
+        *summary(outcomes),
+        "",
+        "## Models",
+        "",
+        "| seed | model | kept TorchRec's | "
+        + " | ".join(f"{a} / {b} measured (predicted)" for a, b in PAIRS)
+        + " | estimated / measured step |",
+        "|---|---|---|" + "---:|" * len(PAIRS) + "---|",
+    ]
+    for o in outcomes:
+        pairs = " | ".join(f"{o.measured(a, b):.2f}x ({o.predicted(a, b):.2f}x)" for a, b in PAIRS)
+        misses = ", ".join(f"{run} {o.estimate_error(run):+.0%}" for run in RUNS)
+        lines.append(f"| {o.seed} | {describe(o.spec)} | {'yes' if o.kept_torchrec else 'no'} | {pairs} | {misses} |")
+    seeds = ",".join(str(o.seed) for o in outcomes)
+    lines += [
+        "",
+        f"Rerun these models: `PYTHONPATH=. .venv/bin/python benchmarks/sweep.py --seeds {seeds} --hardware "
+        f"{display(hardware)} --nodes {args.nodes} --gpus-per-node {args.gpus_per_node} --link-mbit "
+        f"{args.link_mbit[0]:g} --rounds {args.rounds} --steps {args.steps} --batch-size {args.batch_size}`",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--count", type=int, default=10, help="models, each of a fresh random seed")
+    p.add_argument("--seeds", default="", help="comma-separated seeds instead of fresh ones (to rerun a result)")
+    p.add_argument("--hardware", type=Path, help="this cluster's calibrated hardware file (else calibrate once)")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--gpus-per-node", type=int, default=2)
+    p.add_argument("--link-mbit", default="50", help="each node's link, Mbit/s per direction")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--batch-size", type=int, default=2048, help="per rank")
+    p.add_argument("--timeout-s", type=float, default=TIMEOUT_S, help="per run (the calibration job too)")
+    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--write-error", type=Path, help="write the calibrated hardware file with the measured plan_error")
+    args = p.parse_args(argv)
+    try:
+        args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()] or [
+            secrets.randbelow(2**31) for _ in range(args.count)
+        ]
+        args.link_mbit = [float(args.link_mbit)]
+        ClusterSpec(nodes=args.nodes, gpus_per_node=args.gpus_per_node, link_mbit=args.link_mbit[0])
+    except ValueError as e:
+        p.error(f"--seeds / --link-mbit / --nodes / --gpus-per-node: {e}")
+    if args.rounds < 1 or args.steps < 2 or args.batch_size < 1 or args.count < 1:
+        p.error("--count, --rounds, --batch-size must be >= 1 and --steps >= 2")
+    if args.hardware is not None:
+        load_hardware(args.hardware)  # a bad file fails here, before any run
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        preflight()
+    except ClusterError as e:
+        print(f"sweep.py: {e}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGINT, on_interrupt)
+    start, outcomes = time.perf_counter(), []
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir)
+        hardware = args.hardware
+        if hardware is None:
+            first = generate_model(args.seeds[0])
+            spec_file = tmp / "calibration_model.json"
+            spec_file.write_text(json.dumps(first.to_dict()))
+            print("calibrating the cluster (quick, once for every model)", flush=True)
+            hardware = calibrate(run_args(args, spec_file, None, args.out.with_suffix(".md")), tmp)
+        try:
+            for seed in args.seeds:
+                outcomes.append(measure(args, seed, hardware, tmp))
+                args.out.write_text(markdown(outcomes, args, hardware, time.perf_counter() - start))
+        except (KeyboardInterrupt, RuntimeError):
+            if not INTERRUPTS:
+                raise
+            print(f"sweep.py: interrupted; {args.out} holds the {len(outcomes)} models done", file=sys.stderr)
+            return 130
+    text = markdown(outcomes, args, hardware, time.perf_counter() - start)
+    args.out.write_text(text)
+    print(text)
+    if args.write_error is not None:
+        write_error(hardware, args.write_error, plan_difference_error(outcomes), [o.seed for o in outcomes])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""benchmarks/sweep.py's arithmetic, on rounds made up here: the speedups are medians of per-round ratios, the error on
+plan differences is the worst |predicted - measured| speedup of embark over torchrec, and the hardware file it writes
+plans with that error (the runs themselves need the emulated cluster: `make test` does not start one)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from embark_torchrec.plan.model.hardware_file import hardware_sources, load_hardware
+
+ROOT = Path(__file__).resolve().parents[2]
+_SPEC = importlib.util.spec_from_file_location("sweep", ROOT / "benchmarks" / "sweep.py")
+assert _SPEC is not None and _SPEC.loader is not None
+sweep = importlib.util.module_from_spec(_SPEC)
+sys.modules[_SPEC.name] = sweep  # its dataclasses look their module up
+_SPEC.loader.exec_module(sweep)
+CALIBRATED = ROOT / "benchmarks" / "cluster_e2e_multihot_zipf_50mbit.hardware.json"
+
+
+def _outcome(seed: int, rates: dict[str, list[float]], estimated: dict[str, float]) -> object:
+    """A model whose runs measured `rates` samples/s per round, at 100 ms a step less 10 ms of batch making."""
+    runs = {
+        run: [{"samples_per_s": r, "step_ms": 1e5 / r + 10.0, "data_ms_per_step": 10.0} for r in per_round]
+        for run, per_round in rates.items()
+    }
+    return sweep.ModelOutcome(seed, sweep.generate_model(seed), runs, estimated, False, 1.0)
+
+
+def test_speedups_are_medians_of_round_ratios_and_the_error_is_the_worst_miss() -> None:
+    base = {"torchrec-user": [1000.0, 1000.0, 1000.0], "trw": [500.0, 500.0, 500.0]}
+    a = _outcome(
+        1,
+        {"embark": [1100.0, 1300.0, 1200.0], "torchrec": [1000.0, 1000.0, 1100.0], **base},
+        {"embark": 80.0, "torchrec": 100.0, "torchrec-user": 100.0, "trw": 200.0},
+    )
+    b = _outcome(
+        2,
+        {"embark": [1000.0, 1000.0, 1000.0], "torchrec": [1000.0, 1000.0, 1000.0], **base},
+        {"embark": 100.0, "torchrec": 103.0, "torchrec-user": 100.0, "trw": 200.0},
+    )
+    # rounds 1.1, 1.3, 1.09: the median of the ratios, not the ratio of the medians (1.2)
+    assert a.measured("embark", "torchrec") == pytest.approx(1.1)
+    assert a.predicted("embark", "torchrec") == pytest.approx(1.25)
+    assert sweep.plan_difference_error([a, b]) == pytest.approx(0.15)  # a: 1.25 - 1.1, b: 1.03 - 1.0
+    assert a.estimate_error("embark") == pytest.approx(80.0 / (1e5 / 1200.0) - 1)
+    lines = sweep.summary([a, b])
+    assert any("worst 0.150" in line and "within 0.07 **not met**" in line for line in lines), lines
+    assert sweep.summary([b])[-2].endswith("within 0.07 met")
+
+
+def test_the_written_hardware_file_plans_with_the_measured_error(tmp_path: Path) -> None:
+    out = tmp_path / "measured.hardware.json"
+    sweep.write_error(CALIBRATED, out, 0.0612, [3, 4])
+    hardware = load_hardware(out)
+    assert hardware.plan_error == 0.0612
+    assert hardware == load_hardware(CALIBRATED).with_overrides(plan_error=0.0612)
+    assert (hardware_sources(str(out)) or {})["plan_error"] == "measured"
