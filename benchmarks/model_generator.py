@@ -9,8 +9,9 @@ a few giant ID tables):
   models) with GIANT_ROWS_FACTOR times the largest ordinary row count;
 - pooling: one-hot with probability ONE_HOT_SHARE, else log-uniform in `pooling`;
 - IDs: per table Zipf(alpha), alpha uniform in ZIPF_ALPHA, with probability ZIPF_SHARE, else uniform;
-- shared features: with probability SHARED_FEATURE_SHARE a table reads another table's feature (as TorchRec
-  allows: one feature, a lookup per table).
+- shared features: with probability `shared_feature_share` a table reads another table's feature (as TorchRec
+  allows: one feature, a lookup per table). The sweep draws none: TorchRec's DLRM, the example's model, looks a
+  pooled embedding up by its feature's name, which a shared feature does not have.
 The default ranges fit the emulated cluster on a 2-core box (4-8 CPU ranks, seconds per step); pass larger ones
 for a model of a real cluster.
 """
@@ -31,7 +32,6 @@ WIDTHS = (16, 32, 64)
 ONE_HOT_SHARE = 0.4
 ZIPF_SHARE = 0.6
 ZIPF_ALPHA = (0.8, 1.3)
-SHARED_FEATURE_SHARE = 0.1
 GIANT_SHARE = 0.1
 GIANT_ROWS_FACTOR = 10
 
@@ -44,11 +44,14 @@ class ModelRanges:
     rows: tuple[int, int] = (100, 50_000)
     pooling: tuple[float, float] = (2.0, 100.0)
     batch_size: int = 2048
+    shared_feature_share: float = 0.1
 
     def __post_init__(self) -> None:
         for field, (low, high) in (("tables", self.tables), ("rows", self.rows), ("pooling", self.pooling)):
             if not 0 < low <= high:
                 raise ValueError(f"ModelRanges.{field}: expected 0 < low <= high, got ({low}, {high})")
+        if not 0.0 <= self.shared_feature_share <= 1.0:
+            raise ValueError(f"ModelRanges.shared_feature_share: expected 0 to 1, got {self.shared_feature_share}")
         if self.batch_size < 1:
             raise ValueError(f"ModelRanges.batch_size: expected >= 1, got {self.batch_size}")
 
@@ -72,7 +75,7 @@ def generate_model(seed: int, ranges: ModelRanges = ModelRanges()) -> ModelSpec:
         pooling = 1.0 if one_hot else round(_log_uniform(rng, *ranges.pooling), 1)
         zipf = rng.random() < ZIPF_SHARE
         ids = IdDistribution("zipf", round(float(rng.uniform(*ZIPF_ALPHA)), 2)) if zipf else IdDistribution()
-        shared = tables and rng.random() < SHARED_FEATURE_SHARE
+        shared = tables and rng.random() < ranges.shared_feature_share
         feature = tables[int(rng.integers(len(tables)))].feature_names[0] if shared else f"f{i}"
         tables.append(TableSpec(f"t{i}", rows, width, pooling, (feature,), ids))
     return ModelSpec(f"generated-{seed}", ranges.batch_size, tuple(tables))

@@ -48,9 +48,11 @@ from cluster_e2e import (  # noqa: E402 (next to this file)
     stop_if_interrupted,
 )
 from e2e import calibrate, round_ratio, run_example  # noqa: E402
-from model_generator import describe, generate_model  # noqa: E402
+from model_generator import ModelRanges, describe, generate_model  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "sweep.md"
+# TorchRec's DLRM (the example's model) trains no feature shared by tables (train.py says why)
+RANGES = ModelRanges(shared_feature_share=0.0)
 # run name -> (the example's --planner, whether it plans with the calibrated hardware file)
 RUNS = {"embark": ("embark", True), "torchrec": ("torchrec", True), "torchrec-user": ("torchrec", False),
         "trw": ("trw", True)}  # fmt: skip
@@ -113,7 +115,7 @@ def measure(args: argparse.Namespace, seed: int, hardware: Path, tmp: Path) -> M
     """One model's interleaved rounds of every run, each plan priced again with the calibrated hardware."""
     start = time.perf_counter()
     ws = args.nodes * args.gpus_per_node
-    spec = generate_model(seed)
+    spec = generate_model(seed, RANGES)
     spec_file = tmp / f"{spec.name}.json"
     spec_file.write_text(json.dumps(spec.to_dict()))
     plans = {run: tmp / f"{spec.name}_{run}.plan.json" for run in RUNS}
@@ -270,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp_dir)
         hardware = args.hardware
         if hardware is None:
-            first = generate_model(args.seeds[0])
+            first = generate_model(args.seeds[0], RANGES)
             spec_file = tmp / "calibration_model.json"
             spec_file.write_text(json.dumps(first.to_dict()))
             print("calibrating the cluster (quick, once for every model)", flush=True)

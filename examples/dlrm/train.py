@@ -269,6 +269,18 @@ def load_spec(model: str | None, one_hot_features: int | None) -> ModelSpec:
         raise SystemExit(
             f"model {spec.name!r}: DLRM-DCNv2 needs one embedding dim for every table, the spec has {dims}"
         )
+    readers: dict[str, list[str]] = {}
+    for t in spec.tables:
+        for f in t.feature_names:
+            readers.setdefault(f, []).append(t.name)
+    shared = {f: tables for f, tables in readers.items() if len(tables) > 1}
+    if shared:
+        f, tables = next(iter(shared.items()))
+        raise SystemExit(
+            f"model {spec.name!r}: feature {f!r} feeds tables {tables}; TorchRec's DLRM (this example's model) looks "
+            "each feature's pooled embedding up by the feature's name, which a feature read by several tables does "
+            "not have (TorchRec names it per table), so the example trains no shared features"
+        )
     if one_hot_features is not None:
         features = sum(len(t.feature_names) for t in spec.tables)
         if features != one_hot_features:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -214,3 +215,16 @@ def test_label_is_learnable_from_the_generating_features() -> None:
 
     assert encoded_auc(0) > 0.6  # "small": a label feature
     assert abs(encoded_auc(len(data.features) - 1) - 0.5) < 0.03  # "cold": not a label feature
+
+
+def test_a_feature_shared_by_tables_is_refused_by_name_before_any_rank_starts(tmp_path: Path) -> None:
+    """TorchRec's DLRM looks pooled embeddings up by feature name, which a feature read by two tables does not have:
+    the example says so, naming the feature and its tables, instead of a KeyError inside TorchRec's forward."""
+    import train
+
+    shared = ModelSpec("shared", 64, (TableSpec("a", 100, 16, 1.0, ("f",)), TableSpec("b", 50, 16, 2.0, ("f",))))
+    path = tmp_path / "shared.json"
+    path.write_text(json.dumps(shared.to_dict()))
+    with pytest.raises(SystemExit, match=r"feature 'f' feeds tables \['a', 'b'\].*trains no shared features"):
+        train.load_spec(str(path), None)
+    assert train.load_spec(None, None).name  # the default model has none

@@ -27,7 +27,7 @@ def _outcome(seed: int, rates: dict[str, list[float]], estimated: dict[str, floa
         run: [{"samples_per_s": r, "step_ms": 1e5 / r + 10.0, "data_ms_per_step": 10.0} for r in per_round]
         for run, per_round in rates.items()
     }
-    return sweep.ModelOutcome(seed, sweep.generate_model(seed), runs, estimated, False, 1.0)
+    return sweep.ModelOutcome(seed, sweep.generate_model(seed, sweep.RANGES), runs, estimated, False, 1.0)
 
 
 def test_speedups_are_medians_of_round_ratios_and_the_error_is_the_worst_miss() -> None:
