@@ -1,0 +1,280 @@
+"""The scaling curve: weak scaling (a fixed batch per rank) of embark, TorchRec's default planner and table-row-wise
+(TWRW) on emulated clusters of 1, 2, 4 (and 8) nodes joined by links of one fixed rate per node, for two models
+(dlrm_main-like and multi-hot), with the cost model's prediction beside every point.
+
+EMBark's claim is about growth: as nodes are added, more of each rank's embedding traffic crosses the slow links,
+so a plan that keeps traffic inside nodes (or sends less of it) should pull further ahead of TWRW. Each cluster
+size is calibrated once (the example's --calibrate, quick; --hardware-dir keeps the files, and reuses one that is
+there), then each model runs the planners in interleaved rounds. Reported per (model, nodes): samples/s per plan,
+embark's measured and predicted speedup over TorchRec's and TWRW's plans, and the share of TorchRec's and TWRW's
+measured step their embedding bytes take on the link (the inter-node bytes a rank counted per step, times the
+node's ranks, at the link's rate per direction: the time the link needs at least, against the step). A PNG plots
+samples/s and embark's lead against nodes.
+
+On this 2-core box every rank of every node shares the same cores, so compute per rank shrinks as ranks are added;
+the link rate is set low (--link-mbit, 50 by default) to keep communication the larger part of the step, and the
+calibration at each size measures the shared cores' figures, so the prediction prices what the box does.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/scaling.py [--nodes 1,2,4] [--gpus-per-node 1] [--link-mbit 50]
+        [--models benchmarks/models/dlrm_main.json,benchmarks/models/multihot_zipf.json] [--rounds 2] [--steps 25]
+        [--batch-size 1024] [--out benchmarks/scaling.md] [--hardware-dir benchmarks/scaling]
+
+Needs root (network namespaces), ip and tc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from embark_torchrec.cluster import ClusterError, ClusterSpec, preflight
+from embark_torchrec.plan import CostModel, Plan, Topology
+from embark_torchrec.plan.model.hardware_file import load_hardware
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from cluster_e2e import INTERRUPTS, STOP_S, TIMEOUT_S, display, on_interrupt, stop_if_interrupted  # noqa: E402
+from e2e import calibrate, round_ratio, run_example  # noqa: E402
+from train import load_spec  # noqa: E402 (the example's models; e2e.py put its directory on the path)
+
+OUT = ROOT / "benchmarks" / "scaling.md"
+HARDWARE_DIR = ROOT / "benchmarks" / "scaling"
+MODELS = ("benchmarks/models/dlrm_main.json", "benchmarks/models/multihot_zipf.json")
+PLANNERS = ("embark", "torchrec", "trw")
+TRW_LEAD = 1.5  # embark / trw at 4 nodes
+TORCHREC_LEAD = 1.1  # embark / torchrec at 4 nodes
+PREDICTION_TARGET = 0.15  # |measured / predicted speedup - 1|
+
+
+@dataclass
+class Point:
+    """One (model, nodes): the rounds' RESULTs per planner and every plan priced with that size's hardware file."""
+
+    model: str
+    nodes: int
+    runs: dict[str, list[dict[str, Any]]]
+    estimated_ms: dict[str, float]
+    link_share: dict[str, float]
+
+    def measured(self, a: str, b: str) -> float:
+        return round_ratio(self.runs, a, b, "samples_per_s")
+
+    def predicted(self, a: str, b: str) -> float:
+        return self.estimated_ms[b] / self.estimated_ms[a]
+
+    def samples_per_s(self, planner: str) -> float:
+        return float(statistics.median(r["samples_per_s"] for r in self.runs[planner]))
+
+
+def launcher(args: argparse.Namespace, nodes: int) -> list[str]:
+    return [
+        sys.executable, "-m", "embark_torchrec.cluster", "--nodes", str(nodes),
+        "--gpus-per-node", str(args.gpus_per_node), "--link-mbit", f"{args.link_mbit:g}",
+        "--timeout-s", f"{args.timeout_s:g}", "--",
+    ]  # fmt: skip
+
+
+def run_args(args: argparse.Namespace, model: str, nodes: int, hardware: Path | None, out: Path) -> argparse.Namespace:
+    return argparse.Namespace(
+        model=model,
+        world_size=nodes * args.gpus_per_node,
+        local_world_size=args.gpus_per_node,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        no_pipeline=False,
+        timeout_s=args.timeout_s + STOP_S,
+        hardware=hardware,
+        launcher=launcher(args, nodes),
+        quick_calibration=True,
+        out=out,
+    )
+
+
+def hardware_file(args: argparse.Namespace, nodes: int, tmp: Path) -> Path:
+    """This size's calibrated hardware file: the one kept in --hardware-dir, else one calibration of the first model."""
+    kept = args.hardware_dir / f"scaling_{nodes}x{args.gpus_per_node}_{args.link_mbit:g}mbit.hardware.json"
+    if kept.exists():
+        load_hardware(kept)  # a bad file fails here, before the runs
+        return kept
+    print(f"{nodes} nodes: calibrating (quick)", flush=True)
+    return calibrate(run_args(args, args.models[0], nodes, None, kept.with_suffix("").with_suffix(".md")), tmp)
+
+
+def link_share(result: dict[str, Any], args: argparse.Namespace) -> float:
+    """The least time the link needs for a step's embedding bytes, over the measured step: a rank's counted inter-node
+    bytes (sent + received) times the node's ranks, half each way, at the link's rate per direction."""
+    per_direction = result["inter_node_bytes_per_step"] * args.gpus_per_node / 2
+    link_ms = per_direction * 8 / (args.link_mbit * 1e6) * 1e3
+    return link_ms / result["step_ms"]
+
+
+def measure(args: argparse.Namespace, model: str, nodes: int, hardware: Path, tmp: Path) -> Point:
+    ws = nodes * args.gpus_per_node
+    plans = {p: tmp / f"{Path(model).stem}_{nodes}_{p}.plan.json" for p in PLANNERS}
+    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in PLANNERS}
+    for i in range(args.rounds):
+        for p in PLANNERS if i % 2 == 0 else PLANNERS[::-1]:
+            stop_if_interrupted()
+            result = run_example(p, run_args(args, model, nodes, hardware, tmp / "unused.md"), plans[p])
+            runs[p].append(result)
+            print(f"{Path(model).stem} @ {nodes} nodes round {i + 1} {p}: {result['samples_per_s']:,.0f} samples/s")
+    spec = load_spec(model, None).with_batch_size(args.batch_size * ws)
+    cost = CostModel(spec, Topology(ws, args.gpus_per_node, load_hardware(hardware)))
+    estimated = {p: cost.evaluate(Plan.load(plans[p])).step_ms for p in PLANNERS}
+    shares = {p: statistics.median(link_share(r, args) for r in runs[p]) for p in PLANNERS} if nodes > 1 else {}
+    return Point(Path(model).stem, nodes, runs, estimated, shares)
+
+
+def verdict(met: bool) -> str:
+    return "met" if met else "**not met**"
+
+
+def targets(points: list[Point]) -> list[str]:
+    lines = []
+    for model in dict.fromkeys(p.model for p in points):
+        by_nodes = {p.nodes: p for p in points if p.model == model}
+        if 4 in by_nodes:
+            four = by_nodes[4]
+            lines.append(
+                f"- {model} at 4 nodes: embark / trw {four.measured('embark', 'trw'):.2f}x (>= {TRW_LEAD}x "
+                f"{verdict(four.measured('embark', 'trw') >= TRW_LEAD)}), embark / torchrec "
+                f"{four.measured('embark', 'torchrec'):.2f}x (>= {TORCHREC_LEAD}x "
+                f"{verdict(four.measured('embark', 'torchrec') >= TORCHREC_LEAD)})"
+            )
+            if 2 in by_nodes:
+                grows = four.measured("embark", "trw") >= by_nodes[2].measured("embark", "trw")
+                lines.append(f"- {model}: lead over trw at 4 nodes >= at 2: {verdict(grows)}")
+        shares = [by_nodes[n].link_share["trw"] for n in sorted(by_nodes) if by_nodes[n].link_share]
+        if len(shares) > 1:
+            grows = all(a <= b for a, b in zip(shares, shares[1:]))
+            lines.append(f"- {model}: trw's link share grows with nodes ({shares}): {verdict(grows)}")
+    offs = [abs(p.measured("embark", b) / p.predicted("embark", b) - 1) for p in points for b in ("torchrec", "trw")]
+    lines.append(
+        f"- every point's predicted speedup within {PREDICTION_TARGET:.0%} of measured: worst {max(offs):.0%} "
+        f"{verdict(max(offs) <= PREDICTION_TARGET)}"
+    )
+    return lines
+
+
+def markdown(points: list[Point], args: argparse.Namespace, seconds: float) -> str:
+    lines = [
+        f"# Weak scaling on emulated clusters: {args.gpus_per_node} CPU rank(s) per node, {args.link_mbit:g} Mbit/s "
+        "per node's link",
+        "",
+        f"Batch {args.batch_size} per rank at every size, {args.steps} steps a run, {args.rounds} interleaved rounds "
+        f"of {', '.join(PLANNERS)}; each size calibrated once (hardware files in `{display(args.hardware_dir)}`). "
+        "Speedups: measured, medians of per-round samples/s ratios; predicted, estimated steps' ratio. Link share: "
+        "a rank's embedding bytes on the link at its rate, over the measured step (see the script). "
+        f"{seconds / 60:.1f} min in all.",
+        "",
+        "## Targets",
+        "",
+        *targets(points),
+        "",
+        "| model | nodes | samples/s embark / torchrec / trw | embark / torchrec measured (predicted) "
+        "| embark / trw measured (predicted) | link share torchrec / trw |",
+        "|---|---:|---|---:|---:|---|",
+    ]
+    for p in points:
+        rates = " / ".join(f"{p.samples_per_s(x):,.0f}" for x in PLANNERS)
+        share = " / ".join(f"{p.link_share[x]:.0%}" for x in ("torchrec", "trw")) if p.link_share else "no link"
+        lines.append(
+            f"| {p.model} | {p.nodes} | {rates} | {p.measured('embark', 'torchrec'):.2f}x "
+            f"({p.predicted('embark', 'torchrec'):.2f}x) | {p.measured('embark', 'trw'):.2f}x "
+            f"({p.predicted('embark', 'trw'):.2f}x) | {share} |"
+        )
+    lines += ["", f"![samples/s and embark's lead against nodes]({args.out.with_suffix('.png').name})"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(points: list[Point], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (rate_ax, lead_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    for model in dict.fromkeys(p.model for p in points):
+        mine = sorted((p for p in points if p.model == model), key=lambda p: p.nodes)
+        nodes = [p.nodes for p in mine]
+        for planner in PLANNERS:
+            rate_ax.plot(nodes, [p.samples_per_s(planner) for p in mine], marker="o", label=f"{model} {planner}")
+        for b in ("torchrec", "trw"):
+            lead_ax.plot(nodes, [p.measured("embark", b) for p in mine], marker="o", label=f"{model} / {b}")
+            lead_ax.plot(nodes, [p.predicted("embark", b) for p in mine], ls="--", label=f"{model} / {b} predicted")
+    rate_ax.set(xlabel="nodes", ylabel="samples/s", title="weak scaling")
+    lead_ax.set(xlabel="nodes", ylabel="embark's speedup", title="embark's lead (dashed: predicted)")
+    for ax in (rate_ax, lead_ax):
+        ax.legend(fontsize=6)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", default="1,2,4", help="comma-separated cluster sizes")
+    p.add_argument("--gpus-per-node", type=int, default=1)
+    p.add_argument("--link-mbit", type=float, default=50.0, help="each node's link, Mbit/s per direction")
+    p.add_argument("--models", default=",".join(MODELS), help="comma-separated spec files or built-in names")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--batch-size", type=int, default=1024, help="per rank, at every size")
+    p.add_argument("--timeout-s", type=float, default=TIMEOUT_S, help="per run (the calibration job too)")
+    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--hardware-dir", type=Path, default=HARDWARE_DIR, help="where each size's hardware file is kept")
+    args = p.parse_args(argv)
+    try:
+        args.nodes = sorted({int(n) for n in args.nodes.split(",") if n.strip()})
+        for n in args.nodes:
+            ClusterSpec(nodes=n, gpus_per_node=args.gpus_per_node, link_mbit=args.link_mbit)
+    except ValueError as e:
+        p.error(f"--nodes / --gpus-per-node / --link-mbit: {e}")
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    for model in args.models:
+        load_spec(model, None)  # a bad model fails here, before any run
+    if not args.nodes or not args.models or args.rounds < 1 or args.steps < 2 or args.batch_size < 1:
+        p.error("give nodes and models; --rounds, --batch-size >= 1, --steps >= 2")
+    args.hardware_dir = args.hardware_dir.resolve()
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        preflight()
+    except ClusterError as e:
+        print(f"scaling.py: {e}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGINT, on_interrupt)
+    args.hardware_dir.mkdir(parents=True, exist_ok=True)
+    start, points = time.perf_counter(), []
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir)
+        try:
+            for nodes in args.nodes:
+                hardware = hardware_file(args, nodes, tmp)
+                for model in args.models:
+                    points.append(measure(args, model, nodes, hardware, tmp))
+                    args.out.write_text(markdown(points, args, time.perf_counter() - start))
+        except (KeyboardInterrupt, RuntimeError):
+            if not INTERRUPTS:
+                raise
+            print(f"scaling.py: interrupted; {args.out} holds the {len(points)} points done", file=sys.stderr)
+            return 130
+    text = markdown(points, args, time.perf_counter() - start)
+    args.out.write_text(text)
+    plot(points, args.out.with_suffix(".png"))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
