@@ -92,6 +92,23 @@ class Outcome:
     seconds: float
 
 
+@dataclass
+class Rounds:
+    """Interleaved rounds of several plans (sweep.py, scaling.py): each plan's RESULTs, one a round, and its
+    estimated step in ms."""
+
+    runs: dict[str, list[dict[str, Any]]]
+    estimated_ms: dict[str, float]
+
+    def measured(self, a: str, b: str) -> float:
+        """a's speedup over b: the median over rounds of the per-round samples/s ratios."""
+        return round_ratio(self.runs, a, b, "samples_per_s")
+
+    def predicted(self, a: str, b: str) -> float:
+        """a's speedup over b by the cost model: b's estimated step over a's."""
+        return self.estimated_ms[b] / self.estimated_ms[a]
+
+
 def model_label(model: str | None) -> str:
     """A short name for file names and headings: `default`, a spec file's stem, or a built-in name."""
     if model is None:
@@ -103,34 +120,50 @@ def rate_label(link_mbit: float) -> str:
     return f"{link_mbit:g}mbit"
 
 
-def launcher(args: argparse.Namespace, link_mbit: float) -> list[str]:
-    """The command that starts the example's ranks on an emulated cluster at this link rate (e2e.run_example puts
-    the example and its flags after it)."""
+def launcher(args: argparse.Namespace, nodes: int, link_mbit: float) -> list[str]:
+    """The command that starts the example's ranks on an emulated cluster of `nodes` x args.gpus_per_node at this
+    link rate (e2e.run_example puts the example and its flags after it)."""
     return [
-        sys.executable, "-m", "embark_torchrec.cluster", "--nodes", str(args.nodes),
+        sys.executable, "-m", "embark_torchrec.cluster", "--nodes", str(nodes),
         "--gpus-per-node", str(args.gpus_per_node), "--link-mbit", f"{link_mbit:g}",
         "--timeout-s", f"{args.timeout_s:g}", "--",
     ]  # fmt: skip
 
 
-def run_args(
-    args: argparse.Namespace, model: str | None, link_mbit: float, hardware: Path | None
+def cluster_run(
+    args: argparse.Namespace,
+    model: str | None,
+    nodes: int,
+    link_mbit: float,
+    hardware: Path | None,
+    out: Path,
+    quick_calibration: bool = True,
+    no_pipeline: bool = False,
 ) -> argparse.Namespace:
-    """What e2e.run_example and e2e.calibrate read, for one (model, link rate). `out` only names the hardware
-    file e2e.calibrate keeps: <hardware-dir>/cluster_e2e_<model>_<rate>mbit.hardware.json."""
+    """What e2e.run_example and e2e.calibrate read for one job of the example on an emulated cluster (this script's,
+    sweep.py's and scaling.py's); `out` only names the hardware file e2e.calibrate keeps (its .hardware.json)."""
     return argparse.Namespace(
         model=model,
-        world_size=args.nodes * args.gpus_per_node,
+        world_size=nodes * args.gpus_per_node,
         local_world_size=args.gpus_per_node,
         steps=args.steps,
         batch_size=args.batch_size,
-        no_pipeline=args.no_pipeline,
+        no_pipeline=no_pipeline,
         timeout_s=args.timeout_s + STOP_S,
         hardware=hardware,
-        launcher=launcher(args, link_mbit),
-        quick_calibration=args.quick_calibration,
-        out=args.hardware_dir / f"cluster_e2e_{model_label(model)}_{rate_label(link_mbit)}.md",
+        launcher=launcher(args, nodes, link_mbit),
+        quick_calibration=quick_calibration,
+        out=out,
     )
+
+
+def run_args(
+    args: argparse.Namespace, model: str | None, link_mbit: float, hardware: Path | None
+) -> argparse.Namespace:
+    """One (model, link rate)'s job; its calibration is kept as
+    <hardware-dir>/cluster_e2e_<model>_<rate>mbit.hardware.json."""
+    out = args.hardware_dir / f"cluster_e2e_{model_label(model)}_{rate_label(link_mbit)}.md"
+    return cluster_run(args, model, args.nodes, link_mbit, hardware, out, args.quick_calibration, args.no_pipeline)
 
 
 def measure(args: argparse.Namespace, model: str | None, spec: ModelSpec, link_mbit: float) -> Outcome:
@@ -394,6 +427,18 @@ def on_interrupt(signum: int, frame: FrameType | None) -> None:
     INTERRUPTS.append(signum)
 
 
+def cluster_ready(script: str) -> bool:
+    """Whether this box can emulate a cluster (else why not, as `script`'s error), checked before the first run; then
+    Ctrl-C goes to on_interrupt, so that a run's cluster removes its namespaces before the benchmark stops."""
+    try:
+        preflight()
+    except ClusterError as e:
+        print(f"{script}: {e}", file=sys.stderr)
+        return False
+    signal.signal(signal.SIGINT, on_interrupt)
+    return True
+
+
 def stop_if_interrupted() -> None:
     if INTERRUPTS:
         raise KeyboardInterrupt
@@ -401,10 +446,7 @@ def stop_if_interrupted() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        preflight()  # refuse now, not after the first model's runs
-    except ClusterError as e:
-        print(f"cluster_e2e.py: {e}", file=sys.stderr)
+    if not cluster_ready("cluster_e2e.py"):
         return 2
     models = [None if m == DEFAULT_MODEL else m for m in args.models]
     ws = args.nodes * args.gpus_per_node
@@ -412,7 +454,6 @@ def main(argv: list[str] | None = None) -> int:
     args.hardware_dir.mkdir(parents=True, exist_ok=True)
     outcomes: list[Outcome] = []
     planned, start = len(models) * len(args.link_mbit), time.perf_counter()
-    signal.signal(signal.SIGINT, on_interrupt)
     try:
         for model, spec in zip(models, specs):
             for link_mbit in args.link_mbit:

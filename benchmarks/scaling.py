@@ -25,7 +25,6 @@ Needs root (network namespaces), ip and tc.
 from __future__ import annotations
 
 import argparse
-import signal
 import statistics
 import sys
 import tempfile
@@ -34,14 +33,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from embark_torchrec.cluster import ClusterError, ClusterSpec, preflight
+from embark_torchrec.cluster import ClusterSpec
 from embark_torchrec.plan import CostModel, Plan, Topology
 from embark_torchrec.plan.model.hardware_file import load_hardware
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from cluster_e2e import INTERRUPTS, STOP_S, TIMEOUT_S, display, on_interrupt, stop_if_interrupted  # noqa: E402
-from e2e import calibrate, round_ratio, run_example  # noqa: E402
+from cluster_e2e import INTERRUPTS, TIMEOUT_S, Rounds, cluster_ready, cluster_run, display, stop_if_interrupted  # noqa: E402
+from e2e import calibrate, run_example  # noqa: E402
 from train import load_spec  # noqa: E402 (the example's models; e2e.py put its directory on the path)
 
 OUT = ROOT / "benchmarks" / "scaling.md"
@@ -54,47 +53,15 @@ PREDICTION_TARGET = 0.15  # |measured / predicted speedup - 1|
 
 
 @dataclass
-class Point:
-    """One (model, nodes): the rounds' RESULTs per planner and every plan priced with that size's hardware file."""
+class Point(Rounds):
+    """One (model, nodes): its rounds, every plan priced with that size's hardware file, and the link shares."""
 
     model: str
     nodes: int
-    runs: dict[str, list[dict[str, Any]]]
-    estimated_ms: dict[str, float]
     link_share: dict[str, float]
-
-    def measured(self, a: str, b: str) -> float:
-        return round_ratio(self.runs, a, b, "samples_per_s")
-
-    def predicted(self, a: str, b: str) -> float:
-        return self.estimated_ms[b] / self.estimated_ms[a]
 
     def samples_per_s(self, planner: str) -> float:
         return float(statistics.median(r["samples_per_s"] for r in self.runs[planner]))
-
-
-def launcher(args: argparse.Namespace, nodes: int) -> list[str]:
-    return [
-        sys.executable, "-m", "embark_torchrec.cluster", "--nodes", str(nodes),
-        "--gpus-per-node", str(args.gpus_per_node), "--link-mbit", f"{args.link_mbit:g}",
-        "--timeout-s", f"{args.timeout_s:g}", "--",
-    ]  # fmt: skip
-
-
-def run_args(args: argparse.Namespace, model: str, nodes: int, hardware: Path | None, out: Path) -> argparse.Namespace:
-    return argparse.Namespace(
-        model=model,
-        world_size=nodes * args.gpus_per_node,
-        local_world_size=args.gpus_per_node,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        no_pipeline=False,
-        timeout_s=args.timeout_s + STOP_S,
-        hardware=hardware,
-        launcher=launcher(args, nodes),
-        quick_calibration=True,
-        out=out,
-    )
 
 
 def hardware_file(args: argparse.Namespace, nodes: int, tmp: Path) -> Path:
@@ -104,7 +71,8 @@ def hardware_file(args: argparse.Namespace, nodes: int, tmp: Path) -> Path:
         load_hardware(kept)  # a bad file fails here, before the runs
         return kept
     print(f"{nodes} nodes: calibrating (quick)", flush=True)
-    return calibrate(run_args(args, args.models[0], nodes, None, kept.with_suffix("").with_suffix(".md")), tmp)
+    out = kept.with_suffix("").with_suffix(".md")
+    return calibrate(cluster_run(args, args.models[0], nodes, args.link_mbit, None, out), tmp)
 
 
 def link_share(result: dict[str, Any], args: argparse.Namespace) -> float:
@@ -122,14 +90,15 @@ def measure(args: argparse.Namespace, model: str, nodes: int, hardware: Path, tm
     for i in range(args.rounds):
         for p in PLANNERS if i % 2 == 0 else PLANNERS[::-1]:
             stop_if_interrupted()
-            result = run_example(p, run_args(args, model, nodes, hardware, tmp / "unused.md"), plans[p])
+            once = cluster_run(args, model, nodes, args.link_mbit, hardware, tmp / "unused.md")
+            result = run_example(p, once, plans[p])
             runs[p].append(result)
             print(f"{Path(model).stem} @ {nodes} nodes round {i + 1} {p}: {result['samples_per_s']:,.0f} samples/s")
     spec = load_spec(model, None).with_batch_size(args.batch_size * ws)
     cost = CostModel(spec, Topology(ws, args.gpus_per_node, load_hardware(hardware)))
     estimated = {p: cost.evaluate(Plan.load(plans[p])).step_ms for p in PLANNERS}
     shares = {p: statistics.median(link_share(r, args) for r in runs[p]) for p in PLANNERS} if nodes > 1 else {}
-    return Point(Path(model).stem, nodes, runs, estimated, shares)
+    return Point(runs, estimated, Path(model).stem, nodes, shares)
 
 
 def verdict(met: bool) -> str:
@@ -248,12 +217,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        preflight()
-    except ClusterError as e:
-        print(f"scaling.py: {e}", file=sys.stderr)
+    if not cluster_ready("scaling.py"):
         return 2
-    signal.signal(signal.SIGINT, on_interrupt)
     args.hardware_dir.mkdir(parents=True, exist_ok=True)
     start, points = time.perf_counter(), []
     with tempfile.TemporaryDirectory() as tmp_dir:

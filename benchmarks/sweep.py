@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import secrets
-import signal
 import statistics
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from embark_torchrec.cluster import ClusterError, ClusterSpec, preflight
+from embark_torchrec.cluster import ClusterSpec
 from embark_torchrec.plan import CostModel, ModelSpec, Plan, Topology
 from embark_torchrec.plan.model.hardware_file import load_hardware, save_hardware
 
@@ -40,14 +39,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from cluster_e2e import (  # noqa: E402 (next to this file)
     INTERRUPTS,
-    STOP_S,
+    Rounds,
     TIMEOUT_S,
     display,
-    launcher,
-    on_interrupt,
+    cluster_run,
+    cluster_ready,
     stop_if_interrupted,
 )
-from e2e import calibrate, round_ratio, run_example  # noqa: E402
+from e2e import calibrate, run_example  # noqa: E402
 from model_generator import ModelRanges, describe, generate_model  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "sweep.md"
@@ -66,44 +65,19 @@ SPEEDUP_TARGET = 0.07  # |predicted - measured| speedup of embark over torchrec,
 
 
 @dataclass
-class ModelOutcome:
-    """One generated model: its seed, spec, the rounds' RESULTs per run, and every plan priced with the hardware."""
+class ModelOutcome(Rounds):
+    """One generated model's rounds (every plan priced with the calibrated hardware): its seed and spec, whether
+    embark's plan was TorchRec's, and how long it took."""
 
     seed: int
     spec: ModelSpec
-    runs: dict[str, list[dict[str, Any]]]
-    estimated_ms: dict[str, float]
     kept_torchrec: bool
     seconds: float
-
-    def measured(self, a: str, b: str) -> float:
-        """a's speedup over b: the median over rounds of the per-round samples/s ratios."""
-        return round_ratio(self.runs, a, b, "samples_per_s")
-
-    def predicted(self, a: str, b: str) -> float:
-        return self.estimated_ms[b] / self.estimated_ms[a]
 
     def estimate_error(self, run: str) -> float:
         """The estimated step over the measured one (the step less the slowest rank's batch making), less 1."""
         measured = statistics.median(r["step_ms"] - r["data_ms_per_step"] for r in self.runs[run])
         return self.estimated_ms[run] / measured - 1
-
-
-def run_args(args: argparse.Namespace, spec_file: Path, hardware: Path | None, out: Path) -> argparse.Namespace:
-    """What e2e.run_example and e2e.calibrate read for one model on the cluster."""
-    return argparse.Namespace(
-        model=str(spec_file),
-        world_size=args.nodes * args.gpus_per_node,
-        local_world_size=args.gpus_per_node,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        no_pipeline=False,
-        timeout_s=args.timeout_s + STOP_S,
-        hardware=hardware,
-        launcher=launcher(args, args.link_mbit[0]),
-        quick_calibration=True,
-        out=out,
-    )
 
 
 def price(plan_file: Path, spec: ModelSpec, topology: Topology) -> float:
@@ -125,7 +99,14 @@ def measure(args: argparse.Namespace, seed: int, hardware: Path, tmp: Path) -> M
         for run in names if i % 2 == 0 else names[::-1]:
             stop_if_interrupted()
             planner, with_hardware = RUNS[run]
-            once = run_args(args, spec_file, hardware if with_hardware else None, tmp / "unused.md")
+            once = cluster_run(
+                args,
+                str(spec_file),
+                args.nodes,
+                args.link_mbit[0],
+                hardware if with_hardware else None,
+                tmp / "unused.md",
+            )
             result = run_example(planner, once, plans[run])
             runs[run].append(result)
             print(
@@ -137,7 +118,7 @@ def measure(args: argparse.Namespace, seed: int, hardware: Path, tmp: Path) -> M
     planned = spec.with_batch_size(args.batch_size * ws)
     estimated = {run: price(plans[run], planned, topology) for run in RUNS}
     kept = Plan.load(plans["embark"]).tables == Plan.load(plans["torchrec"]).tables
-    return ModelOutcome(seed, spec, runs, estimated, kept, time.perf_counter() - start)
+    return ModelOutcome(runs, estimated, seed, spec, kept, time.perf_counter() - start)
 
 
 def plan_difference_error(outcomes: list[ModelOutcome]) -> float:
@@ -261,12 +242,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        preflight()
-    except ClusterError as e:
-        print(f"sweep.py: {e}", file=sys.stderr)
+    if not cluster_ready("sweep.py"):
         return 2
-    signal.signal(signal.SIGINT, on_interrupt)
     start, outcomes = time.perf_counter(), []
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
@@ -276,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
             spec_file = tmp / "calibration_model.json"
             spec_file.write_text(json.dumps(first.to_dict()))
             print("calibrating the cluster (quick, once for every model)", flush=True)
-            hardware = calibrate(run_args(args, spec_file, None, args.out.with_suffix(".md")), tmp)
+            out = args.out.with_suffix(".md")
+            hardware = calibrate(cluster_run(args, str(spec_file), args.nodes, args.link_mbit[0], None, out), tmp)
         try:
             for seed in args.seeds:
                 outcomes.append(measure(args, seed, hardware, tmp))

@@ -3,20 +3,13 @@ their ranges, with the mix of shapes the sweep is meant to cover; and every one 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
 from embark_torchrec.plan import ModelSpec, Topology, plan_model
+from tests.support.benchmarks import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[2]
-_SPEC = importlib.util.spec_from_file_location("model_generator", ROOT / "benchmarks" / "model_generator.py")
-assert _SPEC is not None and _SPEC.loader is not None
-gen = importlib.util.module_from_spec(_SPEC)
-sys.modules[_SPEC.name] = gen  # its dataclasses look their module up
-_SPEC.loader.exec_module(gen)
+gen = load_benchmark("model_generator")
 
 SEEDS = range(200)
 

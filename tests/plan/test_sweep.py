@@ -4,20 +4,15 @@ plans with that error (the runs themselves need the emulated cluster: `make test
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
 from embark_torchrec.plan.model.hardware_file import hardware_sources, load_hardware
+from tests.support.benchmarks import load_benchmark
+from tests.support.processes import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
-_SPEC = importlib.util.spec_from_file_location("sweep", ROOT / "benchmarks" / "sweep.py")
-assert _SPEC is not None and _SPEC.loader is not None
-sweep = importlib.util.module_from_spec(_SPEC)
-sys.modules[_SPEC.name] = sweep  # its dataclasses look their module up
-_SPEC.loader.exec_module(sweep)
+sweep = load_benchmark("sweep")
 CALIBRATED = ROOT / "benchmarks" / "cluster_e2e_multihot_zipf_50mbit.hardware.json"
 
 
@@ -27,7 +22,7 @@ def _outcome(seed: int, rates: dict[str, list[float]], estimated: dict[str, floa
         run: [{"samples_per_s": r, "step_ms": 1e5 / r + 10.0, "data_ms_per_step": 10.0} for r in per_round]
         for run, per_round in rates.items()
     }
-    return sweep.ModelOutcome(seed, sweep.generate_model(seed, sweep.RANGES), runs, estimated, False, 1.0)
+    return sweep.ModelOutcome(runs, estimated, seed, sweep.generate_model(seed, sweep.RANGES), False, 1.0)
 
 
 def test_speedups_are_medians_of_round_ratios_and_the_error_is_the_worst_miss() -> None:

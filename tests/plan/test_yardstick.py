@@ -4,10 +4,6 @@ best of its seeds, and is a function of its seed."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from functools import lru_cache
-from pathlib import Path
 from types import ModuleType
 
 import numpy as np
@@ -18,19 +14,14 @@ from embark_torchrec.plan.cost.model import CostModel
 from embark_torchrec.plan.plan_model import plan_model
 from embark_torchrec.plan.model.spec import IdDistribution, ModelSpec, TableSpec
 from embark_torchrec.plan.model.topology import Topology
+from tests.support.benchmarks import load_benchmark
 from tests.support.specs import with_memory
 
-ROOT = Path(__file__).resolve().parents[2]
 EVALUATIONS = 600
 
 
-@lru_cache(maxsize=None)
 def _yardstick() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("yardstick", ROOT / "benchmarks" / "yardstick.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["yardstick"] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("yardstick")
 
 
 def _case() -> CostModel:
