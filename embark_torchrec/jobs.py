@@ -55,7 +55,14 @@ def init_distributed(local_world_size: int | None, timeout_s: float, script: str
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:  # under torchrun: a restarted group's keys apart from the attempt before (whose addresses are gone)
+        store, rank, world_size = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+        store = dist.PrefixStore(f"embark_attempt_{attempt}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     lws = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
     return World(rank, world_size, lws, device)
 

@@ -205,7 +205,9 @@ def test_rank_killed_under_torchrun_restarts_ends_like_an_uninterrupted_one(
     restarts both workers in the same command, which exits 0; they resume from step 2K (at most K steps lost), log
     A's losses for the steps they replay and after, and end with A's weights, optimizer state and AUC. More than one
     restart is allowed because a restarted gloo group's first connect can be refused (seen here on a loaded box:
-    "Gloo connectFullMesh failed ... Connection refused"); the next restart resumes the same way."""
+    "Gloo connectFullMesh failed ... Connection refused"); the next restart resumes the same way. (Without the
+    per-attempt key prefix of jobs.init_distributed about one job in two never reconnected here: every restart read
+    the dead attempt's addresses.)"""
     directory = tmp_path / "b"
     cmd = _command(
         "--checkpoint-dir", str(directory), "--save-every", str(EVERY), "--resume", torchrun=("--max-restarts", "3")
