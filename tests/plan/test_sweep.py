@@ -4,6 +4,7 @@ plans with that error (the runs themselves need the emulated cluster: `make test
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,8 @@ def _outcome(seed: int, rates: dict[str, list[float]], estimated: dict[str, floa
     return sweep.ModelOutcome(runs, estimated, seed, sweep.generate_model(seed, sweep.RANGES), False, 1.0)
 
 
-def test_speedups_are_medians_of_round_ratios_and_the_error_is_the_worst_miss() -> None:
+def _two_models() -> tuple[object, object]:
+    """Model a misses embark's speedup over torchrec by 0.15 (1.25 predicted, 1.1 measured), model b by 0.03."""
     base = {"torchrec-user": [1000.0, 1000.0, 1000.0], "trw": [500.0, 500.0, 500.0]}
     a = _outcome(
         1,
@@ -37,6 +39,11 @@ def test_speedups_are_medians_of_round_ratios_and_the_error_is_the_worst_miss() 
         {"embark": [1000.0, 1000.0, 1000.0], "torchrec": [1000.0, 1000.0, 1000.0], **base},
         {"embark": 100.0, "torchrec": 103.0, "torchrec-user": 100.0, "trw": 200.0},
     )
+    return a, b
+
+
+def test_speedups_are_medians_of_round_ratios_and_the_error_is_the_worst_miss() -> None:
+    a, b = _two_models()
     # rounds 1.1, 1.3, 1.09: the median of the ratios, not the ratio of the medians (1.2)
     assert a.measured("embark", "torchrec") == pytest.approx(1.1)
     assert a.predicted("embark", "torchrec") == pytest.approx(1.25)
@@ -48,9 +55,13 @@ def test_speedups_are_medians_of_round_ratios_and_the_error_is_the_worst_miss() 
 
 
 def test_the_written_hardware_file_plans_with_the_measured_error(tmp_path: Path) -> None:
+    """The file plans with the worst miss, marked measured, and keeps every model's miss as its measurement."""
     out = tmp_path / "measured.hardware.json"
-    sweep.write_error(CALIBRATED, out, 0.0612, [3, 4])
+    sweep.write_error(CALIBRATED, out, list(_two_models()))
     hardware = load_hardware(out)
-    assert hardware.plan_error == 0.0612
-    assert hardware == load_hardware(CALIBRATED).with_overrides(plan_error=0.0612)
+    assert hardware.plan_error == 0.15
+    assert hardware == load_hardware(CALIBRATED).with_overrides(plan_error=0.15)
     assert (hardware_sources(str(out)) or {})["plan_error"] == "measured"
+    measured = json.loads(out.read_text())["measurements"]["plan_error"]
+    assert (measured["min"], measured["max"], measured["samples"]) == (pytest.approx(0.03), pytest.approx(0.15), 2)
+    assert measured["median"] == pytest.approx(0.09)
