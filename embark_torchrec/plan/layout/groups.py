@@ -27,7 +27,7 @@ from ..model.fields import POOLED, SEQUENCE
 from .kinds import ClusterKind, cluster_kind, cluster_kind_names
 from .tables import PlanError, TableLayout, WirePrecision
 from .torchrec_types import BUILTIN_COLLECTIVES, DATA_PARALLEL, SEQUENCE_BUILTIN_TYPES
-from .wire import EMBARK_ID_BYTES, ROW_SCALED_PRECISIONS, TORCHREC_ID_BYTES
+from .wire import EMBARK_ID_BYTES, TORCHREC_ID_BYTES
 
 # the dense modules' DDP all-reduces their gradients once per step for any plan (DDP's all-reduce of the
 # data-parallel tables: torchrec_types.DATA_PARALLEL_COLLECTIVES)
@@ -88,8 +88,7 @@ class ShardingGroup:
         forward, _, backward = (wire or "fp32-fp32").partition("-")
         precision = WirePrecision(forward, backward or forward)
         if not runner.startswith(_SHARDING_TYPE_PREFIX):
-            scaled = bool({precision.forward, precision.backward} & ROW_SCALED_PRECISIONS)
-            if scaled != bool(width):
+            if precision.row_scaled != bool(width):
                 raise PlanError(f"sharding type {name!r}: a row width goes with a row-scaled precision, and only there")
             return cls(module, runner, False, precision, int(width or 0))
         cluster, _, variant = runner[len(_SHARDING_TYPE_PREFIX) :].partition("_")
@@ -150,8 +149,7 @@ def sharding_group(
     if builtin == DATA_PARALLEL:
         group = ShardingGroup(module, DATA_PARALLEL)
     elif builtin is not None and (not sequence or builtin in SEQUENCE_BUILTIN_TYPES):
-        scaled = {layout.precision.forward, layout.precision.backward} & ROW_SCALED_PRECISIONS
-        width = layout.col_bounds[1] - layout.col_bounds[0] if scaled else 0
+        width = layout.col_bounds[1] - layout.col_bounds[0] if layout.precision.row_scaled else 0
         group = ShardingGroup(module, builtin, False, layout.precision, width)
     else:
         group = ShardingGroup.ours(layout, module)

@@ -33,7 +33,7 @@ from .torchrec_types import (
     TABLE_WISE,
     ceil_row_bounds,
 )
-from .wire import LENGTH_BYTES, ROW_SCALED_PRECISIONS, intra_node_reduction_precision, vector_bytes
+from .wire import LENGTH_BYTES, intra_node_reduction_precision, vector_bytes
 
 if TYPE_CHECKING:
     from ..cost.load import RankLoad
@@ -275,7 +275,7 @@ class ReductionKind(ClusterKind):
         """RW and TWRW only when the row bounds are TorchRec's own ceil blocks on the ranks it would use (its
         bucketizer ignores our bounds), none of them empty (a 0-row shard crashes the CPU TBE). At a row-scaled wire
         precision (fp8), only where the layout chooses TorchRec's (fp8_builtin_type)."""
-        if {layout.precision.forward, layout.precision.backward} & ROW_SCALED_PRECISIONS:
+        if layout.precision.row_scaled:
             return self.fp8_builtin_type(layout) if layout.torchrec_at_fp8 else None
         n_r, n_c = layout.num_row_slices, layout.num_col_slices
         if n_r == 1:

@@ -71,6 +71,11 @@ class WirePrecision:
             choice(self.forward, "forward", PRECISIONS)
             choice(self.backward, "backward", PRECISIONS)
 
+    @property
+    def row_scaled(self) -> bool:
+        """Whether either direction scales each row (fp8), so a dist of it must know every row's width (wire.py)."""
+        return bool({self.forward, self.backward} & ROW_SCALED_PRECISIONS)
+
 
 @dataclass(frozen=True)
 class TableLayout:
@@ -159,7 +164,7 @@ class TableLayout:
         row-scaled precision, one group per row width (what `torchrec_at_fp8` may choose), or None: none, or the
         precision is element-wise (fp32 / fp16 / bf16), where a layout TorchRec runs always runs on TorchRec's
         sharding."""
-        if not {self.precision.forward, self.precision.backward} & ROW_SCALED_PRECISIONS:
+        if not self.precision.row_scaled:
             return None
         builtin = self.kind.fp8_builtin_type(self)
         return None if sequence and builtin not in SEQUENCE_BUILTIN_TYPES else builtin
