@@ -49,12 +49,15 @@ build-venv-torchrec%:
 venv: $(VENV)/.stamp
 
 # The planning layer first (tests/plan: no gloo ranks, no torchrun), so that its failures show before the long rest;
-# the layers are markers that tests/conftest.py sets by folder.
+# the layers are markers that tests/conftest.py sets by folder.  TEST_WORKERS pytest-xdist workers share the tests:
+# the planning layer test by test, the rest file by file (a file's ranks and torchrun jobs stay in one worker, and
+# test_torchrec_harness.py runs each world size's cases once per worker that reads them).  TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: $(VENV)/.stamp
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q -m "not slow" tests/plan
-	$(PY) -m pytest -q -m "not plan and not slow" tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow" tests/plan
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not plan and not slow" tests
 
 test-slow: $(VENV)/.stamp
 	$(PY) -m pytest -q -m slow tests
