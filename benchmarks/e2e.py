@@ -110,6 +110,14 @@ def calibrate(args: argparse.Namespace, tmp: Path) -> Path:
     return kept
 
 
+def calibrate_dense(args: argparse.Namespace, tmp: Path, name: str) -> Path:
+    """`args.hardware` (a cluster calibrated on the runs' ranks) with this model's dense part measured on those
+    ranks (the example's --calibrate dense: seconds, where the cluster's calibration takes minutes)."""
+    once = argparse.Namespace(**{**vars(args), "steps": 2})
+    run_example("embark", once, tmp / f"{name}.json", extra=("--calibrate", "dense"))
+    return tmp / f"{name}.hardware.json"
+
+
 def hardware_note(args: argparse.Namespace) -> str:
     """Which hardware file the runs planned with, and where it came from."""
     where = "measured by the example's --calibrate before the rounds" if args.calibrate else "given"

@@ -6,7 +6,8 @@ distribution of measured speedups and of the cost model's errors, and the error 
 Models we never tuned for are the test of the planner's claim: on a model where it predicts a gain the gain must be
 measured, and where the gain is within the cost model's error it must keep TorchRec's plan. So each run draws new
 seeds (printed, so that a result can be rerun with --seeds), one calibration of the cluster serves every model
-(--hardware reuses one), and every plan that ran is priced again with that calibrated hardware file, so that the
+(--hardware reuses one), each model's dense part is measured on the cluster before its rounds (the example's
+--calibrate dense: seconds), and every plan that ran is priced again with that model's hardware file, so that the
 predicted speedups and the measured ones are of the same plans on the same figures.
 
     PYTHONPATH=. .venv/bin/python benchmarks/sweep.py [--count 10 | --seeds 1,2,3] [--hardware FILE]
@@ -47,7 +48,7 @@ from cluster_e2e import (  # noqa: E402 (next to this file)
     cluster_ready,
     stop_if_interrupted,
 )
-from e2e import calibrate, run_example  # noqa: E402
+from e2e import calibrate, calibrate_dense, run_example  # noqa: E402
 from model_generator import ModelRanges, describe, generate_model  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "sweep.md"
@@ -81,45 +82,57 @@ class ModelOutcome(Rounds):
         return self.estimated_ms[run] / measured - 1
 
 
-def price(plan_file: Path, spec: ModelSpec, topology: Topology) -> float:
-    """A plan that ran, priced with the calibrated figures (whatever its planner planned with)."""
-    return CostModel(spec, topology).evaluate(Plan.load(plan_file)).step_ms
-
-
-def measure(args: argparse.Namespace, seed: int, hardware: Path, tmp: Path) -> ModelOutcome:
-    """One model's interleaved rounds of every run, each plan priced again with the calibrated hardware."""
+def measure(args: argparse.Namespace, seed: int, cluster: Path, tmp: Path) -> ModelOutcome:
+    """One model's interleaved rounds of every run. The cluster's figures get this model's dense part measured on
+    the cluster first (every plan runs it alike, but its compute and its all-reduce are a share of every step); the
+    spec, that hardware file, the plans and the rounds are kept in the model's folder (model_folder), so that
+    --reprice prices them again."""
     start = time.perf_counter()
     ws = args.nodes * args.gpus_per_node
     spec = generate_model(seed, RANGES)
-    spec_file = tmp / f"{spec.name}.json"
+    folder = model_folder(args.out, seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    spec_file = folder / "spec.json"
     spec_file.write_text(json.dumps(spec.to_dict()))
-    plans = {run: tmp / f"{spec.name}_{run}.plan.json" for run in RUNS}
+    dense_run = cluster_run(args, str(spec_file), args.nodes, args.link_mbit[0], cluster, tmp / "unused.md")
+    (folder / "hardware.json").write_text(calibrate_dense(dense_run, tmp, f"{spec.name}_dense").read_text())
     runs: dict[str, list[dict[str, Any]]] = {run: [] for run in RUNS}
     names = list(RUNS)
     for i in range(args.rounds):
         for run in names if i % 2 == 0 else names[::-1]:
             stop_if_interrupted()
             planner, with_hardware = RUNS[run]
-            once = cluster_run(
-                args,
-                str(spec_file),
-                args.nodes,
-                args.link_mbit[0],
-                hardware if with_hardware else None,
-                tmp / "unused.md",
-            )
-            result = run_example(planner, once, plans[run])
+            hardware = folder / "hardware.json" if with_hardware else None
+            once = cluster_run(args, str(spec_file), args.nodes, args.link_mbit[0], hardware, tmp / "unused.md")
+            result = run_example(planner, once, folder / f"{run}.plan.json")
             runs[run].append(result)
             print(
                 f"seed {seed} round {i + 1}/{args.rounds} {run}: {result['samples_per_s']:,.0f} samples/s, "
                 f"{result['inter_node_bytes_per_step']:,} inter-node bytes/step",
                 flush=True,
             )
-    topology = Topology(ws, args.gpus_per_node, load_hardware(hardware))
-    planned = spec.with_batch_size(args.batch_size * ws)
-    estimated = {run: price(plans[run], planned, topology) for run in RUNS}
-    kept = Plan.load(plans["embark"]).tables == Plan.load(plans["torchrec"]).tables
-    return ModelOutcome(runs, estimated, seed, spec, kept, time.perf_counter() - start)
+    rounds = {"seed": seed, "world_size": ws, "local_world_size": args.gpus_per_node, "batch_size": args.batch_size}
+    rounds |= {"seconds": time.perf_counter() - start, "runs": runs}
+    (folder / "rounds.json").write_text(json.dumps(rounds, indent=1))
+    return priced(folder)
+
+
+def model_folder(out: Path, seed: int) -> Path:
+    """Where a model's files and rounds are kept: benchmarks/sweep/seed<seed>/ for benchmarks/sweep.md."""
+    return out.with_suffix("") / f"seed{seed}"
+
+
+def priced(folder: Path) -> ModelOutcome:
+    """A model's kept rounds, every plan priced with today's cost model and the model's hardware file."""
+    rounds = json.loads((folder / "rounds.json").read_text())
+    spec = ModelSpec.from_dict(json.loads((folder / "spec.json").read_text()))
+    ws = rounds["world_size"]
+    topology = Topology(ws, rounds["local_world_size"], load_hardware(folder / "hardware.json"))
+    planned = spec.with_batch_size(rounds["batch_size"] * ws)
+    plans = {run: Plan.load(folder / f"{run}.plan.json") for run in RUNS}
+    estimated = {run: CostModel(planned, topology).evaluate(plan).step_ms for run, plan in plans.items()}
+    kept = plans["embark"].tables == plans["torchrec"].tables
+    return ModelOutcome(rounds["runs"], estimated, rounds["seed"], spec, kept, rounds["seconds"])
 
 
 def speedup_misses(outcomes: list[ModelOutcome]) -> list[float]:
@@ -189,8 +202,9 @@ def markdown(outcomes: list[ModelOutcome], args: argparse.Namespace, hardware: P
         "",
         f"Models from benchmarks/model_generator.py, seeds {', '.join(str(o.seed) for o in outcomes)}; batch "
         f"{args.batch_size} per rank ({args.batch_size * ws} global), {args.steps} steps a run, {args.rounds} "
-        f"interleaved rounds of {', '.join(RUNS)}; planned with `{display(hardware)}` (torchrec-user: without it); "
-        "every plan priced again with that file. Speedups: measured, the median of per-round samples/s ratios; "
+        f"interleaved rounds of {', '.join(RUNS)}; planned with `{display(hardware)}` with each model's dense part "
+        "measured on the cluster first (the example's --calibrate dense; torchrec-user: no hardware file); every plan "
+        "priced again with that model's file. Speedups: measured, the median of per-round samples/s ratios; "
         f"predicted, the estimated steps' ratio. {seconds / 60:.1f} min in all.",
         "",
         "## Targets",
@@ -232,6 +246,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=TIMEOUT_S, help="per run (the calibration job too)")
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--write-error", type=Path, help="write the calibrated hardware file with the measured plan_error")
+    p.add_argument(
+        "--reprice",
+        action="store_true",
+        help="run nothing: price the kept rounds of --out's models (its folder) again with today's cost model",
+    )
     args = p.parse_args(argv)
     try:
         args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()] or [
@@ -248,8 +267,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+SETTINGS = ("nodes", "gpus_per_node", "link_mbit", "rounds", "steps", "batch_size")
+
+
+def reprice(args: argparse.Namespace) -> int:
+    """--reprice: the kept sweep (its settings, cluster file and every model's rounds) priced again."""
+    folder = args.out.with_suffix("")
+    kept = json.loads((folder / "sweep.json").read_text())
+    vars(args).update({k: kept[k] for k in SETTINGS})
+    seeds = [int(f.name.removeprefix("seed")) for f in sorted(folder.glob("seed*")) if (f / "rounds.json").exists()]
+    outcomes = [priced(model_folder(args.out, seed)) for seed in seeds]
+    text = markdown(outcomes, args, Path(kept["hardware"]), sum(o.seconds for o in outcomes))
+    args.out.write_text(text)
+    print(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.reprice:
+        return reprice(args)
     if not cluster_ready("sweep.py"):
         return 2
     start, outcomes = time.perf_counter(), []
@@ -263,6 +300,10 @@ def main(argv: list[str] | None = None) -> int:
             print("calibrating the cluster (quick, once for every model)", flush=True)
             out = args.out.with_suffix(".md")
             hardware = calibrate(cluster_run(args, str(spec_file), args.nodes, args.link_mbit[0], None, out), tmp)
+        folder = args.out.with_suffix("")
+        folder.mkdir(parents=True, exist_ok=True)
+        settings = {k: getattr(args, k) for k in SETTINGS} | {"hardware": str(display(hardware))}
+        (folder / "sweep.json").write_text(json.dumps(settings, indent=1))
         try:
             for seed in args.seeds:
                 outcomes.append(measure(args, seed, hardware, tmp))

@@ -766,6 +766,29 @@ def calibrate(
     return document[0]
 
 
+def recalibrate_dense(document: dict[str, Any], settings: Settings, dense: DenseStep, file: str = "") -> dict[str, Any]:
+    """A calibrated cluster's hardware document (`file`'s) for another model on the same ranks: the cluster's figures
+    do not depend on the model, its dense part's do, so only those are measured again (seconds, where a calibration
+    takes minutes on a slow link). Every rank calls this; the job must have the document's ranks per node and world
+    size, since the dense part is timed with every rank of the job stepping at once."""
+    job = _job()
+    run = document.get("run", {})
+    shape = (run.get("world_size"), run.get("local_world_size"))
+    if shape != (job.world_size, job.local_world_size):
+        raise HardwareError(
+            f"{file or 'the hardware document'}: calibrated on {shape[0]} ranks, {shape[1]} per node; this job has "
+            f"{job.world_size}, {job.local_world_size} per node: calibrate this cluster in full"
+        )
+    measured = measure_dense(job, settings, dense)
+    out = {**document, "hardware": dict(document["hardware"]), "sources": dict(document.get("sources", {}))}
+    out["measurements"] = {**document.get("measurements", {}), **measured}
+    out["hardware"]["dense_ms_per_ksample"] = measured["dense_ms_per_ksample"]["median"]
+    out["hardware"]["dense_params_mb"] = dense.params * 4 / 1e6  # fp32 gradients
+    out["sources"] |= {"dense_ms_per_ksample": "measured", "dense_params_mb": "model"}
+    out["run"] = {**run, "dense_date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    return out
+
+
 def _hardware(
     base: Hardware,
     measured: dict[str, dict[str, Any]],

@@ -19,7 +19,7 @@ from .layout.tables import (
 )
 from .layout.torchrec_types import ceil_row_bounds
 from .layout.wire import ELEMENT_BYTES
-from .model.hardware_file import check_document, hardware_sources, resolve_hardware, save_hardware
+from .model.hardware_file import check_document, hardware_sources, names_a_file, resolve_hardware, save_hardware
 from .model.profile import profile_features
 from .model.spec import IdDistribution, ModelSpec, SpecError, TableSpec, builtin_model, load_model_spec
 from .model.topology import PRESETS, Hardware, Topology, hardware_preset
@@ -58,6 +58,7 @@ __all__ = [
     "hardware_preset",
     "hardware_sources",
     "load_model_spec",
+    "names_a_file",
     "plan_model",
     "profile_features",
     "render",

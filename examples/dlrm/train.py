@@ -79,6 +79,7 @@ from embark_torchrec.plan import (
     check_output,
     hardware_sources,
     load_model_spec,
+    names_a_file,
     profile_features,
     render,
     resolve_hardware,
@@ -189,9 +190,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--calibrate",
         nargs="?",
         const="full",
-        choices=("full", "quick"),
+        choices=("full", "quick", "dense"),
         help="first measure this job's hardware on its own ranks (python -m embark_torchrec.calibrate; 'quick': "
-        "seconds, wide spreads), write the hardware file next to --plan-out (else in a temporary directory) "
+        "seconds, wide spreads; 'dense': only this model's dense part, the rest from --hardware, a hardware file "
+        "calibrated on these ranks), write the hardware file next to --plan-out (else in a temporary directory) "
         "and plan with it",
     )
     p.add_argument(
@@ -235,6 +237,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--resume needs --checkpoint-dir")
     if args.calibrate and args.plan_in:
         p.error("--calibrate measures the hardware to plan with; --plan-in runs a plan file without planning")
+    if args.calibrate == "dense" and not (args.hardware and names_a_file(args.hardware)):
+        p.error("--calibrate dense measures this model's dense part into --hardware's file: give --hardware FILE.json")
     return args
 
 
@@ -355,7 +359,14 @@ def job_hardware(
         return base, sources
     settings = calibration.GPU_SETTINGS if world.device.type == "cuda" else calibration.CPU_SETTINGS
     settings = calibration.quick(settings) if args.calibrate == "quick" else settings
-    document = calibration.calibrate(settings, chosen, dense=dense)
+    if args.calibrate == "dense":
+        assert dense is not None
+        try:
+            document = calibration.recalibrate_dense(json.loads(Path(chosen).read_text()), settings, dense, chosen)
+        except ValueError as e:
+            raise SystemExit(f"--calibrate dense: {e}") from None
+    else:
+        document = calibration.calibrate(settings, chosen, dense=dense)
     if world.rank == 0:
         out = (
             args.plan_out.with_name(args.plan_out.stem + ".hardware.json")

@@ -237,8 +237,12 @@ def test_example_calibrate_flag_and_its_conflict_with_plan_in() -> None:
 
     assert train.parse_args(["--calibrate"]).calibrate == "full"
     assert train.parse_args(["--calibrate", "quick", "--hardware", "box.json"]).hardware == "box.json"
+    assert train.parse_args(["--calibrate", "dense", "--hardware", "box.json"]).calibrate == "dense"
     with pytest.raises(SystemExit):
         train.parse_args(["--calibrate", "--plan-in", "plan.json"])
+    for without_file in ([], ["--hardware", "cpu-gloo"]):  # dense measures into a calibrated file: none, a preset
+        with pytest.raises(SystemExit):
+            train.parse_args(["--calibrate", "dense", *without_file])
 
 
 def test_example_dense_step_is_timed_per_ksample_and_its_parameters_counted(tmp_path: Path) -> None:
@@ -270,6 +274,42 @@ def test_example_dense_step_is_timed_per_ksample_and_its_parameters_counted(tmp_
     for name, p in model.named_parameters():
         if name in before:
             assert torch.equal(p, before[name]), name
+
+
+def test_dense_recalibration_measures_only_the_model_s_dense_part(calibrated: tuple[Path, str], tmp_path: Path) -> None:
+    """--calibrate dense: a calibrated cluster's file for another model keeps every cluster figure, measurement and
+    source, and replaces the dense figures with this model's (measured, and counted); on a job of another shape than
+    the file's calibration it is refused, naming the file, before any collective."""
+    import torch.distributed as dist
+
+    from embark_torchrec import calibrate
+
+    sys.path.insert(0, str(ROOT / "examples" / "dlrm"))
+    import train
+
+    path, _ = calibrated
+    document = json.loads(path.read_text())
+    model = train.build_model(train.default_spec(), 13, torch.device("cpu"))
+    dense = train.dense_step(model, 64, 13, torch.device("cpu"))
+    one_rank = {**document, "run": {**document["run"], "world_size": 1, "local_world_size": 1}}
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        settings = calibrate.quick(calibrate.CPU_SETTINGS)
+        with pytest.raises(HardwareError, match=f"{path}: calibrated on 4 ranks, 2 per node; this job has 1"):
+            calibrate.recalibrate_dense(document, settings, dense, str(path))
+        out = calibrate.recalibrate_dense(one_rank, settings, dense, str(path))
+    finally:
+        dist.destroy_process_group()
+    dense_figures = {"dense_ms_per_ksample", "dense_params_mb"}
+    for field, value in document["hardware"].items():
+        if field not in dense_figures:
+            assert out["hardware"][field] == value, field
+    assert out["hardware"]["dense_ms_per_ksample"] == out["measurements"]["dense_ms_per_ksample"]["median"] > 0
+    assert out["hardware"]["dense_params_mb"] == dense.params * 4 / 1e6
+    assert out["sources"] == {**document["sources"], "dense_ms_per_ksample": "measured", "dense_params_mb": "model"}
+    assert {k: v for k, v in out["measurements"].items() if k != "dense_ms_per_ksample"} == document["measurements"]
+    save_hardware(tmp_path / "model.hardware.json", out)  # what it makes loads
+    assert load_hardware(tmp_path / "model.hardware.json").dense_params_mb == dense.params * 4 / 1e6
 
 
 def test_lookups_drowned_by_a_busy_host_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

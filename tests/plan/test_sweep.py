@@ -65,3 +65,35 @@ def test_the_written_hardware_file_plans_with_the_measured_error(tmp_path: Path)
     measured = json.loads(out.read_text())["measurements"]["plan_error"]
     assert (measured["min"], measured["max"], measured["samples"]) == (pytest.approx(0.03), pytest.approx(0.15), 2)
     assert measured["median"] == pytest.approx(0.09)
+
+
+def test_kept_rounds_are_priced_again_with_today_s_cost_model(tmp_path: Path) -> None:
+    """--reprice reads a sweep's folder (its settings, each model's spec, hardware file, plans and rounds) and prices
+    every plan with the model's hardware file: the same estimates the cost model gives those plans directly, and
+    embark's plan counted as TorchRec's where the two are the same."""
+    from embark_torchrec.plan import CostModel, Topology, plan_model, table_row_wise_plan
+
+    out = tmp_path / "sweep.md"
+    folder = sweep.model_folder(out, 7)
+    folder.mkdir(parents=True)
+    spec = sweep.generate_model(7, sweep.RANGES)
+    topology = Topology(4, 2, load_hardware(CALIBRATED))
+    planned = spec.with_batch_size(4 * 512)
+    ours = plan_model(planned, topology).plan
+    plans = {"embark": ours, "torchrec": ours, "torchrec-user": ours, "trw": table_row_wise_plan(planned, topology)}
+    for run, plan in plans.items():
+        plan.save(folder / f"{run}.plan.json")
+    (folder / "spec.json").write_text(json.dumps(spec.to_dict()))
+    (folder / "hardware.json").write_text(CALIBRATED.read_text())
+    runs = {run: [{"samples_per_s": 1000.0, "step_ms": 90.0, "data_ms_per_step": 10.0}] for run in plans}
+    rounds = {"seed": 7, "world_size": 4, "local_world_size": 2, "batch_size": 512, "seconds": 60.0, "runs": runs}
+    (folder / "rounds.json").write_text(json.dumps(rounds))
+    settings = {"nodes": 2, "gpus_per_node": 2, "link_mbit": [50.0], "rounds": 1, "steps": 6, "batch_size": 512}
+    (out.with_suffix("") / "sweep.json").write_text(json.dumps(settings | {"hardware": str(CALIBRATED)}))
+
+    outcome = sweep.priced(folder)
+    for run, plan in plans.items():
+        assert outcome.estimated_ms[run] == CostModel(planned, topology).evaluate(plan).step_ms
+    assert outcome.kept_torchrec and outcome.spec == spec and outcome.runs == runs
+    assert sweep.main(["--reprice", "--out", str(out)]) == 0
+    assert "| 7 |" in out.read_text() and "1 generated models on 2 emulated nodes" in out.read_text()

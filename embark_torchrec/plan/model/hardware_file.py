@@ -59,7 +59,7 @@ OPTIONAL_FIELDS = (
 _TOP_KEYS = ("format", "version", "hardware", "base", "sources", "measurements", "run")
 _STAT_NUMBERS = ("median", "p25", "p75", "min", "max")
 _STAT_KEYS = (*_STAT_NUMBERS, "samples", "unit", "what")
-_RUN_TEXT = ("date", "host", "backend", "device", "torch", "fbgemm_gpu", "torchrec", "optimizer")
+_RUN_TEXT = ("date", "dense_date", "host", "backend", "device", "torch", "fbgemm_gpu", "torchrec", "optimizer")
 _RUN_COUNTS = ("world_size", "local_world_size")
 _RUN_KEYS = (*_RUN_TEXT, *_RUN_COUNTS, "hosts", "quick")
 
