@@ -69,12 +69,18 @@ SPEEDUP_TARGET = 0.07  # |predicted - measured| speedup of embark over torchrec,
 @dataclass
 class ModelOutcome(Rounds):
     """One generated model's rounds (every plan priced with the calibrated hardware): its seed and spec, whether
-    embark's plan was TorchRec's, and how long it took."""
+    embark's plan was TorchRec's, how long it took, and the error on plan differences its planner was given
+    (Hardware.plan_error: the band its report printed around the predicted speedup)."""
 
     seed: int
     spec: ModelSpec
     kept_torchrec: bool
     seconds: float
+    plan_error: float = 0.0
+
+    def within_band(self) -> bool:
+        """Whether embark's measured speedup over torchrec lies in the band the planner's report printed."""
+        return abs(self.measured("embark", "torchrec") - self.predicted("embark", "torchrec")) <= self.plan_error
 
     def estimate_error(self, run: str) -> float:
         """The estimated step over the measured one (the step less the slowest rank's batch making), less 1."""
@@ -132,7 +138,8 @@ def priced(folder: Path) -> ModelOutcome:
     plans = {run: Plan.load(folder / f"{run}.plan.json") for run in RUNS}
     estimated = {run: CostModel(planned, topology).evaluate(plan).step_ms for run, plan in plans.items()}
     kept = plans["embark"].tables == plans["torchrec"].tables
-    return ModelOutcome(rounds["runs"], estimated, rounds["seed"], spec, kept, rounds["seconds"])
+    error = topology.hardware.plan_error
+    return ModelOutcome(rounds["runs"], estimated, rounds["seed"], spec, kept, rounds["seconds"], error)
 
 
 def speedup_misses(outcomes: list[ModelOutcome]) -> list[float]:
@@ -191,6 +198,13 @@ def summary(outcomes: list[ModelOutcome]) -> list[str]:
     )
     kept = [o.seed for o in outcomes if o.kept_torchrec]
     lines.append(f"- TorchRec's plan kept on {len(kept)} of {len(outcomes)} models (seeds {kept or 'none'})")
+    claimed = [o for o in outcomes if not o.kept_torchrec and o.plan_error > 0]
+    if claimed:
+        inside = sum(o.within_band() for o in claimed)
+        lines.append(
+            f"- where embark's plan ran, its measured speedup over torchrec lay within the band its report printed "
+            f"(predicted +- plan_error) on {inside} of {len(claimed)} models {verdict(inside == len(claimed))}"
+        )
     return lines
 
 

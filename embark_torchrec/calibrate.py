@@ -18,8 +18,11 @@ min and max go into the file):
   node; measurement inter_node_paired_bw_gbps), over inter_node_bw_gbps: the two take turns sample by sample, and
   the figure is the median of each paired sample over the all-ranks sample just before it (so that both see the
   same minutes of the links: measured one after the other, a link's slow minutes could fall on one pattern only);
-- allreduce_bus_gbps (not a Hardware field: the cost model prices all-reduces on the two bandwidths above
-  with the ring's 2 (n-1)/n bytes): nccl-tests' bus bandwidth of an all_reduce over every rank;
+- inter_node_solo_ratio: where a node has several ranks, rank 0 alone exchanging with every rank of the other
+  nodes (its node-mates idle), over inter_node_bw_gbps, sample by sample as the paired ratio: how much of its node's
+  link a rank gets once its node-mates are done (1 where every rank has its own NIC; up to the node's ranks);
+- allreduce_bus_gbps: nccl-tests' bus bandwidth of an all_reduce over every rank, at which the cost model prices
+  DDP's all-reduces (the ring's 2 (n-1)/n bytes per rank over it, whatever algorithm the backend runs);
 - lookup_ns_per_id, update_ns_per_row and hbm_bw_gbps (and tbe_step_ms, not a field: the widest step's time, which
   benchmarks/gpu_check.py sets against what the presets predict): fbgemm's SplitTableBatchedEmbeddingBagsCodegen forward
   + backward with the fused optimizer, at two poolings and two widths, and at the larger pooling over a table of
@@ -348,16 +351,28 @@ def measure_collectives(job: Job, s: Settings) -> dict[str, dict[str, Any]]:
             "once (as the hierarchical stage 2 and TorchRec's table-row-wise cross nodes), its samples taking "
             "turns with inter_node_bw_gbps's",
         )
-        (out["inter_node_bw_gbps"], all_gbps), (out["inter_node_paired_bw_gbps"], paired_gbps) = _bandwidths(
-            job, s, [everyone, paired]
-        )
-        ratios = [y / x for x, y in zip(all_gbps, paired_gbps) if np.isfinite(x) and np.isfinite(y)]
-        out["inter_node_paired_ratio"] = stats(
-            ratios,
-            "ratio",
-            "inter_node_paired_bw_gbps's sample / inter_node_bw_gbps's taken just before it (the two patterns "
-            "see the same minutes of the links)",
-        )
+        patterns = [everyone, paired]
+        if job.local_world_size > 1:  # does a rank alone on its node's link(s) get more than its share?
+            alone = node == 0 and job.rank % job.local_world_size == 0
+            patterns.append(
+                _Pattern(
+                    None,
+                    [remote[k] if alone else k == 0 and node != 0 for k in range(job.world_size)],
+                    "all-to-all of rank 0 alone with every rank of the other nodes (its node-mates idle), its samples "
+                    "taking turns with inter_node_bw_gbps's",
+                )
+            )
+        measured = _bandwidths(job, s, patterns)
+        (out["inter_node_bw_gbps"], all_gbps), (out["inter_node_paired_bw_gbps"], paired_gbps) = measured[:2]
+        for name, gbps, what in [("inter_node_paired_ratio", paired_gbps, "inter_node_paired_bw_gbps")] + (
+            [("inter_node_solo_ratio", measured[2][1], "rank 0's alone")] if len(measured) > 2 else []
+        ):
+            out[name] = stats(
+                [y / x for x, y in zip(all_gbps, gbps) if np.isfinite(x) and np.isfinite(y)],
+                "ratio",
+                f"{what} sample / inter_node_bw_gbps's taken just before it (the patterns see the same minutes of "
+                "the links)",
+            )
     if job.world_size > 1:
         grad = torch.randn(s.allreduce_floats, device=job.device)
         (times,) = _times([lambda: dist.all_reduce(grad)], s.repeats, job.device)
@@ -365,8 +380,7 @@ def measure_collectives(job: Job, s: Settings) -> dict[str, dict[str, Any]]:
         out["allreduce_bus_gbps"] = stats(
             [ring / t / 1e9 for t in times],
             "GB/s",
-            f"all_reduce of {s.allreduce_floats * 4} bytes over all ranks, nccl-tests' bus bandwidth "
-            "(not a Hardware field: the cost model prices all-reduces on the two bandwidths)",
+            f"all_reduce of {s.allreduce_floats * 4} bytes over all ranks, nccl-tests' bus bandwidth",
         )
     return out
 
@@ -801,6 +815,8 @@ def _hardware(
     for figure in ("lookup_ns_per_id", "update_ns_per_row", "dp_ns_per_element"):
         if figure in figures:
             figures[figure] = max(0.0, figures[figure])  # noise around a zero cost
+    if "inter_node_solo_ratio" in figures:  # a rank alone gets at least its share and at most its node's link
+        figures["inter_node_solo_ratio"] = min(max(figures["inter_node_solo_ratio"], 1.0), job.local_world_size)
     if "collective_us" in figures:
         figures["collective_us"] = max(figures["collective_us"], measured["alltoall_latency_us"]["median"])
     if "unique_ns_per_id" in measured:
@@ -821,6 +837,8 @@ _MEASURED_FIELDS = (
     "intra_node_bw_gbps",
     "inter_node_bw_gbps",
     "inter_node_paired_ratio",
+    "inter_node_solo_ratio",
+    "allreduce_bus_gbps",
     "hbm_bw_gbps",
     "lookup_ns_per_id",
     "update_ns_per_row",

@@ -41,6 +41,7 @@ from tests.support.processes import ROOT, checkout_env
 
 MEASURED = {"collective_us", "intra_node_bw_gbps", "inter_node_bw_gbps", "hbm_bw_gbps", "lookup_ns_per_id"}
 MEASURED |= {"unique_ns_per_id", "dp_ns_per_element", "update_ns_per_row", "inter_node_paired_ratio"}
+MEASURED |= {"inter_node_solo_ratio", "allreduce_bus_gbps"}
 SPEC = ModelSpec(
     "small",
     256,

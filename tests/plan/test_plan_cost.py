@@ -271,6 +271,50 @@ def test_paired_inter_node_bytes_run_at_the_paired_rate(ratio: float) -> None:
         assert (load.send_paired <= load.send_inter).all() and (load.recv_paired <= load.recv_inter).all()
 
 
+def test_a_node_s_ranks_share_its_link_where_the_hardware_says_so() -> None:
+    """Hardware.inter_node_solo_ratio > 1 (one link per node, as on the emulated cluster): a node's ranks drain
+    their sends (and apart their receives) at the all-ranks rate while all are busy, and a rank left alone at up to
+    the solo ratio x that rate; so one busy rank beside an idle one is cheaper than alone on its link, an even load
+    costs what it always did, and at ratio 1 (the presets: a link per rank) nothing changes."""
+    spec = ModelSpec("m", 64, (TableSpec("t", rows=1000, dim=16, pooling=4.0),))
+    hw = PRESETS["cpu-gloo"]
+    shared = CostModel(spec, Topology(4, 2, hw.with_overrides(inter_node_solo_ratio=1.73)))
+    alone = CostModel(spec, Topology(4, 2, hw))
+    rows = np.zeros((10, 4))
+    rows[3] = [33.0, 65.0, 10.0, 10.0]  # send_inter: node 0 uneven, node 1 even
+    rows[4] = [20.0, 20.0, 50.0, 0.0]  # recv_inter
+    per_byte = 1 / (hw.inter_node_bw_gbps * 1e6)
+    # rank 1 alone after 33; rank 2 receives alone from the start (its node-mate receives nothing)
+    expected = np.array([33.0, 33 + 32 / 1.73, 50 / 1.73, 10.0])
+    np.testing.assert_allclose(shared.shared_link_inter_ms(rows), expected * per_byte, rtol=1e-12)
+    whole_link = CostModel(spec, Topology(4, 2, hw.with_overrides(inter_node_solo_ratio=8.0)))
+    assert whole_link.shared_link_inter_ms(rows)[1] == pytest.approx((33 + 65) / 2 * per_byte)  # at most L x
+    layout = TableLayout("rb", (0, 1000), (0, 16), ((1,),))
+    uneven = alone.table_load("t", layout)
+    assert shared.step_cost(uneven).comm_ms < alone.step_cost(uneven).comm_ms
+    even = alone.table_load("t", TableLayout("rb", (0, 250, 500, 750, 1000), (0, 16), ((0,), (1,), (2,), (3,))))
+    assert shared.step_cost(even).comm_ms == pytest.approx(alone.step_cost(even).comm_ms, rel=1e-12)
+
+
+def test_all_reduces_run_at_the_measured_bus_bandwidth_where_there_is_one() -> None:
+    """Hardware.allreduce_bus_gbps > 0: a DP table's and the dense part's all-reduces cost the ring's bytes per rank
+    (2 (W-1)/W of the gradient) over the measured bus bandwidth, whatever the links; 0: the ring's slowest link."""
+    spec = ModelSpec("m", 64, (TableSpec("t", rows=1000, dim=8, pooling=1.0),))
+    hw = PRESETS["cpu-gloo"].with_overrides(dense_params_mb=2.0)
+    measured = CostModel(spec, Topology(4, 2, hw.with_overrides(allreduce_bus_gbps=0.005)))
+    ring = CostModel(spec, Topology(4, 2, hw))
+    load = measured.table_load("t", TableLayout.data_parallel())
+    step, ring_step = measured.step_cost(load), ring.step_cost(load)
+    assert step.dp_allreduce_ms == pytest.approx(2 * 3 / 4 * 1000 * 8 * 4 / 0.005e6)
+    assert step.dense_ms - measured.dense_compute_ms == pytest.approx(
+        2 * 3 / 4 * 2e6 / 0.005e6
+        + ring_step.dense_ms
+        - ring.dense_compute_ms
+        - ring.ring_allreduce_ms(*ring.ring_allreduce_bytes(2e6))
+    )
+    assert ring_step.dp_allreduce_ms == pytest.approx(ring.ring_allreduce_ms(load.dp_intra, load.dp_inter))
+
+
 def test_the_kinds_price_against_exactly_the_cost_model_members_their_protocol_declares() -> None:
     """ClusterKind prices with a PricingContext, not a CostModel (which stands above it): every member the kinds
     call on it is declared there, and the cost model has every member declared (no type checker runs, so a rename in

@@ -296,6 +296,11 @@ def test_near_the_exhaustive_optimum_and_above_the_bound(seed: int) -> None:
 # ---- the bound ----------------------------------------------------------------------------------
 
 
+# the emulated cluster's kind of link: a node's ranks share one, a lone rank gets 1.73x the all-ranks rate
+# (benchmarks/link_sharing.md), and all-reduces run at a measured bus bandwidth below the ring's price
+SHARED_LINK = {"inter_node_solo_ratio": 1.73, "allreduce_bus_gbps": 0.004}
+
+
 def _random_layout(rng: np.random.Generator, t: TableSpec, world: int, con: TableConstraints) -> TableLayout:
     """A random layout the constraints allow: any allowed cluster, up to 4 x 4 uneven slices, any ranks."""
     if con.layout is not None:
@@ -313,15 +318,21 @@ def _random_layout(rng: np.random.Generator, t: TableSpec, world: int, con: Tabl
     return TableLayout(cluster, rows, cols, grid, precision, hierarchical=bool(rng.random() < 0.5) and cluster == "rb")
 
 
-@pytest.mark.parametrize("preset,paired", [("dgx-h100", 1.0), ("cpu-gloo", 0.5), ("h200", 2.0)])
+@pytest.mark.parametrize(
+    "preset,paired,shared",
+    [("dgx-h100", 1.0, {}), ("cpu-gloo", 0.5, {}), ("h200", 2.0, {}), ("cpu-gloo", 0.8, SHARED_LINK)],
+)
 @pytest.mark.parametrize("world,local", [(8, 4), (16, 8), (4, 1), (1, 1)])
-def test_bound_is_below_every_random_plan(preset: str, paired: float, world: int, local: int) -> None:
+def test_bound_is_below_every_random_plan(
+    preset: str, paired: float, shared: dict[str, float], world: int, local: int
+) -> None:
     """Random plans (any cluster allowed, uneven grids, any ranks allowed, flat or hierarchical) of random
     models (one with sequence tables) and of one with constraints all cost at least the bound; so does the
     searched plan; also where a hierarchical stage 2 runs slower (paired ratio 0.5) or faster (2) than the
-    other inter-node bytes."""
+    other inter-node bytes, and where a node's ranks share one link and all-reduces run at a measured rate."""
     rng = np.random.default_rng(world * 31 + local)
-    topology = Topology(world, local, with_memory(80.0, PRESETS[preset]).with_overrides(inter_node_paired_ratio=paired))
+    hardware = with_memory(80.0, PRESETS[preset]).with_overrides(inter_node_paired_ratio=paired, **shared)
+    topology = Topology(world, local, hardware)
     fits = {  # the constraints whose ranks this world has
         n: c
         for n, c in CONSTRAINTS.items()

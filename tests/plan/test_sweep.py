@@ -97,3 +97,15 @@ def test_kept_rounds_are_priced_again_with_today_s_cost_model(tmp_path: Path) ->
     assert outcome.kept_torchrec and outcome.spec == spec and outcome.runs == runs
     assert sweep.main(["--reprice", "--out", str(out)]) == 0
     assert "| 7 |" in out.read_text() and "1 generated models on 2 emulated nodes" in out.read_text()
+
+
+def test_a_claimed_speedup_is_checked_against_the_band_the_report_printed() -> None:
+    """Where embark's plan ran (not TorchRec's), the sweep says whether its measured speedup lay within the predicted
+    one +- the plan_error its planner was given; kept plans and unmeasured errors are not claims."""
+    from dataclasses import replace
+
+    a, _ = _two_models()  # predicted 1.25, measured 1.1
+    assert replace(a, plan_error=0.2).within_band() and not replace(a, plan_error=0.1).within_band()
+    lines = sweep.summary([replace(a, plan_error=0.1), replace(a, plan_error=0.2)])
+    assert lines[-1].endswith("on 1 of 2 models **not met**"), lines
+    assert not any("band" in line for line in sweep.summary([a, replace(a, plan_error=0.2, kept_torchrec=True)]))

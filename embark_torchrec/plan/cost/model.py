@@ -418,8 +418,11 @@ class CostModel:
         return ring - inter, inter
 
     def ring_allreduce_ms(self, intra: float, inter: float) -> float:
-        """A ring's hops run at once, pipelined chunk by chunk: its time is its slowest link's."""
+        """At the measured all-reduce bus bandwidth where there is one (Hardware.allreduce_bus_gbps: the ring's
+        bytes per rank over it); else a ring's hops run at once, pipelined chunk by chunk: its slowest link's time."""
         hw = self.topology.hardware
+        if hw.allreduce_bus_gbps > 0:
+            return _to_ms(intra + inter, hw.allreduce_bus_gbps)
         return max(_to_ms(intra, hw.intra_node_bw_gbps), _to_ms(inter, hw.inter_node_bw_gbps))
 
     def rank_load_ms(self, rows: np.ndarray) -> np.ndarray:
@@ -427,11 +430,37 @@ class CostModel:
         lookup, intra, inter = self.rank_times(rows)
         return lookup + intra + inter
 
+    def shared_link_inter_ms(self, rows: np.ndarray) -> np.ndarray:
+        """Each rank's inter-node ms where a node's ranks share one link (Hardware.inter_node_solo_ratio > 1): its
+        ranks' sends (and, apart, their receives) drain together, each at the all-ranks rate while all are busy;
+        as ranks finish, the rest speed up to the solo ratio x that rate, the link's whole rate at most (water
+        filling: with k of L ranks busy, each runs at min(solo, L / k)). A rank's time is when its sends or its
+        receives finish, whichever is later, plus its paired premium as in rank_times."""
+        hw, top = self.topology.hardware, self.topology
+        nodes, lws = top.num_nodes, top.local_world_size
+        busy = np.arange(lws, 0, -1)  # ranks still sending during the i-th interval of a node's sorted loads
+        rate = np.minimum(hw.inter_node_solo_ratio, lws / busy)
+        finish = []
+        for sent in (rows[3], rows[4]):  # send_inter, recv_inter as _ROWS
+            by_node = sent.reshape(nodes, lws)
+            order = np.argsort(by_node, axis=1, kind="stable")
+            ordered = np.take_along_axis(by_node, order, axis=1)
+            steps = np.diff(ordered, axis=1, prepend=0.0) / rate
+            done = np.empty_like(by_node)
+            np.put_along_axis(done, order, np.cumsum(steps, axis=1), axis=1)
+            finish.append(done.reshape(-1))
+        inter = _to_ms(np.maximum(finish[0], finish[1]), hw.inter_node_bw_gbps)
+        if hw.inter_node_paired_ratio != 1.0:
+            inter = inter + np.maximum(rows[8], rows[9]) * self.paired_premium_ms_per_byte
+        return inter
+
     def step_cost(self, load: RankLoad, allreduce_precision: str = "fp32") -> StepCost:
         """The step of a plan's load; `allreduce_precision`: DDP's, at which the dense gradients travel
         (Plan.allreduce_precision; the data-parallel tables' are priced by their layouts)."""
         hw = self.topology.hardware
         lookup, intra, inter = self.rank_times(load.rows)
+        if hw.inter_node_solo_ratio != 1.0 and self.topology.num_nodes > 1:
+            inter = self.shared_link_inter_ms(load.rows)
         dp = self.ring_allreduce_ms(load.dp_intra, load.dp_inter)
         dense_bytes = hw.dense_params_mb * 1e6 / WEIGHT_BYTES * ELEMENT_BYTES[allreduce_precision]
         dense_ar = self.ring_allreduce_ms(*self.ring_allreduce_bytes(dense_bytes))

@@ -52,6 +52,8 @@ SOURCES = ("measured", "machine", "model", "preset")
 OPTIONAL_FIELDS = (
     "update_ns_per_row",
     "inter_node_paired_ratio",
+    "inter_node_solo_ratio",
+    "allreduce_bus_gbps",
     "shared_host_ranks",
     "oversubscribed_collective_us",
     "plan_error",

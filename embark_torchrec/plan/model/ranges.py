@@ -31,6 +31,7 @@ MAX_MS_PER_KSAMPLE = 1e9  # the dense part's forward + backward per 1000 samples
 MAX_COLLECTIVE_US = 1e9  # one collective's launch and synchronisation
 MAX_DENSE_PARAMS_MB = 1e9  # dense gradients all-reduced each step: a petabyte
 MIN_PAIRED_RATIO, MAX_PAIRED_RATIO = 1e-3, 1e3  # paired inter-node rate over the all-ranks one
+MAX_SOLO_RATIO = 1024.0  # a lone rank's inter-node rate over the all-ranks one: at most a node's ranks
 MAX_HOST_CORES = 2**20  # cores of the one host every rank shares (0: ranks have their own GPUs)
 
 # every Hardware figure a hardware file holds (hardware_file.py): (lowest, highest, whether the lowest is allowed);
@@ -44,6 +45,8 @@ HARDWARE_RANGES: dict[str, tuple[float, float, bool]] = {
         for bw in ("hbm_bw_gbps", "intra_node_bw_gbps", "inter_node_bw_gbps")
     },
     "inter_node_paired_ratio": (MIN_PAIRED_RATIO, MAX_PAIRED_RATIO, True),
+    "inter_node_solo_ratio": (1.0, MAX_SOLO_RATIO, True),
+    "allreduce_bus_gbps": (0.0, MAX_BANDWIDTH_GBPS, True),
     "dense_ms_per_ksample": (0.0, MAX_MS_PER_KSAMPLE, True),
     "dense_params_mb": (0.0, MAX_DENSE_PARAMS_MB, True),
     **{

@@ -24,6 +24,14 @@ class Hardware:
     # stage 2, TorchRec's table-row-wise cross-node all-to-all), over inter_node_bw_gbps: on gloo one pair of
     # ranks per node pair carries it, half duplex (measured by calibrate; 1 in the presets)
     inter_node_paired_ratio: float = 1.0
+    # where a node's ranks share one link (the emulated cluster; not GPU nodes with a NIC per GPU): the rate a rank
+    # gets while its node-mates have nothing left to send, over inter_node_bw_gbps (at most the node's ranks: the
+    # whole link). 1 (the presets): every rank has its own link, and a busier rank gains nothing from idle ones
+    inter_node_solo_ratio: float = 1.0
+    # an all-reduce's bus bandwidth as nccl-tests define it (2 (n-1)/n x bytes / time), measured by calibrate: what
+    # DDP's all-reduces (the dense part's, the data-parallel tables') cost, whatever algorithm the backend runs
+    # (gloo's is not NCCL's ring). 0 (the presets): priced as a ring over the two bandwidths above
+    allreduce_bus_gbps: float = 0.0
     dense_ms_per_ksample: float  # dense forward+backward per 1000 samples on one GPU
     dense_params_mb: float = 0.0  # MB of dense gradients all-reduced every step (same for every plan)
     unique_ns_per_id: float = 0.0  # a UB table's own host work per ID (de-duplication, routing, expansion)
