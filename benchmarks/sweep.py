@@ -208,7 +208,9 @@ def summary(outcomes: list[ModelOutcome]) -> list[str]:
     return lines
 
 
-def markdown(outcomes: list[ModelOutcome], args: argparse.Namespace, hardware: Path, seconds: float) -> str:
+def markdown(
+    outcomes: list[ModelOutcome], args: argparse.Namespace, hardware: Path, seconds: float, note: str = ""
+) -> str:
     ws = args.nodes * args.gpus_per_node
     lines = [
         f"# The sweep: {len(outcomes)} generated models on {args.nodes} emulated nodes x {args.gpus_per_node} CPU "
@@ -220,6 +222,7 @@ def markdown(outcomes: list[ModelOutcome], args: argparse.Namespace, hardware: P
         "measured on the cluster first (the example's --calibrate dense; torchrec-user: no hardware file); every plan "
         "priced again with that model's file. Speedups: measured, the median of per-round samples/s ratios; "
         f"predicted, the estimated steps' ratio. {seconds / 60:.1f} min in all.",
+        *(["", note] if note else []),
         "",
         "## Targets",
         "",
@@ -291,9 +294,11 @@ def reprice(args: argparse.Namespace) -> int:
     vars(args).update({k: kept[k] for k in SETTINGS})
     seeds = [int(f.name.removeprefix("seed")) for f in sorted(folder.glob("seed*")) if (f / "rounds.json").exists()]
     outcomes = [priced(model_folder(args.out, seed)) for seed in seeds]
-    text = markdown(outcomes, args, Path(kept["hardware"]), sum(o.seconds for o in outcomes))
+    text = markdown(outcomes, args, Path(kept["hardware"]), sum(o.seconds for o in outcomes), kept.get("note", ""))
     args.out.write_text(text)
     print(text)
+    if args.write_error is not None:
+        write_error(Path(kept["hardware"]), args.write_error, outcomes)
     return 0
 
 
