@@ -133,6 +133,11 @@ class DenseStep:
     samples: int
     params: int
 
+    @property
+    def params_mb(self) -> float:
+        """Hardware.dense_params_mb: the MB of fp32 gradients the step all-reduces."""
+        return self.params * 4 / 1e6
+
 
 class CalibrationError(RuntimeError):
     """A measurement that gives no usable figure (e.g. a large message no slower than a tiny one)."""
@@ -797,7 +802,7 @@ def recalibrate_dense(document: dict[str, Any], settings: Settings, dense: Dense
     out = {**document, "hardware": dict(document["hardware"]), "sources": dict(document.get("sources", {}))}
     out["measurements"] = {**document.get("measurements", {}), **measured}
     out["hardware"]["dense_ms_per_ksample"] = measured["dense_ms_per_ksample"]["median"]
-    out["hardware"]["dense_params_mb"] = dense.params * 4 / 1e6  # fp32 gradients
+    out["hardware"]["dense_params_mb"] = dense.params_mb
     out["sources"] |= {"dense_ms_per_ksample": "measured", "dense_params_mb": "model"}
     out["run"] = {**run, "dense_date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     return out
@@ -824,7 +829,7 @@ def _hardware(
     figures["host_cores"] = job.shared_host_cores
     figures["shared_host_ranks"] = job.world_size if job.shared_host_cores else 0
     if dense is not None:
-        figures["dense_params_mb"] = dense.params * 4 / 1e6  # fp32 gradients
+        figures["dense_params_mb"] = dense.params_mb
     if memory_gb is not None:
         figures["hbm_gb"] = memory_gb
         figures["hbm_reserve_gb"] = min(base.hbm_reserve_gb, memory_gb / 2)
