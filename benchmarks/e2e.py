@@ -205,7 +205,8 @@ def markdown(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, sp
             else ""
         )
         + (f"Every run planned with the hardware file {hardware_note(args)}. " if args.hardware else "")
-        + "samples/s: median over rounds (each run leaves its warm-up steps out); bytes: per training step, the "
+        + "samples/s: median over rounds (each run leaves out its warm-up steps and, pipelined, its last step, "
+        "which distributes no next batch); bytes: per training step, the "
         "maximum over ranks of what a rank sent + received (all embedding collectives; data-parallel tables' "
         "all-reduce runs in DDP with the dense part and is not counted), "
         "counted by embark_torchrec.sharding.comm_stats; "

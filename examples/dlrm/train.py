@@ -43,6 +43,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from tqdm import tqdm
 
 from embark_torchrec.jobs import (
+    WARMUP_HELP,
     Progress,
     World,
     exit_after_clean_run,
@@ -207,9 +208,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plan-out", type=Path, help="write the plan that runs (any planner) as a plan file")
     p.add_argument("--no-pipeline", action="store_true", help="plain loop instead of TrainPipelineSparseDist")
     p.add_argument("--log-every", type=_at_least(0), default=d.log_every, help="steps between samples/s and loss lines")
-    p.add_argument(
-        "--warmup-steps", type=_at_least(0), default=d.warmup_steps, help="first steps left out of samples/s"
-    )
+    p.add_argument("--warmup-steps", type=_at_least(0), default=d.warmup_steps, help=WARMUP_HELP)
     p.add_argument(
         "--eval-batches", type=_at_least(1), default=d.eval_batches, help="held-out batches per rank for AUROC"
     )
@@ -464,7 +463,6 @@ def train(
         None if args.no_pipeline else TrainPipelineSparseDist(model, optimizer, world.device, execute_all_batches=True)
     )
     samples_per_step = args.batch_size * world.world_size
-    warmup = min(args.warmup_steps, args.steps - start_step - 1)
     # the bar on rank 0's terminal only (None: off when stdout is not a TTY, so logs get just the log lines)
     bar = tqdm(
         total=args.steps,
@@ -476,7 +474,8 @@ def train(
     )
     window_loss, window_steps = torch.zeros((), device=world.device), 0
     dist.barrier()
-    window_start = measured_start = time.perf_counter()
+    progress.start(args.steps - start_step, args.warmup_steps, pipelined=pipeline is not None)
+    window_start = time.perf_counter()
     for step in range(start_step, args.steps):
         if pipeline is not None:
             loss, _, _ = pipeline.progress(batches)
@@ -485,11 +484,7 @@ def train(
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-        done = step + 1 - start_step
-        if done == warmup:
-            measured_start = time.perf_counter()
-        elif done > warmup:
-            progress.measured_steps += 1
+        progress.step_done(step + 1 - start_step)
         window_loss += loss.detach()
         window_steps += 1
         bar.update(1)
@@ -506,9 +501,7 @@ def train(
         if args.checkpoint_dir and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
             saving = time.perf_counter()
             save_checkpoint(args.checkpoint_dir, model, optimizer, step + 1)
-            measured_start += time.perf_counter() - saving  # saves are not training throughput
-    dist.barrier()
-    progress.measured_seconds = time.perf_counter() - measured_start
+            progress.pause(time.perf_counter() - saving)  # saves are not training throughput
     bar.close()
     return (pipeline.detach() if pipeline is not None else model), progress
 

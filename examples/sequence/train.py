@@ -41,7 +41,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
-from embark_torchrec.jobs import Progress, World, exit_after_clean_run, init_distributed, mean_over_ranks
+from embark_torchrec.jobs import WARMUP_HELP, Progress, World, exit_after_clean_run, init_distributed, mean_over_ranks
 from embark_torchrec import (
     EmbarkEmbeddingBagCollectionSharder,
     EmbarkEmbeddingCollectionSharder,
@@ -120,7 +120,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-pipeline", action="store_true", help="plain loop instead of TrainPipelineSparseDist")
     p.add_argument("--log-every", type=int, default=d.log_every, help="steps between samples/s and loss lines")
-    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="first steps left out of samples/s")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help=WARMUP_HELP)
     p.add_argument(
         "--pg-timeout-s", type=float, default=d.pg_timeout_s, help="process-group timeout (a dead rank fails the rest)"
     )
@@ -318,10 +318,10 @@ class Trainer:
             else TrainPipelineSparseDist(self.model, self.optimizer, world.device, execute_all_batches=True)
         )
         samples_per_step = args.batch_size * world.world_size
-        warmup = min(args.warmup_steps, args.steps - 1)
         window_loss, window_steps = torch.zeros((), device=world.device), 0
         dist.barrier()
-        window_start = measured_start = time.perf_counter()
+        progress.start(args.steps, args.warmup_steps, pipelined=pipeline is not None)
+        window_start = time.perf_counter()
         for step in range(args.steps):
             if pipeline is not None:
                 loss, _, _ = pipeline.progress(batches)
@@ -330,10 +330,7 @@ class Trainer:
                 loss.backward()
                 self.optimizer.step()
                 self.optimizer.zero_grad()
-            if step + 1 == warmup:
-                measured_start = time.perf_counter()
-            elif step + 1 > warmup:
-                progress.measured_steps += 1
+            progress.step_done(step + 1)
             window_loss += loss.detach()
             window_steps += 1
             if window_steps == args.log_every or step + 1 == args.steps:
@@ -345,8 +342,6 @@ class Trainer:
                 if world.rank == 0:
                     print(f"step {step + 1}: loss {mean_loss:.4f}, {rate:,.0f} samples/s", flush=True)
                 window_loss, window_steps, window_start = torch.zeros((), device=world.device), 0, time.perf_counter()
-        dist.barrier()
-        progress.measured_seconds = time.perf_counter() - measured_start
 
     def _comm(self) -> dict[str, Any]:
         """Counted bytes: every rank's sent + received (all tables, and inter-node), their maximum, and the history

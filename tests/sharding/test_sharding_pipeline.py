@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+from embark_torchrec.jobs import measured_window
 from embark_torchrec.plan.layout.tables import Plan, TableLayout
 from embark_torchrec.sharding.comm_stats import enable_comm_stats
 from embark_torchrec.planner.parameter_sharding import module_sharding_plan
@@ -150,7 +152,7 @@ def _pipelined_vs_plain() -> dict[str, Any]:
     piped_stats = enable_comm_stats(piped)
     pipeline = TrainPipelineSparseDist(piped, piped_opt, torch.device("cpu"), execute_all_batches=True)
     iterator = iter(batches)
-    piped_losses, piped_logits = [], []
+    piped_losses, piped_logits, ids_sent = [], [], []
     while True:
         try:
             losses, logits = pipeline.progress(iterator)
@@ -158,6 +160,7 @@ def _pipelined_vs_plain() -> dict[str, Any]:
             break
         piped_losses.append(losses)
         piped_logits.append(logits)
+        ids_sent.append(piped_stats.by("kind").get("ids", {}).get("sent", 0))
     pipelined_modules = [type(m).__name__ for m in pipeline._pipelined_modules]
 
     plain_w, piped_w = _weights(plain), _weights(piped)
@@ -173,6 +176,7 @@ def _pipelined_vs_plain() -> dict[str, Any]:
             for k in plain_w
         },
         "shards": {k: len(v) for k, v in plain_w.items()},
+        "ids_sent_by_step": np.diff(ids_sent, prepend=0).tolist(),
         "bytes": [{str(k): s.per_peer(k).tolist() for k in s.keys()} for s in (plain_stats, piped_stats)],
         "trained": {
             k: max((float((a - b).abs().max()) for a, b in zip(initial[k], plain_w[k]) if a.numel()), default=0.0)
@@ -214,6 +218,18 @@ def test_pipelined_bytes_equal_plain_bytes(results: list[dict[str, Any]]) -> Non
         )
 
 
+def test_measured_window_counts_only_steps_that_distribute_a_batch(results: list[dict[str, Any]]) -> None:
+    """Every step the examples' throughput counts (jobs.measured_window, after one warm-up step) sends a batch's IDs,
+    as a steady step does; the pipeline's last step sends none (it has no next batch), and the window leaves it out:
+    counted, it made plans that send many IDs look faster than they run."""
+    after, through = measured_window(STEPS, 1, pipelined=True)
+    assert through < STEPS
+    for rank, r in enumerate(results):
+        sent = r["ids_sent_by_step"]
+        assert len(sent) == STEPS and sent[-1] == 0, (rank, sent)
+        assert all(n > 0 for n in sent[after:through]), (rank, sent)
+
+
 def test_pipelined_weights_equal_plain_weights(results: list[dict[str, Any]]) -> None:
     """After K steps every weight (each local shard of the grid, hierarchical and table-wise tables, the DP table
     and the dense layers) equals plain training's; and those weights did change during training."""
@@ -237,3 +253,14 @@ def test_pipelined_weights_equal_plain_weights(results: list[dict[str, Any]]) ->
     for t in TABLES:
         key = f"ebc.embedding_bags.{t.name}.weight"
         assert max(r["trained"][key] for r in results) > 1e-4, key
+
+
+def test_measured_window_without_the_pipeline_and_on_short_runs() -> None:
+    """A plain loop's last step is a steady one, so it is counted; the warm-up is left out; every run measures at
+    least one step, however short."""
+    assert measured_window(25, 10, pipelined=False) == (10, 25)
+    assert measured_window(25, 10, pipelined=True) == (10, 24)
+    for steps in range(1, 6):
+        for pipelined in (False, True):
+            after, through = measured_window(steps, 10, pipelined)
+            assert 0 <= after < through <= steps, (steps, pipelined)
