@@ -110,7 +110,7 @@ def measure(args: argparse.Namespace, seed: int, cluster: Path, tmp: Path) -> Mo
             planner, with_hardware = RUNS[run]
             hardware = folder / "hardware.json" if with_hardware else None
             once = cluster_run(args, str(spec_file), args.nodes, args.link_mbit[0], hardware, tmp / "unused.md")
-            result = run_example(planner, once, folder / f"{run}.plan.json")
+            result = run_example(planner, once, folder / f"{run}.plan.json", extra=run_flags(args))
             runs[run].append(result)
             print(
                 f"seed {seed} round {i + 1}/{args.rounds} {run}: {result['samples_per_s']:,.0f} samples/s, "
@@ -121,6 +121,12 @@ def measure(args: argparse.Namespace, seed: int, cluster: Path, tmp: Path) -> Mo
     rounds |= {"seconds": time.perf_counter() - start, "runs": runs}
     (folder / "rounds.json").write_text(json.dumps(rounds, indent=1))
     return priced(folder)
+
+
+def run_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """The example's flags for every run of the sweep: its warm-up, and one held-out batch (the sweep reads no AUROC,
+    and 20 batches of evaluation over the slow link took a tenth of each run)."""
+    return ("--warmup-steps", str(args.warmup_steps), "--eval-batches", "1")
 
 
 def model_folder(out: Path, seed: int) -> Path:
@@ -217,7 +223,8 @@ def markdown(
         f"ranks at {args.link_mbit[0]:g} Mbit/s",
         "",
         f"Models from benchmarks/model_generator.py, seeds {', '.join(str(o.seed) for o in outcomes)}; batch "
-        f"{args.batch_size} per rank ({args.batch_size * ws} global), {args.steps} steps a run, {args.rounds} "
+        f"{args.batch_size} per rank ({args.batch_size * ws} global), {args.steps} steps a run ({args.warmup_steps} "
+        "of warm-up and, pipelined, the last left out of samples/s), {args.rounds} "
         f"interleaved rounds of {', '.join(RUNS)}; planned with `{display(hardware)}` with each model's dense part "
         "measured on the cluster first (the example's --calibrate dense; torchrec-user: no hardware file); every plan "
         "priced again with that model's file. Speedups: measured, the median of per-round samples/s ratios; "
@@ -244,7 +251,8 @@ def markdown(
         "",
         f"Rerun these models: `PYTHONPATH=. .venv/bin/python benchmarks/sweep.py --seeds {seeds} --hardware "
         f"{display(hardware)} --nodes {args.nodes} --gpus-per-node {args.gpus_per_node} --link-mbit "
-        f"{args.link_mbit[0]:g} --rounds {args.rounds} --steps {args.steps} --batch-size {args.batch_size}`",
+        f"{args.link_mbit[0]:g} --rounds {args.rounds} --steps {args.steps} --warmup-steps {args.warmup_steps} "
+        f"--batch-size {args.batch_size}`",
     ]
     return "\n".join(lines) + "\n"
 
@@ -259,6 +267,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--link-mbit", default="50", help="each node's link, Mbit/s per direction")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=25)
+    p.add_argument(
+        "--warmup-steps", type=int, default=4, help="first steps of a run left out of samples/s (the example's flag)"
+    )
     p.add_argument("--batch-size", type=int, default=2048, help="per rank")
     p.add_argument("--timeout-s", type=float, default=TIMEOUT_S, help="per run (the calibration job too)")
     p.add_argument("--out", type=Path, default=OUT)
@@ -277,14 +288,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ClusterSpec(nodes=args.nodes, gpus_per_node=args.gpus_per_node, link_mbit=args.link_mbit[0])
     except ValueError as e:
         p.error(f"--seeds / --link-mbit / --nodes / --gpus-per-node: {e}")
-    if args.rounds < 1 or args.steps < 2 or args.batch_size < 1 or args.count < 1:
-        p.error("--count, --rounds, --batch-size must be >= 1 and --steps >= 2")
+    if args.rounds < 1 or args.steps < 2 or args.batch_size < 1 or args.count < 1 or args.warmup_steps < 0:
+        p.error("--count, --rounds, --batch-size must be >= 1, --steps >= 2 and --warmup-steps >= 0")
     if args.hardware is not None:
         load_hardware(args.hardware)  # a bad file fails here, before any run
     return args
 
 
-SETTINGS = ("nodes", "gpus_per_node", "link_mbit", "rounds", "steps", "batch_size")
+SETTINGS = ("nodes", "gpus_per_node", "link_mbit", "rounds", "steps", "warmup_steps", "batch_size")
 
 
 def reprice(args: argparse.Namespace) -> int:

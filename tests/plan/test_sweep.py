@@ -88,7 +88,8 @@ def test_kept_rounds_are_priced_again_with_today_s_cost_model(tmp_path: Path) ->
     runs = {run: [{"samples_per_s": 1000.0, "step_ms": 90.0, "data_ms_per_step": 10.0}] for run in plans}
     rounds = {"seed": 7, "world_size": 4, "local_world_size": 2, "batch_size": 512, "seconds": 60.0, "runs": runs}
     (folder / "rounds.json").write_text(json.dumps(rounds))
-    settings = {"nodes": 2, "gpus_per_node": 2, "link_mbit": [50.0], "rounds": 1, "steps": 6, "batch_size": 512}
+    settings = {"nodes": 2, "gpus_per_node": 2, "link_mbit": [50.0], "rounds": 1, "steps": 6, "warmup_steps": 4}
+    settings["batch_size"] = 512
     (out.with_suffix("") / "sweep.json").write_text(json.dumps(settings | {"hardware": str(CALIBRATED)}))
 
     outcome = sweep.priced(folder)
