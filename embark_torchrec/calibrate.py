@@ -21,6 +21,9 @@ min and max go into the file):
 - inter_node_solo_ratio: where a node has several ranks, rank 0 alone exchanging with every rank of the other
   nodes (its node-mates idle), over inter_node_bw_gbps, sample by sample as the paired ratio: how much of its node's
   link a rank gets once its node-mates are done (1 where every rank has its own NIC; up to the node's ranks);
+- inter_node_one_way_ratio: the first node's ranks sending to every rank of the other nodes, nothing coming back,
+  over inter_node_bw_gbps (measured both ways), sample by sample as the paired ratio: how much faster a rank's bytes
+  go where its traffic runs one way (gloo's pairs are half duplex; 1 to 2);
 - allreduce_bus_gbps: nccl-tests' bus bandwidth of an all_reduce over every rank, at which the cost model prices
   DDP's all-reduces (the ring's 2 (n-1)/n bytes per rank over it, whatever algorithm the backend runs);
 - lookup_ns_per_id, update_ns_per_row and hbm_bw_gbps (and tbe_step_ms, not a field: the widest step's time, which
@@ -74,6 +77,7 @@ from .plan.layout.kinds import REDUCTION_KIND, UNIQUE_KIND
 from .plan.model.constants import BACKWARD_COMPUTE_MULTIPLIER, WEIGHT_BYTES
 from .plan.model.hardware_file import FORMAT, VERSION, HardwareError, hardware_to_dict, resolve_hardware, save_hardware
 from .plan.model.topology import Hardware
+from .plan.model.ranges import MAX_ONE_WAY_RATIO
 
 OPTIMIZERS = ("exact_rowwise_adagrad", "exact_adagrad", "exact_sgd")  # fbgemm's EmbOptimType values by name
 NARROW, WIDE, FEW, MANY = 8, 128, 5, 20  # TBE widths and poolings
@@ -258,15 +262,21 @@ def _times(
 
 
 def _all_to_all(
-    per_peer: int, device: torch.device, group: Any = None, peers: Sequence[bool] | None = None
+    per_peer: int,
+    device: torch.device,
+    group: Any = None,
+    peers: Sequence[bool] | None = None,
+    senders: Sequence[bool] | None = None,
 ) -> Callable[[], object]:
     """An all_to_all_single of `group` sending `per_peer` floats to each rank, or, with `peers` (one flag per
-    rank of the group), to the flagged ranks only (nothing to the others)."""
+    rank of the group), to the flagged ranks only (nothing to the others), receiving as much back; with `senders`
+    (one flag per rank) receiving from the flagged ranks instead (one way: a rank that sends receives nothing)."""
     n = dist.get_world_size(group)
     sizes = [per_peer if peers is None or peers[k] else 0 for k in range(n)]
+    received = sizes if senders is None else [per_peer if senders[k] else 0 for k in range(n)]
     send = torch.randn(sum(sizes), device=device)
-    recv = torch.empty_like(send)  # what a rank sends to a flagged peer it receives from it: the flags are symmetric
-    return lambda: dist.all_to_all_single(recv, send, sizes, sizes, group=group)
+    recv = torch.empty(sum(received), device=device)
+    return lambda: dist.all_to_all_single(recv, send, received, sizes, group=group)
 
 
 @dataclass(frozen=True)
@@ -277,6 +287,7 @@ class _Pattern:
     group: Any
     peers: Sequence[bool] | None
     what: str
+    senders: Sequence[bool] | None = None  # one way: the ranks this rank receives from (_all_to_all)
 
 
 def _bandwidths(job: Job, s: Settings, patterns: Sequence[_Pattern]) -> list[tuple[dict[str, Any], list[float]]]:
@@ -286,8 +297,8 @@ def _bandwidths(job: Job, s: Settings, patterns: Sequence[_Pattern]) -> list[tup
     once), so that the i-th samples of two patterns see the same state of the links."""
     fns = []
     for p in patterns:
-        fns += [_all_to_all(s.tiny_floats, job.device, p.group, p.peers)]
-        fns += [_all_to_all(s.large_floats, job.device, p.group, p.peers)]
+        fns += [_all_to_all(s.tiny_floats, job.device, p.group, p.peers, p.senders)]
+        fns += [_all_to_all(s.large_floats, job.device, p.group, p.peers, p.senders)]
     times = _times(fns, s.repeats, job.device)
     out = []
     for p, tiny, large in zip(patterns, times[0::2], times[1::2]):
@@ -367,11 +378,23 @@ def measure_collectives(job: Job, s: Settings) -> dict[str, dict[str, Any]]:
                     "taking turns with inter_node_bw_gbps's",
                 )
             )
+        on_first = [k // job.local_world_size == 0 for k in range(job.world_size)]
+        patterns.append(  # one way: the first node's ranks send to every rank of the other nodes, which send nothing
+            _Pattern(
+                None,
+                [remote[k] and node == 0 for k in range(job.world_size)],
+                "all-to-all of the first node's ranks sending to every rank of the other nodes, nothing sent back, "
+                "its samples taking turns with inter_node_bw_gbps's",
+                senders=[on_first[k] and node != 0 for k in range(job.world_size)],
+            )
+        )
         measured = _bandwidths(job, s, patterns)
         (out["inter_node_bw_gbps"], all_gbps), (out["inter_node_paired_bw_gbps"], paired_gbps) = measured[:2]
-        for name, gbps, what in [("inter_node_paired_ratio", paired_gbps, "inter_node_paired_bw_gbps")] + (
-            [("inter_node_solo_ratio", measured[2][1], "rank 0's alone")] if len(measured) > 2 else []
-        ):
+        ratios = [("inter_node_paired_ratio", paired_gbps, "inter_node_paired_bw_gbps")]
+        if job.local_world_size > 1:
+            ratios.append(("inter_node_solo_ratio", measured[2][1], "rank 0's alone"))
+        ratios.append(("inter_node_one_way_ratio", measured[-1][1], "rank 0's one way"))
+        for name, gbps, what in ratios:
             out[name] = stats(
                 [y / x for x, y in zip(all_gbps, gbps) if np.isfinite(x) and np.isfinite(y)],
                 "ratio",
@@ -822,6 +845,8 @@ def _hardware(
             figures[figure] = max(0.0, figures[figure])  # noise around a zero cost
     if "inter_node_solo_ratio" in figures:  # a rank alone gets at least its share and at most its node's link
         figures["inter_node_solo_ratio"] = min(max(figures["inter_node_solo_ratio"], 1.0), job.local_world_size)
+    if "inter_node_one_way_ratio" in figures:  # one way is no slower than both ways, and a half-duplex pair doubles
+        figures["inter_node_one_way_ratio"] = min(max(figures["inter_node_one_way_ratio"], 1.0), MAX_ONE_WAY_RATIO)
     if "collective_us" in figures:
         figures["collective_us"] = max(figures["collective_us"], measured["alltoall_latency_us"]["median"])
     if "unique_ns_per_id" in measured:
@@ -843,6 +868,7 @@ _MEASURED_FIELDS = (
     "inter_node_bw_gbps",
     "inter_node_paired_ratio",
     "inter_node_solo_ratio",
+    "inter_node_one_way_ratio",
     "allreduce_bus_gbps",
     "hbm_bw_gbps",
     "lookup_ns_per_id",

@@ -41,7 +41,7 @@ from tests.support.processes import ROOT, checkout_env
 
 MEASURED = {"collective_us", "intra_node_bw_gbps", "inter_node_bw_gbps", "hbm_bw_gbps", "lookup_ns_per_id"}
 MEASURED |= {"unique_ns_per_id", "dp_ns_per_element", "update_ns_per_row", "inter_node_paired_ratio"}
-MEASURED |= {"inter_node_solo_ratio", "allreduce_bus_gbps"}
+MEASURED |= {"inter_node_solo_ratio", "inter_node_one_way_ratio", "allreduce_bus_gbps"}
 SPEC = ModelSpec(
     "small",
     256,
@@ -86,6 +86,9 @@ def test_quick_calibration_measures_every_figure_it_can_with_its_spread(calibrat
     assert "cross-node group of 2 ranks" in paired["what"] and "taking turns" in paired["what"]
     ratio = document["measurements"]["inter_node_paired_ratio"]
     assert hardware.inter_node_paired_ratio == ratio["median"] and ratio["samples"] <= paired["samples"]
+    # one way is measured against both ways sample by sample too, and kept within what the cost model allows
+    one_way = document["measurements"]["inter_node_one_way_ratio"]
+    assert "one way" in one_way["what"] and 1.0 <= hardware.inter_node_one_way_ratio <= 2.0
     assert hardware.unique_ns_per_id >= document["measurements"]["dedup_ns_per_id"]["median"] > 0
     # a group's collective in a real training step costs at least a bare all-to-all
     assert hardware.collective_us >= document["measurements"]["alltoall_latency_us"]["median"] > 0

@@ -296,6 +296,28 @@ def test_a_node_s_ranks_share_its_link_where_the_hardware_says_so() -> None:
     assert shared.step_cost(even).comm_ms == pytest.approx(alone.step_cost(even).comm_ms, rel=1e-12)
 
 
+def test_a_rank_s_one_way_bytes_run_at_the_one_way_rate() -> None:
+    """Hardware.inter_node_one_way_ratio > 1 (gloo's half-duplex pairs): a rank's inter-node sends and receives cost
+    the smaller of the two at the both-ways rate and the rest at ratio x it, with or without a shared link; even
+    traffic costs what it always did, and at ratio 1 (the presets) a rank's time is max(sent, received) as before."""
+    spec = ModelSpec("m", 64, (TableSpec("t", rows=1000, dim=16, pooling=4.0),))
+    hw = PRESETS["cpu-gloo"]
+    per_byte = 1 / (hw.inter_node_bw_gbps * 1e6)
+    rows = np.zeros((10, 4))
+    rows[3] = [60.0, 10.0, 30.0, 30.0]  # send_inter
+    rows[4] = [20.0, 10.0, 30.0, 0.0]  # recv_inter
+    one_way = CostModel(spec, Topology(4, 2, hw.with_overrides(inter_node_one_way_ratio=1.5)))
+    _, _, inter = one_way.rank_times(rows)
+    np.testing.assert_allclose(inter, np.array([20 + 40 / 1.5, 10.0, 30.0, 30 / 1.5]) * per_byte, rtol=1e-12)
+    _, _, plain = CostModel(spec, Topology(4, 2, hw)).rank_times(rows)
+    np.testing.assert_allclose(plain, np.array([60.0, 10.0, 30.0, 30.0]) * per_byte, rtol=1e-12)
+    # on a shared link the sends and the receives drain apart (water filling), then combine the same way
+    both = CostModel(spec, Topology(4, 2, hw.with_overrides(inter_node_solo_ratio=2.0, inter_node_one_way_ratio=1.5)))
+    solo = CostModel(spec, Topology(4, 2, hw.with_overrides(inter_node_solo_ratio=2.0)))
+    rows[3], rows[4] = [30.0, 0.0, 10.0, 10.0], [0.0, 0.0, 10.0, 10.0]
+    np.testing.assert_allclose(both.shared_link_inter_ms(rows), solo.shared_link_inter_ms(rows) / [1.5, 1, 1, 1])
+
+
 def test_all_reduces_run_at_the_measured_bus_bandwidth_where_there_is_one() -> None:
     """Hardware.allreduce_bus_gbps > 0: a DP table's and the dense part's all-reduces cost the ring's bytes per rank
     (2 (W-1)/W of the gradient) over the measured bus bandwidth, whatever the links; 0: the ring's slowest link."""

@@ -398,10 +398,19 @@ class CostModel:
         lookup_bytes, send_intra, recv_intra, send_inter, recv_inter, _, host_ms, lookup_ids = rows[:8]  # as _ROWS
         lookup = _to_ms(lookup_bytes, hw.hbm_bw_gbps) + lookup_ids * hw.lookup_ns_per_id / 1e6 + host_ms
         intra = _to_ms(np.maximum(send_intra, recv_intra), hw.intra_node_bw_gbps)
-        inter = _to_ms(np.maximum(send_inter, recv_inter), hw.inter_node_bw_gbps)
+        inter = _to_ms(self.both_ways(send_inter, recv_inter), hw.inter_node_bw_gbps)
         if hw.inter_node_paired_ratio != 1.0:
             inter = inter + np.maximum(rows[8], rows[9]) * self.paired_premium_ms_per_byte
         return lookup, intra, inter
+
+    def both_ways(self, sent: np.ndarray, received: np.ndarray) -> np.ndarray:
+        """A rank's inter-node sends and receives as bytes at the both-ways rate: the smaller of the two, and what the
+        larger has beyond it at the one-way rate (Hardware.inter_node_one_way_ratio; 1: the larger, as before)."""
+        ratio = self.topology.hardware.inter_node_one_way_ratio
+        if ratio == 1.0:
+            return np.maximum(sent, received)
+        low = np.minimum(sent, received)
+        return low + (np.maximum(sent, received) - low) / ratio
 
     @property
     def paired_premium_ms_per_byte(self) -> float:
@@ -453,7 +462,7 @@ class CostModel:
             done = np.empty_like(by_node)
             np.put_along_axis(done, order, np.cumsum(steps, axis=1), axis=1)
             finish.append(done.reshape(-1))
-        inter = _to_ms(np.maximum(finish[0], finish[1]), hw.inter_node_bw_gbps)
+        inter = _to_ms(self.both_ways(finish[0], finish[1]), hw.inter_node_bw_gbps)
         if hw.inter_node_paired_ratio != 1.0:
             inter = inter + np.maximum(rows[8], rows[9]) * self.paired_premium_ms_per_byte
         return inter

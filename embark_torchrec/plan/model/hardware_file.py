@@ -53,6 +53,7 @@ OPTIONAL_FIELDS = (
     "update_ns_per_row",
     "inter_node_paired_ratio",
     "inter_node_solo_ratio",
+    "inter_node_one_way_ratio",
     "allreduce_bus_gbps",
     "shared_host_ranks",
     "oversubscribed_collective_us",

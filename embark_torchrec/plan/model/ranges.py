@@ -32,6 +32,7 @@ MAX_COLLECTIVE_US = 1e9  # one collective's launch and synchronisation
 MAX_DENSE_PARAMS_MB = 1e9  # dense gradients all-reduced each step: a petabyte
 MIN_PAIRED_RATIO, MAX_PAIRED_RATIO = 1e-3, 1e3  # paired inter-node rate over the all-ranks one
 MAX_SOLO_RATIO = 1024.0  # a lone rank's inter-node rate over the all-ranks one: at most a node's ranks
+MAX_ONE_WAY_RATIO = 2.0  # one way over both ways: a half-duplex pair at most doubles (and the lower bound holds)
 MAX_HOST_CORES = 2**20  # cores of the one host every rank shares (0: ranks have their own GPUs)
 
 # every Hardware figure a hardware file holds (hardware_file.py): (lowest, highest, whether the lowest is allowed);
@@ -46,6 +47,7 @@ HARDWARE_RANGES: dict[str, tuple[float, float, bool]] = {
     },
     "inter_node_paired_ratio": (MIN_PAIRED_RATIO, MAX_PAIRED_RATIO, True),
     "inter_node_solo_ratio": (1.0, MAX_SOLO_RATIO, True),
+    "inter_node_one_way_ratio": (1.0, MAX_ONE_WAY_RATIO, True),
     "allreduce_bus_gbps": (0.0, MAX_BANDWIDTH_GBPS, True),
     "dense_ms_per_ksample": (0.0, MAX_MS_PER_KSAMPLE, True),
     "dense_params_mb": (0.0, MAX_DENSE_PARAMS_MB, True),

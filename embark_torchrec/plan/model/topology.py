@@ -28,6 +28,11 @@ class Hardware:
     # gets while its node-mates have nothing left to send, over inter_node_bw_gbps (at most the node's ranks: the
     # whole link). 1 (the presets): every rank has its own link, and a busier rank gains nothing from idle ones
     inter_node_solo_ratio: float = 1.0
+    # how much faster a rank's inter-node bytes go one way than both ways at once, over inter_node_bw_gbps (measured
+    # both ways): a rank that sends s and receives r < s takes r at that rate and the s - r left over at this ratio x
+    # it. On gloo a pair of ranks is half duplex, so traffic one way runs faster (measured by calibrate, at most 2);
+    # 1 (the presets): each direction has its own rate, and a rank's time is max(s, r) at it
+    inter_node_one_way_ratio: float = 1.0
     # an all-reduce's bus bandwidth as nccl-tests define it (2 (n-1)/n x bytes / time), measured by calibrate: what
     # DDP's all-reduces (the dense part's, the data-parallel tables') cost, whatever algorithm the backend runs
     # (gloo's is not NCCL's ring). 0 (the presets): priced as a ring over the two bandwidths above
