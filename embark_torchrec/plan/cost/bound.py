@@ -49,7 +49,8 @@ def allowed_clusters(constraints: TableConstraints) -> tuple[str, ...]:
 
 def _parts_ms(cost: CostModel, loads: list[RankLoad]) -> np.ndarray:
     """Per load: a table's lookups and communication summed over ranks (each rank's max(sent, received)
-    taken as their mean), in ms, and its DP all-reduce's ms were it all intra-node, or all inter-node.
+    taken as their mean, which CostModel.both_ways never undercuts while the one-way ratio is at most 2), in ms,
+    and its DP all-reduce's ms were it all intra-node, or all inter-node.
     The loads are priced stacked (rows [10, load, W]), each element as CostModel.rank_times prices it. The
     paired bytes' premium takes their mean too where it is a cost; where pairs run faster (a negative premium)
     it takes their sum, which no rank's max(sent, received) exceeds."""

@@ -69,8 +69,10 @@ bandwidth; the part of the inter-node bytes a rank exchanges with its local rank
 hierarchical stage 2) runs at inter_node_paired_ratio x that bandwidth instead: one pair of ranks per
 node pair carries it, and on gloo a pair is half duplex (benchmarks/link_sharing.md). Where a node's ranks
 share one link (inter_node_solo_ratio > 1), a rank's inter-node time is when its sends and receives are done,
-its node's ranks sharing the link by water filling (shared_link_inter_ms). All-reduces cost the ring's bytes
-over the measured bus bandwidth where there is one (allreduce_bus_gbps), else the ring's slowest link.
+its node's ranks sharing the link by water filling (shared_link_inter_ms). Where traffic one way runs faster than
+both ways (inter_node_one_way_ratio > 1: gloo's half-duplex pairs), a rank's inter-node time takes the smaller of
+its sends and receives at the network bandwidth and the rest at the ratio x it (both_ways). All-reduces cost the
+ring's bytes over the measured bus bandwidth where there is one (allreduce_bus_gbps), else the ring's slowest link.
 Step = max over ranks of lookup_ms
 + max over ranks of comm_ms + collective ms + DP all-reduce ms + dense ms (b / 1000 x
 dense_ms_per_ksample, plus the dense all-reduce) - overlap, the same formulas for every plan. DDP
