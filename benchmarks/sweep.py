@@ -94,7 +94,6 @@ def measure(args: argparse.Namespace, seed: int, cluster: Path, tmp: Path) -> Mo
     spec, that hardware file, the plans and the rounds are kept in the model's folder (model_folder), so that
     --reprice prices them again."""
     start = time.perf_counter()
-    ws = args.nodes * args.gpus_per_node
     spec = generate_model(seed, RANGES)
     folder = model_folder(args.out, seed)
     folder.mkdir(parents=True, exist_ok=True)
@@ -102,6 +101,14 @@ def measure(args: argparse.Namespace, seed: int, cluster: Path, tmp: Path) -> Mo
     spec_file.write_text(json.dumps(spec.to_dict()))
     dense_run = cluster_run(args, str(spec_file), args.nodes, args.link_mbit[0], cluster, tmp / "unused.md")
     (folder / "hardware.json").write_text(calibrate_dense(dense_run, tmp, f"{spec.name}_dense").read_text())
+    return run_rounds(args, seed, folder, tmp, start, planned=False)
+
+
+def run_rounds(
+    args: argparse.Namespace, seed: int, folder: Path, tmp: Path, start: float, planned: bool
+) -> ModelOutcome:
+    """A model's interleaved rounds of every run, from its folder's spec and hardware file, kept as its rounds.json:
+    each run plans (its plan kept in the folder) or, `planned`, runs the folder's plan (--remeasure)."""
     runs: dict[str, list[dict[str, Any]]] = {run: [] for run in RUNS}
     names = list(RUNS)
     for i in range(args.rounds):
@@ -109,18 +116,57 @@ def measure(args: argparse.Namespace, seed: int, cluster: Path, tmp: Path) -> Mo
             stop_if_interrupted()
             planner, with_hardware = RUNS[run]
             hardware = folder / "hardware.json" if with_hardware else None
-            once = cluster_run(args, str(spec_file), args.nodes, args.link_mbit[0], hardware, tmp / "unused.md")
-            result = run_example(planner, once, folder / f"{run}.plan.json", extra=run_flags(args))
+            once = cluster_run(args, str(folder / "spec.json"), args.nodes, args.link_mbit[0], hardware, tmp / "u.md")
+            plan = folder / f"{run}.plan.json"
+            out, given = (tmp / "unused.plan.json", plan) if planned else (plan, None)
+            result = run_example(planner, once, out, given, extra=run_flags(args))
             runs[run].append(result)
             print(
                 f"seed {seed} round {i + 1}/{args.rounds} {run}: {result['samples_per_s']:,.0f} samples/s, "
                 f"{result['inter_node_bytes_per_step']:,} inter-node bytes/step",
                 flush=True,
             )
+    ws = args.nodes * args.gpus_per_node
     rounds = {"seed": seed, "world_size": ws, "local_world_size": args.gpus_per_node, "batch_size": args.batch_size}
     rounds |= {"seconds": time.perf_counter() - start, "runs": runs}
     (folder / "rounds.json").write_text(json.dumps(rounds, indent=1))
     return priced(folder)
+
+
+def remeasure(args: argparse.Namespace, tmp: Path) -> list[ModelOutcome]:
+    """--remeasure FROM: the models FROM's sweep kept (each folder's spec, hardware file and plans, copied into
+    --out's folder) run again in fresh rounds with today's runtime and measurement, their plans not planned again:
+    how today's cost model prices plans it did not choose, on rounds it was not fitted to."""
+    source = args.remeasure.with_suffix("")
+    outcomes = []
+    for seed in kept_seeds(source):
+        start, folder = time.perf_counter(), model_folder(args.out, seed)
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in ("spec.json", "hardware.json", *(f"{run}.plan.json" for run in RUNS)):
+            (folder / name).write_text((source / f"seed{seed}" / name).read_text())
+        if args.hardware is not None:
+            save_hardware(folder / "hardware.json", with_dense_of(args.hardware, folder / "hardware.json"))
+        outcomes.append(run_rounds(args, seed, folder, tmp, start, planned=True))
+    return outcomes
+
+
+def with_dense_of(cluster: Path, model: Path) -> dict[str, Any]:
+    """The cluster's hardware file with a model's dense figures (its measured dense step and counted parameters, as
+    `--calibrate dense` measured them on the same cluster): a model kept by an earlier sweep, priced with the
+    cluster's figures calibrated since."""
+    document, kept = json.loads(cluster.read_text()), json.loads(model.read_text())
+    for field in DENSE_FIELDS:
+        document["hardware"][field] = kept["hardware"][field]
+        document["sources"][field] = kept["sources"][field]
+        if field in kept.get("measurements", {}):
+            document.setdefault("measurements", {})[field] = kept["measurements"][field]
+    document["run"]["dense_date"] = kept["run"].get("dense_date", kept["run"]["date"])
+    return document
+
+
+def kept_seeds(folder: Path) -> list[int]:
+    """The seeds of the models a sweep's folder holds measured rounds of."""
+    return [int(f.name.removeprefix("seed")) for f in sorted(folder.glob("seed*")) if (f / "rounds.json").exists()]
 
 
 def run_flags(args: argparse.Namespace) -> tuple[str, ...]:
@@ -218,13 +264,14 @@ def markdown(
     outcomes: list[ModelOutcome], args: argparse.Namespace, hardware: Path, seconds: float, note: str = ""
 ) -> str:
     ws = args.nodes * args.gpus_per_node
+    window = "" if getattr(args, "last_step_measured", False) else " and the pipeline's last step"
     lines = [
         f"# The sweep: {len(outcomes)} generated models on {args.nodes} emulated nodes x {args.gpus_per_node} CPU "
         f"ranks at {args.link_mbit[0]:g} Mbit/s",
         "",
         f"Models from benchmarks/model_generator.py, seeds {', '.join(str(o.seed) for o in outcomes)}; batch "
         f"{args.batch_size} per rank ({args.batch_size * ws} global), {args.steps} steps a run ({args.warmup_steps} "
-        "of warm-up and, pipelined, the last left out of samples/s), {args.rounds} "
+        f"of warm-up{window} left out of samples/s), {args.rounds} "
         f"interleaved rounds of {', '.join(RUNS)}; planned with `{display(hardware)}` with each model's dense part "
         "measured on the cluster first (the example's --calibrate dense; torchrec-user: no hardware file); every plan "
         "priced again with that model's file. Speedups: measured, the median of per-round samples/s ratios; "
@@ -279,6 +326,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="run nothing: price the kept rounds of --out's models (its folder) again with today's cost model",
     )
+    p.add_argument(
+        "--remeasure",
+        type=Path,
+        help="instead of new models, run the plans of the models this sweep's markdown kept (its folder) again, in "
+        "fresh rounds kept under --out's folder; with --hardware, each priced with that cluster file and the "
+        "model's kept dense figures",
+    )
     args = p.parse_args(argv)
     try:
         args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()] or [
@@ -292,9 +346,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--count, --rounds, --batch-size must be >= 1, --steps >= 2 and --warmup-steps >= 0")
     if args.hardware is not None:
         load_hardware(args.hardware)  # a bad file fails here, before any run
+    if args.remeasure is not None and (
+        args.hardware is None or not (args.remeasure.with_suffix("") / "sweep.json").exists()
+    ):
+        p.error(f"--remeasure {args.remeasure}: needs a kept sweep (its folder's sweep.json) and --hardware")
     return args
 
 
+DENSE_FIELDS = ("dense_ms_per_ksample", "dense_params_mb")  # what --calibrate dense measures and counts
 SETTINGS = ("nodes", "gpus_per_node", "link_mbit", "rounds", "steps", "warmup_steps", "batch_size")
 
 
@@ -303,8 +362,9 @@ def reprice(args: argparse.Namespace) -> int:
     folder = args.out.with_suffix("")
     kept = json.loads((folder / "sweep.json").read_text())
     vars(args).update({k: kept[k] for k in SETTINGS})
-    seeds = [int(f.name.removeprefix("seed")) for f in sorted(folder.glob("seed*")) if (f / "rounds.json").exists()]
-    outcomes = [priced(model_folder(args.out, seed)) for seed in seeds]
+    # sweeps before the measured window left it out counted the pipeline's last step (jobs.measured_window)
+    args.last_step_measured = kept.get("last_step_measured", False)
+    outcomes = [priced(model_folder(args.out, seed)) for seed in kept_seeds(folder)]
     text = markdown(outcomes, args, Path(kept["hardware"]), sum(o.seconds for o in outcomes), kept.get("note", ""))
     args.out.write_text(text)
     print(text)
@@ -333,9 +393,16 @@ def main(argv: list[str] | None = None) -> int:
         folder = args.out.with_suffix("")
         folder.mkdir(parents=True, exist_ok=True)
         settings = {k: getattr(args, k) for k in SETTINGS} | {"hardware": str(display(hardware))}
+        if args.remeasure is not None:
+            settings["note"] = (
+                f"**Measured again (--remeasure).** The models and plans of `{display(args.remeasure)}`, not planned "
+                "again: today's runtime and cost model on plans it did not choose."
+            )
         (folder / "sweep.json").write_text(json.dumps(settings, indent=1))
         try:
-            for seed in args.seeds:
+            if args.remeasure is not None:
+                outcomes = remeasure(args, tmp)
+            for seed in [] if args.remeasure is not None else args.seeds:
                 outcomes.append(measure(args, seed, hardware, tmp))
                 args.out.write_text(markdown(outcomes, args, hardware, time.perf_counter() - start))
         except (KeyboardInterrupt, RuntimeError):

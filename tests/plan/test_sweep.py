@@ -110,3 +110,29 @@ def test_a_claimed_speedup_is_checked_against_the_band_the_report_printed() -> N
     lines = sweep.summary([replace(a, plan_error=0.1), replace(a, plan_error=0.2)])
     assert lines[-1].endswith("on 1 of 2 models **not met**"), lines
     assert not any("band" in line for line in sweep.summary([a, replace(a, plan_error=0.2, kept_torchrec=True)]))
+
+
+def test_a_remeasured_model_is_priced_with_the_new_cluster_file_and_its_own_dense_figures(tmp_path: Path) -> None:
+    """--remeasure prices a kept model with the cluster file given (its links, collectives, lookups) and the dense
+    figures that model's own file measured: every other field is the new file's, the two dense ones the model's."""
+    model = tmp_path / "model.hardware.json"
+    document = json.loads(CALIBRATED.read_text())
+    document["hardware"] |= {"dense_ms_per_ksample": 123.0, "dense_params_mb": 4.5, "inter_node_bw_gbps": 9e-4}
+    model.write_text(json.dumps(document))
+    merged = tmp_path / "merged.hardware.json"
+    sweep.save_hardware(merged, sweep.with_dense_of(CALIBRATED, model))
+    cluster, priced = load_hardware(CALIBRATED), load_hardware(merged)
+    assert (priced.dense_ms_per_ksample, priced.dense_params_mb) == (123.0, 4.5)
+    assert priced.with_overrides(dense_ms_per_ksample=cluster.dense_ms_per_ksample, dense_params_mb=0.0) == (
+        cluster.with_overrides(dense_params_mb=0.0)
+    )
+
+
+def test_remeasure_needs_a_kept_sweep_and_a_cluster_file(tmp_path: Path) -> None:
+    """--remeasure without --hardware, or of a markdown without its kept folder, stops before any run, naming it."""
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["--remeasure", str(tmp_path / "none.md"), "--hardware", str(CALIBRATED)])
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["--remeasure", str(ROOT / "benchmarks" / "sweep_error.md")])
+    args = sweep.parse_args(["--remeasure", str(ROOT / "benchmarks" / "sweep_error.md"), "--hardware", str(CALIBRATED)])
+    assert args.remeasure.name == "sweep_error.md"
