@@ -157,6 +157,12 @@ def cluster_run(
     )
 
 
+def run_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """The example's flags for every run of sweep.py and scaling.py: their warm-up, and one held-out batch (they read
+    no AUROC, and 20 batches of evaluation over a slow link took a tenth of each run)."""
+    return ("--warmup-steps", str(args.warmup_steps), "--eval-batches", "1")
+
+
 def run_args(
     args: argparse.Namespace, model: str | None, link_mbit: float, hardware: Path | None
 ) -> argparse.Namespace:

@@ -5,8 +5,8 @@
 EMBark's claim is about growth: as nodes are added, more of each rank's embedding traffic crosses the slow links,
 so a plan that keeps traffic inside nodes (or sends less of it) should pull further ahead of TWRW. Each cluster
 size is calibrated once (the example's --calibrate, quick; --hardware-dir keeps the files, and reuses one that is
-there), then each model runs the planners in interleaved rounds. Reported per (model, nodes): samples/s per plan,
-embark's measured and predicted speedup over TorchRec's and TWRW's plans, and the share of TorchRec's and TWRW's
+there), then each model's dense part is measured on it (--calibrate dense: seconds) and the planners run in
+interleaved rounds. Reported per (model, nodes): samples/s per plan, embark's measured and predicted speedup over TorchRec's and TWRW's plans, and the share of TorchRec's and TWRW's
 measured step their embedding bytes take on the link (the inter-node bytes a rank counted per step, times the
 node's ranks, at the link's rate per direction: the time the link needs at least, against the step). A PNG plots
 samples/s and embark's lead against nodes.
@@ -17,7 +17,7 @@ calibration at each size measures the shared cores' figures, so the prediction p
 
     PYTHONPATH=. .venv/bin/python benchmarks/scaling.py [--nodes 1,2,4] [--gpus-per-node 1] [--link-mbit 50]
         [--models benchmarks/models/dlrm_main.json,benchmarks/models/multihot_zipf.json] [--rounds 2] [--steps 25]
-        [--batch-size 1024] [--out benchmarks/scaling.md] [--hardware-dir benchmarks/scaling]
+        [--warmup-steps 4] [--batch-size 1024] [--out benchmarks/scaling.md] [--hardware-dir benchmarks/scaling]
 
 Needs root (network namespaces), ip and tc.
 """
@@ -39,8 +39,17 @@ from embark_torchrec.plan.model.hardware_file import load_hardware
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from cluster_e2e import INTERRUPTS, TIMEOUT_S, Rounds, cluster_ready, cluster_run, display, stop_if_interrupted  # noqa: E402
-from e2e import calibrate, run_example  # noqa: E402
+from cluster_e2e import (  # noqa: E402 (next to this file)
+    INTERRUPTS,
+    TIMEOUT_S,
+    Rounds,
+    cluster_ready,
+    cluster_run,
+    display,
+    run_flags,
+    stop_if_interrupted,
+)
+from e2e import calibrate, calibrate_dense, run_example  # noqa: E402
 from train import load_spec  # noqa: E402 (the example's models; e2e.py put its directory on the path)
 
 OUT = ROOT / "benchmarks" / "scaling.md"
@@ -83,15 +92,20 @@ def link_share(result: dict[str, Any], args: argparse.Namespace) -> float:
     return link_ms / result["step_ms"]
 
 
-def measure(args: argparse.Namespace, model: str, nodes: int, hardware: Path, tmp: Path) -> Point:
+def measure(args: argparse.Namespace, model: str, nodes: int, cluster: Path, tmp: Path) -> Point:
+    """One (model, nodes): the cluster's file with this model's dense part measured on it first (the example's
+    --calibrate dense), then the planners' interleaved rounds planned and priced with it."""
     ws = nodes * args.gpus_per_node
-    plans = {p: tmp / f"{Path(model).stem}_{nodes}_{p}.plan.json" for p in PLANNERS}
+    name = f"{Path(model).stem}_{nodes}"
+    dense_run = cluster_run(args, model, nodes, args.link_mbit, cluster, tmp / "unused.md")
+    hardware = calibrate_dense(dense_run, tmp, f"{name}_dense")
+    plans = {p: tmp / f"{name}_{p}.plan.json" for p in PLANNERS}
     runs: dict[str, list[dict[str, Any]]] = {p: [] for p in PLANNERS}
     for i in range(args.rounds):
         for p in PLANNERS if i % 2 == 0 else PLANNERS[::-1]:
             stop_if_interrupted()
             once = cluster_run(args, model, nodes, args.link_mbit, hardware, tmp / "unused.md")
-            result = run_example(p, once, plans[p])
+            result = run_example(p, once, plans[p], extra=run_flags(args))
             runs[p].append(result)
             print(f"{Path(model).stem} @ {nodes} nodes round {i + 1} {p}: {result['samples_per_s']:,.0f} samples/s")
     spec = load_spec(model, None).with_batch_size(args.batch_size * ws)
@@ -137,8 +151,10 @@ def markdown(points: list[Point], args: argparse.Namespace, seconds: float) -> s
         f"# Weak scaling on emulated clusters: {args.gpus_per_node} CPU rank(s) per node, {args.link_mbit:g} Mbit/s "
         "per node's link",
         "",
-        f"Batch {args.batch_size} per rank at every size, {args.steps} steps a run, {args.rounds} interleaved rounds "
-        f"of {', '.join(PLANNERS)}; each size calibrated once (hardware files in `{display(args.hardware_dir)}`). "
+        f"Batch {args.batch_size} per rank at every size, {args.steps} steps a run ({args.warmup_steps} of warm-up and "
+        f"the pipeline's last step left out of samples/s), {args.rounds} interleaved rounds of {', '.join(PLANNERS)}; "
+        f"each size calibrated once (hardware files in `{display(args.hardware_dir)}`), each model's dense part "
+        "measured on it before its rounds. "
         "Speedups: measured, medians of per-round samples/s ratios; predicted, estimated steps' ratio. Link share: "
         "a rank's embedding bytes on the link at its rate, over the measured step (see the script). "
         f"{seconds / 60:.1f} min in all.",
@@ -195,6 +211,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated spec files or built-in names")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--warmup-steps", type=int, default=4, help="first steps of a run left out of samples/s")
     p.add_argument("--batch-size", type=int, default=1024, help="per rank, at every size")
     p.add_argument("--timeout-s", type=float, default=TIMEOUT_S, help="per run (the calibration job too)")
     p.add_argument("--out", type=Path, default=OUT)
@@ -211,6 +228,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         load_spec(model, None)  # a bad model fails here, before any run
     if not args.nodes or not args.models or args.rounds < 1 or args.steps < 2 or args.batch_size < 1:
         p.error("give nodes and models; --rounds, --batch-size >= 1, --steps >= 2")
+    if args.warmup_steps < 0:
+        p.error("--warmup-steps must be >= 0")
     args.hardware_dir = args.hardware_dir.resolve()
     return args
 

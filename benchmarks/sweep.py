@@ -46,6 +46,7 @@ from cluster_e2e import (  # noqa: E402 (next to this file)
     display,
     cluster_run,
     cluster_ready,
+    run_flags,
     stop_if_interrupted,
 )
 from e2e import calibrate, calibrate_dense, run_example  # noqa: E402
@@ -167,12 +168,6 @@ def with_dense_of(cluster: Path, model: Path) -> dict[str, Any]:
 def kept_seeds(folder: Path) -> list[int]:
     """The seeds of the models a sweep's folder holds measured rounds of."""
     return [int(f.name.removeprefix("seed")) for f in sorted(folder.glob("seed*")) if (f / "rounds.json").exists()]
-
-
-def run_flags(args: argparse.Namespace) -> tuple[str, ...]:
-    """The example's flags for every run of the sweep: its warm-up, and one held-out batch (the sweep reads no AUROC,
-    and 20 batches of evaluation over the slow link took a tenth of each run)."""
-    return ("--warmup-steps", str(args.warmup_steps), "--eval-batches", "1")
 
 
 def model_folder(out: Path, seed: int) -> Path:

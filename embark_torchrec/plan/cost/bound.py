@@ -25,7 +25,7 @@ from typing import Mapping
 import numpy as np
 
 from ..layout.constraints import TableConstraints
-from .model import BACKWARD_COMPUTE_MULTIPLIER, CostModel, _to_ms
+from .model import BACKWARD_COMPUTE_MULTIPLIER, CostModel
 from .load import RankLoad
 from ..layout.groups import ShardingGroup
 from ..layout.kinds import DATA_PARALLEL_KIND, REDUCTION_KIND, UNIQUE_KIND, cluster_kind
@@ -63,7 +63,7 @@ def _parts_ms(cost: CostModel, loads: list[RankLoad]) -> np.ndarray:
     lookup, intra, inter = cost.rank_times(even.rows)
     solo = min(cost.topology.hardware.inter_node_solo_ratio, cost.topology.local_world_size)
     if solo > 1.0:  # on a shared link a rank runs at most `solo` x the all-ranks rate (CostModel.shared_link_inter_ms)
-        plain = _to_ms(np.maximum(even.send_inter, even.recv_inter), cost.topology.hardware.inter_node_bw_gbps)
+        plain = cost.network_ms(even.send_inter, even.recv_inter)
         inter = plain / solo + (inter - plain)
     dp = [
         (float(cost.ring_allreduce_ms(load.dp_intra, 0.0)), float(cost.ring_allreduce_ms(0.0, load.dp_inter)))

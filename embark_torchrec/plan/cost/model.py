@@ -400,10 +400,15 @@ class CostModel:
         lookup_bytes, send_intra, recv_intra, send_inter, recv_inter, _, host_ms, lookup_ids = rows[:8]  # as _ROWS
         lookup = _to_ms(lookup_bytes, hw.hbm_bw_gbps) + lookup_ids * hw.lookup_ns_per_id / 1e6 + host_ms
         intra = _to_ms(np.maximum(send_intra, recv_intra), hw.intra_node_bw_gbps)
-        inter = _to_ms(self.both_ways(send_inter, recv_inter), hw.inter_node_bw_gbps)
+        inter = self.network_ms(send_inter, recv_inter)
         if hw.inter_node_paired_ratio != 1.0:
             inter = inter + np.maximum(rows[8], rows[9]) * self.paired_premium_ms_per_byte
         return lookup, intra, inter
+
+    def network_ms(self, sent: np.ndarray, received: np.ndarray) -> np.ndarray:
+        """A rank's ms on the network for its inter-node sends and receives, at the all-ranks rate (both_ways), before
+        any sharing of a node's link or paired premium."""
+        return _to_ms(self.both_ways(sent, received), self.topology.hardware.inter_node_bw_gbps)
 
     def both_ways(self, sent: np.ndarray, received: np.ndarray) -> np.ndarray:
         """A rank's inter-node sends and receives as bytes at the both-ways rate: the smaller of the two, and what the
@@ -464,7 +469,7 @@ class CostModel:
             done = np.empty_like(by_node)
             np.put_along_axis(done, order, np.cumsum(steps, axis=1), axis=1)
             finish.append(done.reshape(-1))
-        inter = _to_ms(self.both_ways(finish[0], finish[1]), hw.inter_node_bw_gbps)
+        inter = self.network_ms(finish[0], finish[1])
         if hw.inter_node_paired_ratio != 1.0:
             inter = inter + np.maximum(rows[8], rows[9]) * self.paired_premium_ms_per_byte
         return inter
