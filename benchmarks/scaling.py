@@ -7,9 +7,9 @@ so a plan that keeps traffic inside nodes (or sends less of it) should pull furt
 size is calibrated once (the example's --calibrate, quick; --hardware-dir keeps the files, and reuses one that is
 there), then each model's dense part is measured on it (--calibrate dense: seconds) and the planners run in
 interleaved rounds. Reported per (model, nodes): samples/s per plan, embark's measured and predicted speedup over
-TorchRec's and TWRW's plans, and the share of TorchRec's and TWRW's measured step their embedding bytes take on the link (the inter-node bytes a rank counted per step, times the
-node's ranks, at the link's rate per direction: the time the link needs at least, against the step). A PNG plots
-samples/s and embark's lead against nodes.
+TorchRec's and TWRW's plans, and the share of TorchRec's and TWRW's measured step their embedding bytes take on the
+link (the inter-node bytes a rank counted per step, times the node's ranks, at the link's rate per direction: the
+time the link needs at least, against the step). A PNG plots samples/s and embark's lead against nodes.
 
 On this 2-core box every rank of every node shares the same cores, so compute per rank shrinks as ranks are added;
 the link rate is set low (--link-mbit, 50 by default) to keep communication the larger part of the step, and the
