@@ -526,7 +526,7 @@ class EmbarkPlanner(ShardingPlanner):
         if not wanted:
             return {}
         try:
-            return {TORCHREC_DEFAULT: torchrec_default_plan(joint, topology)}
+            return {TORCHREC_DEFAULT: torchrec_default_plan(joint, topology, self.compute_device)}
         except Exception as e:  # noqa: BLE001  TorchRec's planner failing leaves the search's plan
             logger.warning("TorchRec's planner found no plan to compare with (%s: %s)", type(e).__name__, e)
             return {}

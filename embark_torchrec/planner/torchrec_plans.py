@@ -117,12 +117,13 @@ def torchrec_constraints(spec: ModelSpec) -> dict[str, Any]:
     return {t.name: ParameterConstraints(pooling_factors=[t.pooling] * len(t.feature_names)) for t in spec.tables}
 
 
-def torchrec_default_plan(spec: ModelSpec, topology: Topology) -> Plan:
+def torchrec_default_plan(spec: ModelSpec, topology: Topology, compute_device: str = "cuda") -> Plan:
     """Run torchrec's EmbeddingShardingPlanner with its defaults on our figures, as a Plan (with the
     spec's table kinds): pooled tables by its EmbeddingBagCollectionSharder, sequence tables by its
-    EmbeddingCollectionSharder, which offers only the sharding types TorchRec's EmbeddingCollection runs."""
+    EmbeddingCollectionSharder, which offers only the sharding types TorchRec's EmbeddingCollection runs.
+    `compute_device`: the job's, as a user gives TorchRec's Topology (its plans for CPU and CUDA differ)."""
     planner = EmbeddingShardingPlanner(
-        topology=torchrec_topology(topology),
+        topology=torchrec_topology(topology, compute_device),
         batch_size=spec.batch_size // topology.world_size,
         constraints=torchrec_constraints(spec),
     )

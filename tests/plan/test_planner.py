@@ -817,7 +817,7 @@ def test_torchrec_plan_returned_when_the_cost_model_prices_it_faster(monkeypatch
     search's plan, it is the plan returned (PlannedModel.source "torchrec")."""
     spec = ModelSpec.from_module(_ebc(), batch_size=512 * 8, name="sparse")
     good = plan_model(spec, Topology(8, 4, PRESETS["dgx-h100"]), progress=False).plan
-    planner = _torchrec_planner(monkeypatch, lambda s, t: good, torchrec_candidate=True, config=_CRIPPLED)
+    planner = _torchrec_planner(monkeypatch, lambda s, t, d: good, torchrec_candidate=True, config=_CRIPPLED)
     planner.plan(_Model(), [EmbarkEmbeddingBagCollectionSharder()])
     planned = planner.plans["sparse"]
     assert planned.source == TORCHREC_DEFAULT
@@ -831,7 +831,7 @@ def test_torchrec_planner_by_default_only_on_cuda_and_its_failure_leaves_the_sea
     is logged and the search's plan is returned."""
     calls: list[int] = []
 
-    def failing(spec: ModelSpec, topology: Topology) -> Plan:
+    def failing(spec: ModelSpec, topology: Topology, compute_device: str) -> Plan:
         calls.append(topology.world_size)
         raise RuntimeError("no plan")
 
@@ -897,8 +897,8 @@ def test_a_measured_error_brings_torchrecs_plan_in_and_the_report_says_why(monke
     spec, topology, worse, speedup = _priced_apart()
     calls: list[int] = []
 
-    def torchrec(s: ModelSpec, t: Topology) -> Plan:
-        calls.append(t.world_size)
+    def torchrec(s: ModelSpec, t: Topology, compute_device: str) -> Plan:
+        calls.append((t.world_size, compute_device))
         return worse
 
     import embark_torchrec.planner.planner as planner_module
@@ -907,7 +907,8 @@ def test_a_measured_error_brings_torchrecs_plan_in_and_the_report_says_why(monke
     hardware = PRESETS["dgx-h100"].with_overrides(plan_error=round(speedup, 6))
     planner = EmbarkPlanner(world_size=8, local_world_size=4, batch_size=512, hardware=hardware, compute_device="cpu")
     planner.plan(_Model(), [EmbarkEmbeddingBagCollectionSharder()])
-    assert calls == [8] and planner.plans["sparse"].source == TORCHREC_DEFAULT
+    # TorchRec's planner plans for the job's device, as the user's own run of it would (its CPU and CUDA plans differ)
+    assert calls == [(8, "cpu")] and planner.plans["sparse"].source == TORCHREC_DEFAULT
     assert planner.report().startswith("# torchrec plan for sparse")
     assert planner.report().endswith(planner.plans["sparse"].choice.sentence())
 
