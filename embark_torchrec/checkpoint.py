@@ -94,6 +94,7 @@ __all__ = [
 
 MANIFEST_NAME = "manifest.json"
 OWNER_NAME = "owner.lock"  # in D: the flock(2) a run holds while D is its own, and who that run is
+HOLDER_WAIT_S = 2.0  # how long a refused claim waits for the holder's record to be written (_awaited_holder)
 LOAD_FAILED = "DCP could not load"  # how a skipped step that verified but did not load starts its reason
 MANIFEST_MAX_BYTES = 32 << 20  # ~300k files at ~110 bytes an entry; DCP writes one file per rank and writer thread
 _FORMAT = "embark-torchrec-checkpoint/1"
@@ -528,6 +529,17 @@ _HELD_LOCK = threading.Lock()
 _SAVING: dict[str, threading.Lock] = {}  # directory (real path) -> held while this process saves into it
 
 
+def _awaited_holder(fd: int) -> Holder | None:
+    """The lock holder's record (_read_holder). The holder writes it right after taking the lock, so a claim that lost
+    the race by moments waits up to HOLDER_WAIT_S for it, to name the holder rather than say it is not yet written."""
+    deadline = time.monotonic() + HOLDER_WAIT_S
+    holder = _read_holder(fd)
+    while holder is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+        holder = _read_holder(fd)
+    return holder
+
+
 def _read_holder(fd: int) -> Holder | None:
     """The holder recorded in an owner file, None when it is empty or not a record (being written, or damaged)."""
     try:
@@ -559,7 +571,7 @@ def _claim(root: Path) -> Holder | None:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _read_holder(fd)
+                holder = _awaited_holder(fd)
                 who = holder.describe() if holder is not None else "a run whose record in it is not yet written"
                 raise CheckpointError(
                     f"checkpoint directory {root} belongs to another run: {who} ({owner}); two runs saving into one "
