@@ -145,8 +145,7 @@ def remeasure(args: argparse.Namespace, tmp: Path) -> list[ModelOutcome]:
         folder.mkdir(parents=True, exist_ok=True)
         for name in ("spec.json", "hardware.json", *(f"{run}.plan.json" for run in RUNS)):
             (folder / name).write_text((source / f"seed{seed}" / name).read_text())
-        if args.hardware is not None:
-            save_hardware(folder / "hardware.json", with_dense_of(args.hardware, folder / "hardware.json"))
+        save_hardware(folder / "hardware.json", with_dense_of(args.hardware, folder / "hardware.json"))
         outcomes.append(run_rounds(args, seed, folder, tmp, start, planned=True))
     return outcomes
 
@@ -259,7 +258,7 @@ def markdown(
     outcomes: list[ModelOutcome], args: argparse.Namespace, hardware: Path, seconds: float, note: str = ""
 ) -> str:
     ws = args.nodes * args.gpus_per_node
-    window = "" if getattr(args, "last_step_measured", False) else " and the pipeline's last step"
+    window = "" if args.last_step_measured else " and the pipeline's last step"
     lines = [
         f"# The sweep: {len(outcomes)} generated models on {args.nodes} emulated nodes x {args.gpus_per_node} CPU "
         f"ranks at {args.link_mbit[0]:g} Mbit/s",
@@ -325,7 +324,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--remeasure",
         type=Path,
         help="instead of new models, run the plans of the models this sweep's markdown kept (its folder) again, in "
-        "fresh rounds kept under --out's folder; with --hardware, each priced with that cluster file and the "
+        "fresh rounds kept under --out's folder, each priced with --hardware (the cluster file) and the "
         "model's kept dense figures",
     )
     args = p.parse_args(argv)
@@ -341,6 +340,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--count, --rounds, --batch-size must be >= 1, --steps >= 2 and --warmup-steps >= 0")
     if args.hardware is not None:
         load_hardware(args.hardware)  # a bad file fails here, before any run
+    args.last_step_measured = False  # runs today leave it out (jobs.measured_window); --reprice reads the kept sweep's
     if args.remeasure is not None and (
         args.hardware is None or not (args.remeasure.with_suffix("") / "sweep.json").exists()
     ):
@@ -397,15 +397,16 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if args.remeasure is not None:
                 outcomes = remeasure(args, tmp)
-            for seed in [] if args.remeasure is not None else args.seeds:
-                outcomes.append(measure(args, seed, hardware, tmp))
-                args.out.write_text(markdown(outcomes, args, hardware, time.perf_counter() - start))
+            else:
+                for seed in args.seeds:
+                    outcomes.append(measure(args, seed, hardware, tmp))
+                    args.out.write_text(markdown(outcomes, args, hardware, time.perf_counter() - start))
         except (KeyboardInterrupt, RuntimeError):
             if not INTERRUPTS:
                 raise
             print(f"sweep.py: interrupted; {args.out} holds the {len(outcomes)} models done", file=sys.stderr)
             return 130
-    text = markdown(outcomes, args, hardware, time.perf_counter() - start)
+    text = markdown(outcomes, args, hardware, time.perf_counter() - start, settings.get("note", ""))
     args.out.write_text(text)
     print(text)
     if args.write_error is not None:
