@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -107,6 +108,11 @@ class Rounds:
     def predicted(self, a: str, b: str) -> float:
         """a's speedup over b by the cost model: b's estimated step over a's."""
         return self.estimated_ms[b] / self.estimated_ms[a]
+
+    def estimate_error(self, run: str) -> float:
+        """The estimated step over the measured one (the step less the slowest rank's batch making), less 1."""
+        measured = statistics.median(r["step_ms"] - r["data_ms_per_step"] for r in self.runs[run])
+        return self.estimated_ms[run] / measured - 1
 
 
 def model_label(model: str | None) -> str:

@@ -25,6 +25,7 @@ Needs root (network namespaces), ip and tc.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -35,7 +36,7 @@ from typing import Any
 
 from embark_torchrec.cluster import ClusterSpec
 from embark_torchrec.plan import CostModel, Plan, Topology
-from embark_torchrec.plan.model.hardware_file import load_hardware
+from embark_torchrec.plan.model.hardware_file import load_hardware, save_hardware
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -59,6 +60,8 @@ PLANNERS = ("embark", "torchrec", "trw")
 TRW_LEAD = 1.5  # embark / trw at 4 nodes
 TORCHREC_LEAD = 1.1  # embark / torchrec at 4 nodes
 PREDICTION_TARGET = 0.15  # |measured / predicted speedup - 1|
+# what --link-ratios takes from its file: the figures fit_link_ratios.py fits or fits at
+LINK_RATIOS = ("inter_node_paired_ratio", "inter_node_one_way_ratio", "inter_node_phase_overlap")
 
 
 @dataclass
@@ -97,9 +100,12 @@ def measure(args: argparse.Namespace, model: str, nodes: int, cluster: Path, tmp
     --calibrate dense), then the planners' interleaved rounds planned and priced with it."""
     ws = nodes * args.gpus_per_node
     name = f"{Path(model).stem}_{nodes}"
+    folder = point_folder(args, model, nodes)
+    folder.mkdir(parents=True, exist_ok=True)
     dense_run = cluster_run(args, model, nodes, args.link_mbit, cluster, tmp / "unused.md")
-    hardware = calibrate_dense(dense_run, tmp, f"{name}_dense")
-    plans = {p: tmp / f"{name}_{p}.plan.json" for p in PLANNERS}
+    hardware = folder / "hardware.json"
+    save_hardware(hardware, with_link_ratios(calibrate_dense(dense_run, tmp, f"{name}_dense"), args.link_ratios))
+    plans = {p: folder / f"{p}.plan.json" for p in PLANNERS}
     runs: dict[str, list[dict[str, Any]]] = {p: [] for p in PLANNERS}
     for i in range(args.rounds):
         for p in PLANNERS if i % 2 == 0 else PLANNERS[::-1]:
@@ -108,11 +114,33 @@ def measure(args: argparse.Namespace, model: str, nodes: int, cluster: Path, tmp
             result = run_example(p, once, plans[p], extra=run_flags(args))
             runs[p].append(result)
             print(f"{Path(model).stem} @ {nodes} nodes round {i + 1} {p}: {result['samples_per_s']:,.0f} samples/s")
+    (folder / "rounds.json").write_text(json.dumps({"model": model, "nodes": nodes, "runs": runs}, indent=1))
     spec = load_spec(model, None).with_batch_size(args.batch_size * ws)
     cost = CostModel(spec, Topology(ws, args.gpus_per_node, load_hardware(hardware)))
     estimated = {p: cost.evaluate(Plan.load(plans[p])).step_ms for p in PLANNERS}
     shares = {p: statistics.median(link_share(r, args) for r in runs[p]) for p in PLANNERS} if nodes > 1 else {}
     return Point(runs, estimated, Path(model).stem, nodes, shares)
+
+
+def with_link_ratios(calibrated: Path, ratios: Path | None) -> dict[str, Any]:
+    """A calibrated hardware document with the link ratios and phase overlap (and their sources and measurements) of
+    `ratios`, a file of benchmarks/fit_link_ratios.py's, where one is given: fitted to training steps on the same
+    links."""
+    document = json.loads(calibrated.read_text())
+    if ratios is not None:
+        fitted = json.loads(ratios.read_text())
+        for field in LINK_RATIOS:
+            document["hardware"][field] = fitted["hardware"][field]
+            document.setdefault("sources", {})[field] = fitted.get("sources", {}).get(field, "measured")
+            if field in fitted.get("measurements", {}):
+                document.setdefault("measurements", {})[field] = fitted["measurements"][field]
+    return document
+
+
+def point_folder(args: argparse.Namespace, model: str, nodes: int) -> Path:
+    """Where a point's files are kept (its model's hardware file with the dense part, its plans, its rounds):
+    benchmarks/scaling/dlrm_main_4x2/ for benchmarks/scaling.md."""
+    return args.out.with_suffix("") / f"{Path(model).stem}_{nodes}x{args.gpus_per_node}"
 
 
 def verdict(met: bool) -> str:
@@ -154,8 +182,14 @@ def markdown(points: list[Point], args: argparse.Namespace, seconds: float) -> s
         f"Batch {args.batch_size} per rank at every size, {args.steps} steps a run ({args.warmup_steps} of warm-up and "
         f"the pipeline's last step left out of samples/s), {args.rounds} interleaved rounds of {', '.join(PLANNERS)}; "
         f"each size calibrated once (hardware files in `{display(args.hardware_dir)}`), each model's dense part "
-        "measured on it before its rounds. "
-        "Speedups: measured, medians of per-round samples/s ratios; predicted, estimated steps' ratio. Link share: "
+        "measured on it before its rounds"
+        + (
+            f"; the paired and one-way link ratios and the phase overlap from `{display(args.link_ratios)}` (fitted "
+            "to training steps on these links) at every size. "
+            if args.link_ratios
+            else ". "
+        )
+        + "Speedups: measured, medians of per-round samples/s ratios; predicted, estimated steps' ratio. Link share: "
         "a rank's embedding bytes on the link at its rate, over the measured step (see the script). "
         f"{seconds / 60:.1f} min in all.",
         "",
@@ -164,8 +198,9 @@ def markdown(points: list[Point], args: argparse.Namespace, seconds: float) -> s
         *targets(points),
         "",
         "| model | nodes | samples/s embark / torchrec / trw | embark / torchrec measured (predicted) "
-        "| embark / trw measured (predicted) | link share torchrec / trw |",
-        "|---|---:|---|---:|---:|---|",
+        "| embark / trw measured (predicted) | link share torchrec / trw | estimated / measured step "
+        f"{', '.join(PLANNERS)} |",
+        "|---|---:|---|---:|---:|---|---|",
     ]
     for p in points:
         rates = " / ".join(f"{p.samples_per_s(x):,.0f}" for x in PLANNERS)
@@ -173,7 +208,8 @@ def markdown(points: list[Point], args: argparse.Namespace, seconds: float) -> s
         lines.append(
             f"| {p.model} | {p.nodes} | {rates} | {p.measured('embark', 'torchrec'):.2f}x "
             f"({p.predicted('embark', 'torchrec'):.2f}x) | {p.measured('embark', 'trw'):.2f}x "
-            f"({p.predicted('embark', 'trw'):.2f}x) | {share} |"
+            f"({p.predicted('embark', 'trw'):.2f}x) | {share} | "
+            f"{', '.join(f'{p.estimate_error(x):+.0%}' for x in PLANNERS)} |"
         )
     lines += ["", f"![samples/s and embark's lead against nodes]({args.out.with_suffix('.png').name})"]
     return "\n".join(lines) + "\n"
@@ -216,6 +252,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=TIMEOUT_S, help="per run (the calibration job too)")
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--hardware-dir", type=Path, default=HARDWARE_DIR, help="where each size's hardware file is kept")
+    p.add_argument(
+        "--link-ratios",
+        type=Path,
+        help="a hardware file whose paired and one-way ratios and phase overlap (benchmarks/fit_link_ratios.py's, "
+        "fitted to training steps on these links) replace the ones calibrated at every size",
+    )
     args = p.parse_args(argv)
     try:
         args.nodes = sorted({int(n) for n in args.nodes.split(",") if n.strip()})
@@ -231,6 +273,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.warmup_steps < 0:
         p.error("--warmup-steps must be >= 0")
     args.hardware_dir = args.hardware_dir.resolve()
+    if args.link_ratios is not None:
+        load_hardware(args.link_ratios)  # a bad file fails here, before any run
     return args
 
 

@@ -83,11 +83,6 @@ class ModelOutcome(Rounds):
         """Whether embark's measured speedup over torchrec lies in the band the planner's report printed."""
         return abs(self.measured("embark", "torchrec") - self.predicted("embark", "torchrec")) <= self.plan_error
 
-    def estimate_error(self, run: str) -> float:
-        """The estimated step over the measured one (the step less the slowest rank's batch making), less 1."""
-        measured = statistics.median(r["step_ms"] - r["data_ms_per_step"] for r in self.runs[run])
-        return self.estimated_ms[run] / measured - 1
-
 
 def measure(args: argparse.Namespace, seed: int, cluster: Path, tmp: Path) -> ModelOutcome:
     """One model's interleaved rounds of every run. The cluster's figures get this model's dense part measured on

@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 
+from embark_torchrec.plan.cost.load import RankLoad
 from embark_torchrec.plan.cost.model import BACKWARD_COMPUTE_MULTIPLIER, CostModel, OptimizerMemory
 from embark_torchrec.plan.layout.tables import Plan, TableLayout, WirePrecision
 from embark_torchrec.plan.model.spec import ModelSpec, TableSpec
@@ -280,7 +281,7 @@ def test_a_node_s_ranks_share_its_link_where_the_hardware_says_so() -> None:
     hw = PRESETS["cpu-gloo"]
     shared = CostModel(spec, Topology(4, 2, hw.with_overrides(inter_node_solo_ratio=1.73)))
     alone = CostModel(spec, Topology(4, 2, hw))
-    rows = np.zeros((10, 4))
+    rows = RankLoad.zeros(4).rows  # every byte in the forward phase
     rows[3] = [33.0, 65.0, 10.0, 10.0]  # send_inter: node 0 uneven, node 1 even
     rows[4] = [20.0, 20.0, 50.0, 0.0]  # recv_inter
     per_byte = 1 / (hw.inter_node_bw_gbps * 1e6)
@@ -303,7 +304,7 @@ def test_a_rank_s_one_way_bytes_run_at_the_one_way_rate() -> None:
     spec = ModelSpec("m", 64, (TableSpec("t", rows=1000, dim=16, pooling=4.0),))
     hw = PRESETS["cpu-gloo"]
     per_byte = 1 / (hw.inter_node_bw_gbps * 1e6)
-    rows = np.zeros((10, 4))
+    rows = RankLoad.zeros(4).rows  # every byte in the forward phase
     rows[3] = [60.0, 10.0, 30.0, 30.0]  # send_inter
     rows[4] = [20.0, 10.0, 30.0, 0.0]  # recv_inter
     one_way = CostModel(spec, Topology(4, 2, hw.with_overrides(inter_node_one_way_ratio=1.5)))
@@ -316,6 +317,32 @@ def test_a_rank_s_one_way_bytes_run_at_the_one_way_rate() -> None:
     solo = CostModel(spec, Topology(4, 2, hw.with_overrides(inter_node_solo_ratio=2.0)))
     rows[3], rows[4] = [30.0, 0.0, 10.0, 10.0], [0.0, 0.0, 10.0, 10.0]
     np.testing.assert_allclose(both.shared_link_inter_ms(rows), solo.shared_link_inter_ms(rows) / [1.5, 1, 1, 1])
+
+
+def test_a_rank_s_phases_are_priced_one_after_another_where_they_do_not_overlap() -> None:
+    """The input dist's IDs, the forward's partial sums and the backward's gradients cross the network in turn where
+    Hardware.inter_node_phase_overlap is 0 (the emulated cluster): a table-wise table's holder receives the other
+    node's IDs, sends it partial sums, then receives their gradients, and its network time is the three's sum, not
+    the larger of what it sent and received in the whole step (which the presets, at 1, keep to the bit). Per phase
+    the one-way ratio applies: each of the holder's phases runs one way."""
+    spec = ModelSpec("m", 512, (TableSpec("t", rows=1000, dim=16, pooling=4.0),))
+    hw = PRESETS["cpu-gloo"]
+    per_byte = 1 / (hw.inter_node_bw_gbps * 1e6)
+    in_turn = CostModel(spec, Topology(2, 1, hw.with_overrides(inter_node_phase_overlap=0.0)))
+    load = in_turn.table_load("t", TableLayout("rb", (0, 1000), (0, 16), ((0,),)))
+    ids, grads = load.recv_inter_ids[0], load.recv_inter_grads[0]
+    sums = load.send_inter[0]
+    assert ids > 0 and grads > 0 and sums > 0 and load.recv_inter[0] == pytest.approx(ids + grads)
+    assert (load.send_inter_ids[0], load.send_inter_grads[0]) == (0.0, 0.0)  # the holder sends only partial sums
+    assert in_turn.rank_times(load.rows)[2][0] == pytest.approx((ids + sums + grads) * per_byte, rel=1e-12)
+    whole = max(sums, ids + grads) * per_byte
+    assert (ids + sums + grads) * per_byte > 1.5 * whole
+    assert CostModel(spec, Topology(2, 1, hw)).rank_times(load.rows)[2][0] == whole
+    half = CostModel(spec, Topology(2, 1, hw.with_overrides(inter_node_phase_overlap=0.5)))
+    assert half.rank_times(load.rows)[2][0] == pytest.approx((whole + (ids + sums + grads) * per_byte) / 2)
+    one_way = in_turn.topology.hardware.with_overrides(inter_node_one_way_ratio=1.6)
+    priced = CostModel(spec, Topology(2, 1, one_way)).rank_times(load.rows)[2][0]
+    assert priced == pytest.approx((ids + sums + grads) / 1.6 * per_byte, rel=1e-12)
 
 
 def test_all_reduces_run_at_the_measured_bus_bandwidth_where_there_is_one() -> None:

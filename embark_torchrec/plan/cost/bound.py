@@ -49,13 +49,21 @@ def allowed_clusters(constraints: TableConstraints) -> tuple[str, ...]:
 
 def _parts_ms(cost: CostModel, loads: list[RankLoad]) -> np.ndarray:
     """Per load: a table's lookups and communication summed over ranks (each rank's max(sent, received)
-    taken as their mean, which CostModel.both_ways never undercuts while the one-way ratio is at most 2), in ms,
+    taken as their mean, in every phase: CostModel.both_ways never undercuts it while the one-way ratio is at most 2,
+    and a sum over phases never undercuts the phases' sum priced at once), in ms,
     and its DP all-reduce's ms were it all intra-node, or all inter-node.
-    The loads are priced stacked (rows [10, load, W]), each element as CostModel.rank_times prices it. The
+    The loads are priced stacked (rows [14, load, W]), each element as CostModel.rank_times prices it. The
     paired bytes' premium takes their mean too where it is a cost; where pairs run faster (a negative premium)
     it takes their sum, which no rank's max(sent, received) exceeds."""
     even = RankLoad(np.stack([load.rows for load in loads], axis=1))
-    for send, recv in (("send_intra", "recv_intra"), ("send_inter", "recv_inter"), ("send_paired", "recv_paired")):
+    pairs = (
+        ("send_intra", "recv_intra"),
+        ("send_inter", "recv_inter"),
+        ("send_paired", "recv_paired"),
+        ("send_inter_ids", "recv_inter_ids"),
+        ("send_inter_grads", "recv_inter_grads"),
+    )
+    for send, recv in pairs:
         both = getattr(even, send) + getattr(even, recv)
         mean = both if send == "send_paired" and cost.paired_premium_ms_per_byte < 0 else both / 2
         setattr(even, send, mean)

@@ -10,7 +10,9 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-# send_/recv_paired: the part of send_/recv_inter that goes to the ranks of the same local rank only (stage 2)
+# send_/recv_paired: the part of send_/recv_inter that goes to the ranks of the same local rank only (stage 2);
+# send_/recv_inter_ids and _grads: the part of send_/recv_inter the input dists send (IDs, forward) and the part the
+# backward sends (gradients back to the tables' holders); the rest is the forward's vectors and partial sums
 _ROWS = (
     "lookup_bytes",
     "send_intra",
@@ -22,6 +24,10 @@ _ROWS = (
     "lookup_ids",
     "send_paired",
     "recv_paired",
+    "send_inter_ids",
+    "recv_inter_ids",
+    "send_inter_grads",
+    "recv_inter_grads",
 )
 
 
@@ -38,10 +44,12 @@ def _row_accessors(i: int) -> tuple:
 
 
 class RankLoad:
-    """Per-rank quantities, summed over tables, as the rows of one [10, W] array (so that adding a
+    """Per-rank quantities, summed over tables, as the rows of one [14, W] array (so that adding a
     table is one array operation): lookup bytes, bytes sent / received intra and inter node,
-    memory bytes, host work ms (UB's own per ID, DP tables' updates), IDs looked up, and the inter-node
-    bytes sent / received between ranks of the same local rank only (already in the inter rows); plus the DP
+    memory bytes, host work ms (UB's own per ID, DP tables' updates), IDs looked up, the inter-node
+    bytes sent / received between ranks of the same local rank only, and the inter-node bytes of the input dists'
+    IDs and of the backward's gradients (all three already in the inter rows: the step's phases, which the network
+    cannot overlap, are priced apart, CostModel.rank_times); plus the DP
     all-reduce bytes per rank, intra and inter node, and the tables per sharding group (a group costs
     its collectives while it has any table), keyed by layout/groups.py's ShardingGroup, which this file, below the
     layouts, does not import."""
@@ -81,6 +89,10 @@ class RankLoad:
     lookup_ids = property(*_row_accessors(7))
     send_paired = property(*_row_accessors(8))
     recv_paired = property(*_row_accessors(9))
+    send_inter_ids = property(*_row_accessors(10))
+    recv_inter_ids = property(*_row_accessors(11))
+    send_inter_grads = property(*_row_accessors(12))
+    recv_inter_grads = property(*_row_accessors(13))
 
     def add(self, other: "RankLoad", sign: float = 1.0) -> None:
         self.rows += other.rows if sign == 1.0 else sign * other.rows

@@ -64,15 +64,18 @@ methods, and the runtime's dists send exactly that):
   DDP one more.
 
 Time per rank: lookup_ms = lookup bytes / HBM bandwidth + IDs x lookup_ns_per_id + de-duplication;
-comm_ms = max(sent, received) intra / NVLink bandwidth + max(sent, received) inter / network
-bandwidth; the part of the inter-node bytes a rank exchanges with its local rank's peers only (the
-hierarchical stage 2) runs at inter_node_paired_ratio x that bandwidth instead: one pair of ranks per
-node pair carries it, and on gloo a pair is half duplex (benchmarks/link_sharing.md). Where a node's ranks
-share one link (inter_node_solo_ratio > 1), a rank's inter-node time is when its sends and receives are done,
-its node's ranks sharing the link by water filling (shared_link_inter_ms). Where traffic one way runs faster than
-both ways (inter_node_one_way_ratio > 1: gloo's half-duplex pairs), a rank's inter-node time takes the smaller of
-its sends and receives at the network bandwidth and the rest at the ratio x it (both_ways). All-reduces cost the
-ring's bytes over the measured bus bandwidth where there is one (allreduce_bus_gbps), else the ring's slowest link.
+comm_ms = max(sent, received) intra / NVLink bandwidth + max(sent, received) inter / network bandwidth, or,
+where a rank's phases do not overlap (Hardware.inter_node_phase_overlap < 1: the emulated cluster), the sum over
+the step's phases (the input dists' IDs, the forward's vectors and partial sums, the backward's gradients) of each
+one's max(sent, received) inter / network bandwidth (weighted by the overlap); the part of the inter-node bytes a
+rank exchanges with its local rank's peers only (the hierarchical stage 2) runs at inter_node_paired_ratio x that
+bandwidth instead: one pair of ranks per node pair carries it, and on gloo a pair is half duplex
+(benchmarks/link_sharing.md). Where a node's ranks share one link (inter_node_solo_ratio > 1), a rank's inter-node
+time is when its sends and receives are done, its node's ranks sharing the link by water filling
+(shared_link_inter_ms). Where traffic one way runs faster than both ways (inter_node_one_way_ratio > 1: gloo's
+half-duplex pairs), a rank's inter-node time takes the smaller of its sends and receives (in a phase) at the network
+bandwidth and the rest at the ratio x it (both_ways). All-reduces cost the ring's bytes over the measured bus
+bandwidth where there is one (allreduce_bus_gbps), else the ring's slowest link.
 Step = max over ranks of lookup_ms
 + max over ranks of comm_ms + collective ms + DP all-reduce ms + dense ms (b / 1000 x
 dense_ms_per_ksample, plus the dense all-reduce) - overlap, the same formulas for every plan. DDP
@@ -172,6 +175,15 @@ class StepCost:
         }
 
 
+def phases_inter(rows: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+    """The inter-node (sent, received) bytes of RankLoad rows (or stacked columns of them) per phase of the step:
+    the input dists' IDs, the forward's vectors and partial sums, the backward's gradients. The phases follow one
+    another (each waits for the one before), so a rank's sends in one cannot overlap its receives in another."""
+    send, recv, ids_send, ids_recv, grads_send, grads_recv = rows[3], rows[4], rows[10], rows[11], rows[12], rows[13]
+    forward = (np.maximum(send - ids_send - grads_send, 0.0), np.maximum(recv - ids_recv - grads_recv, 0.0))
+    return (ids_send, ids_recv), forward, (grads_send, grads_recv)
+
+
 class CostModel:
     """Scores plans for one model on one topology; see the module docstring for the formulas."""
 
@@ -239,18 +251,23 @@ class CostModel:
         """Bytes per row of a cell `width` columns wide: weights + optimizer state."""
         return width * (WEIGHT_BYTES + self.optimizer.bytes_per_element) + self.optimizer.bytes_per_row
 
-    def spread(self, load: RankLoad, to_all: np.ndarray, from_all: np.ndarray) -> None:
-        """Rank k sends to_all[k] bytes to every other rank and receives from_all[k] from each."""
+    def spread(self, load: RankLoad, to_all: np.ndarray, ids_in: np.ndarray, grads_in: np.ndarray) -> None:
+        """Rank k sends to_all[k] bytes to every other rank (the forward's vectors or partial sums) and receives
+        ids_in[k] (the input dist's IDs) and grads_in[k] (the backward's gradients) from each; the inter-node
+        bytes of the IDs and of the gradients are also kept apart (RankLoad's _ids and _grads rows)."""
         lws, w = self.topology.local_world_size, self.topology.world_size
         for vec, send_i, recv_i, send_x, recv_x in (
             (to_all, load.send_intra, load.recv_intra, load.send_inter, load.recv_inter),
-            (from_all, load.recv_intra, load.send_intra, load.recv_inter, load.send_inter),
+            (ids_in + grads_in, load.recv_intra, load.send_intra, load.recv_inter, load.send_inter),
+            (ids_in, None, None, load.recv_inter_ids, load.send_inter_ids),
+            (grads_in, None, None, load.recv_inter_grads, load.send_inter_grads),
         ):
             node_sum = vec.reshape(-1, lws).sum(axis=1)[self._node]
-            send_i += (lws - 1) * vec
             send_x += (w - lws) * vec
-            recv_i += node_sum - vec
             recv_x += vec.sum() - node_sum
+            if send_i is not None and recv_i is not None:
+                send_i += (lws - 1) * vec
+                recv_i += node_sum - vec
 
     def hierarchical_to_all(
         self, load: RankLoad, column_holders: list[int], intra_bytes: float, cross_bytes: float, reverse: bool
@@ -272,8 +289,11 @@ class CostModel:
             send_i[k] += (lws - 1) * nodes * intra_bytes
             recv_i[here] += nodes * intra_bytes
             recv_i[k] -= nodes * intra_bytes
+        phases = ((send_x, recv_x), (send_p, recv_p))
+        if reverse:  # the gradients' bytes are also the backward phase's (rank_times)
+            phases += ((load.recv_inter_grads, load.send_inter_grads),)
         for n in sorted({int(self._node[k]) for k in column_holders}):
-            for send, recv in ((send_x, recv_x), (send_p, recv_p)):
+            for send, recv in phases:
                 send[n * lws : (n + 1) * lws] += (nodes - 1) * cross_bytes
                 recv[: n * lws] += cross_bytes
                 recv[(n + 1) * lws :] += cross_bytes
@@ -300,7 +320,7 @@ class CostModel:
         return source
 
     def one_cell_columns(self, base: RankLoad) -> np.ndarray:
-        """The [10, L + 1] columns of a one-cell table's load on rank 0 (`base`) that give its load on any
+        """The [14, L + 1] columns of a one-cell table's load on rank 0 (`base`) that give its load on any
         rank (add_in_order): its node's L ranks, and one rank of another node (every rank off the
         holder's node takes the same load; L columns on one node)."""
         return base.rows[:, : self.topology.local_world_size + 1]
@@ -391,19 +411,34 @@ class CostModel:
         return RankLoad.total((self.table_load(n, layout) for n, layout in tables.items()), self.topology.world_size)
 
     def rank_times(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Lookup, intra-node and inter-node ms of each column of RankLoad rows ([10, W], or any
+        """Lookup, intra-node and inter-node ms of each column of RankLoad rows ([14, W], or any
         columns of such arrays stacked): elementwise, so a column costs the same bits here as in
-        the whole array (the search prices single ranks of many tables at once). The paired bytes pay
+        the whole array (the search prices single ranks of many tables at once). A rank's inter-node time is
+        its step's max(sent, received) or, where phases do not overlap, the sum over the step's phases
+        (phased_network_ms). The paired bytes pay
         the difference between the paired rate and the all-ranks one on top (none where they are equal,
         which keeps a hardware file without the paired figure's prices to the bit)."""
         hw = self.topology.hardware
-        lookup_bytes, send_intra, recv_intra, send_inter, recv_inter, _, host_ms, lookup_ids = rows[:8]  # as _ROWS
+        lookup_bytes, send_intra, recv_intra, _, _, _, host_ms, lookup_ids = rows[:8]  # as _ROWS
         lookup = _to_ms(lookup_bytes, hw.hbm_bw_gbps) + lookup_ids * hw.lookup_ns_per_id / 1e6 + host_ms
         intra = _to_ms(np.maximum(send_intra, recv_intra), hw.intra_node_bw_gbps)
-        inter = self.network_ms(send_inter, recv_inter)
+        inter = self.phased_network_ms(rows[3], rows[4], phases_inter(rows))
         if hw.inter_node_paired_ratio != 1.0:
             inter = inter + np.maximum(rows[8], rows[9]) * self.paired_premium_ms_per_byte
         return lookup, intra, inter
+
+    def phased_network_ms(
+        self, sent: np.ndarray, received: np.ndarray, phases: tuple[tuple[np.ndarray, np.ndarray], ...]
+    ) -> np.ndarray:
+        """A rank's network ms for the step's sends and receives (`sent`, `received`) and the same per phase
+        (phases_inter): the phases in turn, and the step's as a whole where they overlap, weighted by
+        Hardware.inter_node_phase_overlap (1: the whole step's alone, to the bit)."""
+        overlap = self.topology.hardware.inter_node_phase_overlap
+        whole = self.network_ms(sent, received)
+        if overlap == 1.0:
+            return whole
+        in_turn = sum((self.network_ms(s, r) for s, r in phases), np.zeros_like(whole))
+        return overlap * whole + (1.0 - overlap) * in_turn
 
     def network_ms(self, sent: np.ndarray, received: np.ndarray) -> np.ndarray:
         """A rank's ms on the network for its inter-node sends and receives, at the all-ranks rate (both_ways), before
@@ -460,16 +495,19 @@ class CostModel:
         nodes, lws = top.num_nodes, top.local_world_size
         busy = np.arange(lws, 0, -1)  # ranks still sending during the i-th interval of a node's sorted loads
         rate = np.minimum(hw.inter_node_solo_ratio, lws / busy)
-        finish = []
-        for sent in (rows[3], rows[4]):  # send_inter, recv_inter as _ROWS
+
+        def drained(sent: np.ndarray) -> np.ndarray:
+            """When each rank's bytes are through its node's link, the node's ranks draining together."""
             by_node = sent.reshape(nodes, lws)
             order = np.argsort(by_node, axis=1, kind="stable")
             ordered = np.take_along_axis(by_node, order, axis=1)
             steps = np.diff(ordered, axis=1, prepend=0.0) / rate
             done = np.empty_like(by_node)
             np.put_along_axis(done, order, np.cumsum(steps, axis=1), axis=1)
-            finish.append(done.reshape(-1))
-        inter = self.network_ms(finish[0], finish[1])
+            return done.reshape(-1)
+
+        phases = tuple((drained(sent), drained(received)) for sent, received in phases_inter(rows))
+        inter = self.phased_network_ms(drained(rows[3]), drained(rows[4]), phases)
         if hw.inter_node_paired_ratio != 1.0:
             inter = inter + np.maximum(rows[8], rows[9]) * self.paired_premium_ms_per_byte
         return inter

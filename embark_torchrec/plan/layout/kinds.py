@@ -67,7 +67,7 @@ class PricingContext(Protocol):
 
     def row_memory(self, name: str, width: int) -> float: ...
 
-    def spread(self, load: RankLoad, to_all: np.ndarray, from_all: np.ndarray) -> None: ...
+    def spread(self, load: RankLoad, to_all: np.ndarray, ids_in: np.ndarray, grads_in: np.ndarray) -> None: ...
 
     def hierarchical_to_all(
         self, load: RankLoad, column_holders: list[int], intra_bytes: float, cross_bytes: float, reverse: bool
@@ -154,7 +154,7 @@ class ClusterKind:
         ids = self.ids_per_slice(cost, name, rows)
         updates_ms = cost.update_ms(name, rows)
         widths = np.diff(layout.col_bounds)
-        to_all, from_all = np.zeros(w), np.zeros(w)
+        to_all, ids_in, grads_in = np.zeros(w), np.zeros(w), np.zeros(w)
         # every rank de-duplicates its IDs and expands the unique vectors back into its bags (UB), or
         # routes each ID of a sequence table and gathers its returning vector into place (sequence RB)
         if self.returns_vectors(t):
@@ -164,14 +164,14 @@ class ClusterKind:
         for r in range(layout.num_row_slices):
             n_rows = rows[r + 1] - rows[r]
             for k in self.input_receivers(layout.ranks[r]):
-                from_all[k] += feats * (ids[r] * id_bytes + self.count_bytes(b))
+                ids_in[k] += feats * (ids[r] * id_bytes + self.count_bytes(b))
             for c, k in enumerate(layout.ranks[r]):
                 width = int(widths[c])
                 load.memory[k] += n_rows * cost.row_memory(name, width)
                 load.host_ms[k] += updates_ms[r]
-                self._add_cell(cost, t, load, to_all, from_all, ids[r], mass[r], width, k, fwd, bwd)
-        self._add_outputs(cost, t, layout, load, to_all, from_all, ids, widths)
-        cost.spread(load, to_all, from_all)
+                self._add_cell(cost, t, load, to_all, grads_in, ids[r], mass[r], width, k, fwd, bwd)
+        self._add_outputs(cost, t, layout, load, to_all, grads_in, ids, widths)
+        cost.spread(load, to_all, ids_in, grads_in)
 
     def _add_cell(
         self,
@@ -179,7 +179,7 @@ class ClusterKind:
         t: TableSpec,
         load: RankLoad,
         to_all: np.ndarray,
-        from_all: np.ndarray,
+        grads_in: np.ndarray,
         ids: float,
         mass: float,
         width: int,
@@ -197,7 +197,7 @@ class ClusterKind:
         layout: TableLayout,
         load: RankLoad,
         to_all: np.ndarray,
-        from_all: np.ndarray,
+        grads_in: np.ndarray,
         ids: np.ndarray,
         widths: np.ndarray,
     ) -> None:
@@ -323,7 +323,7 @@ class ReductionKind(ClusterKind):
         t: TableSpec,
         load: RankLoad,
         to_all: np.ndarray,
-        from_all: np.ndarray,
+        grads_in: np.ndarray,
         ids: float,
         mass: float,
         width: int,
@@ -343,7 +343,7 @@ class ReductionKind(ClusterKind):
         layout: TableLayout,
         load: RankLoad,
         to_all: np.ndarray,
-        from_all: np.ndarray,
+        grads_in: np.ndarray,
         ids: np.ndarray,
         widths: np.ndarray,
     ) -> None:
@@ -357,12 +357,12 @@ class ReductionKind(ClusterKind):
                 for c, k in enumerate(layout.ranks[r]):
                     vectors = feats * b * t.pooling * mass[r]
                     to_all[k] += vectors * vector_bytes(int(widths[c]), fwd)
-                    from_all[k] += vectors * vector_bytes(int(widths[c]), bwd)
+                    grads_in[k] += vectors * vector_bytes(int(widths[c]), bwd)
             return
         for c in range(layout.num_col_slices):
             holders = [layout.ranks[r][c] for r in range(layout.num_row_slices)]
             width = int(widths[c])
-            for prec, direct, reverse in ((fwd, to_all, False), (bwd, from_all, True)):
+            for prec, direct, reverse in ((fwd, to_all, False), (bwd, grads_in, True)):
                 nbytes = feats * b * vector_bytes(width, prec)
                 if layout.hierarchical:
                     intra = feats * b * vector_bytes(width, intra_node_reduction_precision(prec))
@@ -401,7 +401,7 @@ class UniqueKind(ClusterKind):
         t: TableSpec,
         load: RankLoad,
         to_all: np.ndarray,
-        from_all: np.ndarray,
+        grads_in: np.ndarray,
         ids: float,
         mass: float,
         width: int,
@@ -415,7 +415,7 @@ class UniqueKind(ClusterKind):
         load.lookup_bytes[k] += w * feats * ids * width * lookup_factor
         load.lookup_ids[k] += w * feats * ids
         to_all[k] += feats * ids * vector_bytes(width, fwd)
-        from_all[k] += feats * ids * vector_bytes(width, bwd)
+        grads_in[k] += feats * ids * vector_bytes(width, bwd)
 
     def _placement_count_bytes(self, local_batch: int) -> int:
         return 0

@@ -54,6 +54,7 @@ OPTIONAL_FIELDS = (
     "inter_node_paired_ratio",
     "inter_node_solo_ratio",
     "inter_node_one_way_ratio",
+    "inter_node_phase_overlap",
     "allreduce_bus_gbps",
     "shared_host_ranks",
     "oversubscribed_collective_us",

@@ -48,6 +48,7 @@ HARDWARE_RANGES: dict[str, tuple[float, float, bool]] = {
     "inter_node_paired_ratio": (MIN_PAIRED_RATIO, MAX_PAIRED_RATIO, True),
     "inter_node_solo_ratio": (1.0, MAX_SOLO_RATIO, True),
     "inter_node_one_way_ratio": (1.0, MAX_ONE_WAY_RATIO, True),
+    "inter_node_phase_overlap": (0.0, 1.0, True),
     "allreduce_bus_gbps": (0.0, MAX_BANDWIDTH_GBPS, True),
     "dense_ms_per_ksample": (0.0, MAX_MS_PER_KSAMPLE, True),
     "dense_params_mb": (0.0, MAX_DENSE_PARAMS_MB, True),

@@ -33,6 +33,12 @@ class Hardware:
     # it. On gloo a pair of ranks is half duplex, so traffic one way runs faster (measured by calibrate, at most 2);
     # 1 (the presets): each direction has its own rate, and a rank's time is max(s, r) at it
     inter_node_one_way_ratio: float = 1.0
+    # how much of a rank's inter-node traffic in one phase of the step overlaps its traffic in another (the phases:
+    # the input dists' IDs, the forward's vectors and partial sums, the backward's gradients). 0: none, each phase in
+    # turn (fitted on the emulated cluster, where a holder's forward sends and backward receives ran one after the
+    # other: benchmarks/fit_link_ratios.py); 1 (the presets, not measured on GPUs, where the pipeline runs the next
+    # batch's input dist during this one): the step's sends and receives priced at once, as max(sent, received)
+    inter_node_phase_overlap: float = 1.0
     # an all-reduce's bus bandwidth as nccl-tests define it (2 (n-1)/n x bytes / time), measured by calibrate: what
     # DDP's all-reduces (the dense part's, the data-parallel tables') cost, whatever algorithm the backend runs
     # (gloo's is not NCCL's ring). 0 (the presets): priced as a ring over the two bandwidths above

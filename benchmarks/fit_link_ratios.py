@@ -1,0 +1,202 @@
+"""The network's two link ratios fitted to real training steps: Hardware.inter_node_paired_ratio (the rate at which
+the hierarchical stage 2 and TorchRec's table-row-wise cross nodes, each rank with its local rank's peer on every
+other node, over the all-ranks rate) and Hardware.inter_node_one_way_ratio (how much faster a rank's bytes go where
+its traffic in a phase of the step runs one way), as the kept sweeps' steps show them.
+
+Calibrate measures both with bare all-to-alls, sample by sample against the all-ranks pattern; on this box's gloo
+links their samples spread too far to price a plan by (24 samples: paired p25-p75 0.67-1.18, median 0.97; one way
+1.14-1.46), while every table-row-wise plan of sweep 3 ran 3-18% slower than a paired ratio of 0.97 prices it, more
+the more of its bytes cross in pairs. So the two figures are read off the steps themselves: every plan the sweeps ran
+(embark's, TorchRec's and table-row-wise, each priced with its model's own hardware file) is priced again at each
+point of a grid of the two, and the pair with the least squared log error of estimated over measured steps is kept.
+The other figures are the cluster's as calibrated; only these two are fitted, and they are written into a copy of
+--hardware with the fit's residuals as their measurement and, as its plan_error, the worst miss of embark's
+predicted speedup over TorchRec's plan they leave (in sample: the error the planner is told), with the phase overlap
+they were fitted at
+(Hardware.inter_node_phase_overlap, --phase-overlap: 0 on the emulated cluster, where a table holder's forward sends
+and backward receives ran one after the other).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/fit_link_ratios.py --sweeps benchmarks/sweep.md
+        --hardware benchmarks/sweep3_50mbit.hardware.json --out benchmarks/sweep4_50mbit.hardware.json
+        [--phase-overlap 0]
+
+Only sweeps that left the pipeline's last step out of their steps (sweep.json without last_step_measured) are read:
+a step that counted it is too short by one input dist for its price to be compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from embark_torchrec.calibrate import stats
+from embark_torchrec.plan import CostModel, ModelSpec, Plan, Topology
+from embark_torchrec.plan.model.hardware_file import load_hardware, save_hardware
+from embark_torchrec.plan.model.ranges import MAX_ONE_WAY_RATIO
+from embark_torchrec.plan.model.topology import Hardware
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from cluster_e2e import Rounds, display  # noqa: E402 (next to this file)
+from sweep import kept_seeds, model_folder  # noqa: E402
+
+FITTED_RUNS = ("embark", "torchrec", "trw")  # the plans planned with the hardware file (torchrec-user's is not)
+PAIRED_GRID = np.round(np.arange(0.50, 1.2001, 0.02), 2)
+ONE_WAY_GRID = np.round(np.arange(1.0, MAX_ONE_WAY_RATIO + 0.001, 0.05), 2)
+FIELDS = ("inter_node_paired_ratio", "inter_node_one_way_ratio")
+
+
+@dataclass(frozen=True)
+class RanPlan:
+    """One plan a sweep ran: what prices it (its model at the run's batch, its topology's shape, its model's
+    hardware file) and its measured step (the median over rounds of the step less the batch making)."""
+
+    model: str
+    run: str
+    spec: ModelSpec
+    world_size: int
+    local_world_size: int
+    hardware: Hardware
+    plan: Plan
+    measured_ms: float
+    rounds: Rounds  # the model's rounds of every run (its estimates unset)
+
+    def estimated_ms(self, paired: float, one_way: float, phase_overlap: float) -> float:
+        hardware = self.hardware.with_overrides(
+            inter_node_paired_ratio=paired, inter_node_one_way_ratio=one_way, inter_node_phase_overlap=phase_overlap
+        )
+        cost = CostModel(self.spec, Topology(self.world_size, self.local_world_size, hardware))
+        return cost.evaluate(self.plan).step_ms
+
+    def log_error(self, paired: float, one_way: float, phase_overlap: float) -> float:
+        return float(np.log(self.estimated_ms(paired, one_way, phase_overlap) / self.measured_ms))
+
+
+def speedup_misses(plans: list[RanPlan], figures: tuple[float, float, float]) -> dict[str, float]:
+    """Per model, |predicted - measured| speedup of embark over torchrec (as benchmarks/sweep.py measures it) with
+    the plans priced at `figures` (paired, one-way, phase overlap): the error on plan differences they leave."""
+    by_model: dict[str, dict[str, RanPlan]] = {}
+    for p in plans:
+        by_model.setdefault(p.model, {})[p.run] = p
+    out = {}
+    for model, runs in by_model.items():
+        estimated = {run: runs[run].estimated_ms(*figures) for run in ("embark", "torchrec")}
+        rounds = Rounds(runs["embark"].rounds.runs, estimated)
+        out[model] = abs(rounds.predicted("embark", "torchrec") - rounds.measured("embark", "torchrec"))
+    return out
+
+
+def ran_plans(sweep: Path) -> list[RanPlan]:
+    """Every fitted run of every model a sweep kept; a sweep that counted the pipeline's last step is refused."""
+    settings_file = sweep.with_suffix("") / "sweep.json"
+    if not settings_file.exists():
+        raise SystemExit(f"{settings_file}: no kept sweep there (run benchmarks/sweep.py first)")
+    if json.loads(settings_file.read_text()).get("last_step_measured", False):
+        raise SystemExit(f"{settings_file}: its steps counted the pipeline's last step; run it again (--remeasure)")
+    out = []
+    for seed in kept_seeds(sweep.with_suffix("")):
+        folder = model_folder(sweep, seed)
+        rounds = json.loads((folder / "rounds.json").read_text())
+        ws = rounds["world_size"]
+        spec = ModelSpec.from_dict(json.loads((folder / "spec.json").read_text())).with_batch_size(
+            rounds["batch_size"] * ws
+        )
+        hardware = load_hardware(folder / "hardware.json")
+        for run in FITTED_RUNS:
+            measured = statistics.median(r["step_ms"] - r["data_ms_per_step"] for r in rounds["runs"][run])
+            plan = Plan.load(folder / f"{run}.plan.json")
+            kept = Rounds(rounds["runs"], {})
+            out.append(
+                RanPlan(f"seed {seed}", run, spec, ws, rounds["local_world_size"], hardware, plan, measured, kept)
+            )
+    return out
+
+
+def fit(plans: list[RanPlan], phase_overlap: float) -> tuple[tuple[float, float], list[float]]:
+    """The grid's (paired, one-way) ratios of least squared log error over the plans, priced at `phase_overlap`, and
+    each plan's log error at them."""
+    errors = {
+        (float(p), float(o)): [plan.log_error(float(p), float(o), phase_overlap) for plan in plans]
+        for p, o in itertools.product(PAIRED_GRID, ONE_WAY_GRID)
+    }
+    best = min(errors, key=lambda ratios: float(np.sum(np.square(errors[ratios]))))
+    return best, errors[best]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sweeps", required=True, help="comma-separated sweep markdowns whose folders hold kept rounds")
+    p.add_argument("--hardware", type=Path, required=True, help="the cluster's calibrated hardware file")
+    p.add_argument("--out", type=Path, required=True, help="where the file with the fitted ratios is written")
+    p.add_argument(
+        "--phase-overlap",
+        type=float,
+        help="Hardware.inter_node_phase_overlap to price with and write (default: --hardware's)",
+    )
+    args = p.parse_args(argv)
+    args.sweeps = [Path(s.strip()) for s in args.sweeps.split(",") if s.strip()]
+    if not args.sweeps:
+        p.error("--sweeps: give at least one sweep")
+    cluster = load_hardware(args.hardware)  # a bad file fails here
+    if args.phase_overlap is None:
+        args.phase_overlap = cluster.inter_node_phase_overlap
+    elif not 0.0 <= args.phase_overlap <= 1.0:
+        p.error(f"--phase-overlap {args.phase_overlap}: expected 0 to 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    plans = [p for sweep in args.sweeps for p in ran_plans(sweep)]
+    ratios, errors = fit(plans, args.phase_overlap)
+    before = [
+        p.log_error(p.hardware.inter_node_paired_ratio, p.hardware.inter_node_one_way_ratio, args.phase_overlap)
+        for p in plans
+    ]
+    for p, was, now in zip(plans, before, errors):
+        print(f"{p.model:16} {p.run:9} estimated / measured {np.expm1(was):+.1%} -> {np.expm1(now):+.1%}")
+    print(
+        f"paired ratio {ratios[0]:.2f}, one-way ratio {ratios[1]:.2f} over {len(plans)} plans, phase overlap "
+        f"{args.phase_overlap:g}: worst error "
+        f"{np.abs(np.expm1(before)).max():.1%} -> {np.abs(np.expm1(errors)).max():.1%}, rms log error "
+        f"{np.sqrt(np.mean(np.square(before))):.3f} -> {np.sqrt(np.mean(np.square(errors))):.3f}"
+    )
+    document = json.loads(args.hardware.read_text())
+    document["hardware"]["inter_node_phase_overlap"] = args.phase_overlap
+    document.setdefault("sources", {})["inter_node_phase_overlap"] = "measured"
+    sweeps = ", ".join(str(display(s)) for s in args.sweeps)
+    for field, value in zip(FIELDS, ratios):
+        document["hardware"][field] = value
+        document.setdefault("sources", {})[field] = "measured"
+        document.setdefault("measurements", {})[field] = stats(
+            [float(np.exp(e)) for e in errors],
+            "estimated / measured step",
+            f"fitted by benchmarks/fit_link_ratios.py with the other ratio: the pair (paired {PAIRED_GRID[0]}-"
+            f"{PAIRED_GRID[-1]} by 0.02, one-way {ONE_WAY_GRID[0]}-{ONE_WAY_GRID[-1]} by 0.05) of least squared log "
+            f"error of estimated over measured steps of the {len(plans)} plans of {sweeps}; the samples are each "
+            "plan's estimated / measured step at it",
+        )
+    misses = speedup_misses(plans, (*ratios, args.phase_overlap))
+    document["hardware"]["plan_error"] = round(max(misses.values()), 4)
+    document["sources"]["plan_error"] = "measured"
+    document["measurements"]["plan_error"] = stats(
+        list(misses.values()),
+        "speedup",
+        f"|predicted - measured| speedup of embark over torchrec per model of {sweeps}, priced with the fitted ratios "
+        "(benchmarks/fit_link_ratios.py: in sample)",
+    )
+    print("speedup misses: " + ", ".join(f"{m} {x:.3f}" for m, x in misses.items()))
+    save_hardware(args.out, document)
+    print(f"wrote {args.out} with plan_error {document['hardware']['plan_error']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
