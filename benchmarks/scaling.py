@@ -18,6 +18,10 @@ calibration at each size measures the shared cores' figures, so the prediction p
     PYTHONPATH=. .venv/bin/python benchmarks/scaling.py [--nodes 1,2,4] [--gpus-per-node 1] [--link-mbit 50]
         [--models benchmarks/models/dlrm_main.json,benchmarks/models/multihot_zipf.json] [--rounds 2] [--steps 25]
         [--warmup-steps 4] [--batch-size 1024] [--out benchmarks/scaling.md] [--hardware-dir benchmarks/scaling]
+        [--link-ratios benchmarks/sweep4_50mbit.hardware.json]
+
+Each point's files (its hardware file with the dense part, its plans, its rounds) are kept in
+benchmarks/scaling/<model>_<nodes>x<ranks per node>/.
 
 Needs root (network namespaces), ip and tc.
 """

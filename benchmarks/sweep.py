@@ -288,7 +288,7 @@ def markdown(
         f"Rerun these models: `PYTHONPATH=. .venv/bin/python benchmarks/sweep.py --seeds {seeds} --hardware "
         f"{display(hardware)} --nodes {args.nodes} --gpus-per-node {args.gpus_per_node} --link-mbit "
         f"{args.link_mbit[0]:g} --rounds {args.rounds} --steps {args.steps} --warmup-steps {args.warmup_steps} "
-        f"--batch-size {args.batch_size}`",
+        f"--batch-size {args.batch_size} --out {display(args.out)}`",
     ]
     return "\n".join(lines) + "\n"
 

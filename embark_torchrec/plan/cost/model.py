@@ -90,7 +90,7 @@ ranks / host_cores: there, balancing the ranks does not shorten the step, less t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -422,22 +422,26 @@ class CostModel:
         lookup_bytes, send_intra, recv_intra, _, _, _, host_ms, lookup_ids = rows[:8]  # as _ROWS
         lookup = _to_ms(lookup_bytes, hw.hbm_bw_gbps) + lookup_ids * hw.lookup_ns_per_id / 1e6 + host_ms
         intra = _to_ms(np.maximum(send_intra, recv_intra), hw.intra_node_bw_gbps)
-        inter = self.phased_network_ms(rows[3], rows[4], phases_inter(rows))
+        inter = self.phased_network_ms(rows[3], rows[4], lambda: phases_inter(rows))
         if hw.inter_node_paired_ratio != 1.0:
             inter = inter + np.maximum(rows[8], rows[9]) * self.paired_premium_ms_per_byte
         return lookup, intra, inter
 
     def phased_network_ms(
-        self, sent: np.ndarray, received: np.ndarray, phases: tuple[tuple[np.ndarray, np.ndarray], ...]
+        self,
+        sent: np.ndarray,
+        received: np.ndarray,
+        phases: Callable[[], tuple[tuple[np.ndarray, np.ndarray], ...]],
     ) -> np.ndarray:
         """A rank's network ms for the step's sends and receives (`sent`, `received`) and the same per phase
-        (phases_inter): the phases in turn, and the step's as a whole where they overlap, weighted by
-        Hardware.inter_node_phase_overlap (1: the whole step's alone, to the bit)."""
+        (`phases`, as phases_inter gives them; called only where they are priced): the phases in turn, and the
+        step's as a whole where they overlap, weighted by Hardware.inter_node_phase_overlap (1: the whole step's
+        alone, to the bit, and the search's hot path computes no phase)."""
         overlap = self.topology.hardware.inter_node_phase_overlap
         whole = self.network_ms(sent, received)
         if overlap == 1.0:
             return whole
-        in_turn = sum((self.network_ms(s, r) for s, r in phases), np.zeros_like(whole))
+        in_turn = sum((self.network_ms(s, r) for s, r in phases()), np.zeros_like(whole))
         return overlap * whole + (1.0 - overlap) * in_turn
 
     def network_ms(self, sent: np.ndarray, received: np.ndarray) -> np.ndarray:
@@ -506,7 +510,9 @@ class CostModel:
             np.put_along_axis(done, order, np.cumsum(steps, axis=1), axis=1)
             return done.reshape(-1)
 
-        phases = tuple((drained(sent), drained(received)) for sent, received in phases_inter(rows))
+        def phases() -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+            return tuple((drained(sent), drained(received)) for sent, received in phases_inter(rows))
+
         inter = self.phased_network_ms(drained(rows[3]), drained(rows[4]), phases)
         if hw.inter_node_paired_ratio != 1.0:
             inter = inter + np.maximum(rows[8], rows[9]) * self.paired_premium_ms_per_byte
