@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Sequence
 
 from embark_torchrec.cluster import ClusterError, ClusterSpec, preflight
 from embark_torchrec.plan.model.spec import ModelSpec
@@ -359,6 +359,18 @@ def markdown(outcomes: list[Outcome], args: argparse.Namespace, seconds: float, 
         lines += ["", *section(o, args)]
     lines += ["", f"Reproduce: `{command(args)}`"]
     return "\n".join(lines) + "\n"
+
+
+def with_figures_of(base: Path, source: Path, fields: Sequence[str]) -> dict[str, Any]:
+    """`base`'s hardware document with `fields` taken from `source`'s (each figure, and its source and measurement
+    where `source` records them): a cluster's calibration with figures measured or fitted elsewhere on it."""
+    document, other = json.loads(base.read_text()), json.loads(source.read_text())
+    for field in fields:
+        document["hardware"][field] = other["hardware"][field]
+        for part in ("sources", "measurements"):
+            if field in other.get(part, {}):
+                document.setdefault(part, {})[field] = other[part][field]
+    return document
 
 
 def display(path: Path) -> str:

@@ -45,7 +45,7 @@ from embark_torchrec.plan.model.topology import Hardware
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from cluster_e2e import Rounds, display  # noqa: E402 (next to this file)
-from sweep import kept_seeds, model_folder  # noqa: E402
+from sweep import kept_seeds, model_folder, set_plan_error  # noqa: E402
 
 FITTED_RUNS = ("embark", "torchrec", "trw")  # the plans planned with the hardware file (torchrec-user's is not)
 PAIRED_GRID = np.round(np.arange(0.50, 1.2001, 0.02), 2)
@@ -184,17 +184,11 @@ def main(argv: list[str] | None = None) -> int:
             "plan's estimated / measured step at it",
         )
     misses = speedup_misses(plans, (*ratios, args.phase_overlap))
-    document["hardware"]["plan_error"] = round(max(misses.values()), 4)
-    document["sources"]["plan_error"] = "measured"
-    document["measurements"]["plan_error"] = stats(
-        list(misses.values()),
-        "speedup",
-        f"|predicted - measured| speedup of embark over torchrec per model of {sweeps}, priced with the fitted ratios "
-        "(benchmarks/fit_link_ratios.py: in sample)",
-    )
+    where = f"{sweeps}, priced with the fitted ratios (benchmarks/fit_link_ratios.py: in sample)"
+    error = set_plan_error(document, list(misses.values()), where)
     print("speedup misses: " + ", ".join(f"{m} {x:.3f}" for m, x in misses.items()))
     save_hardware(args.out, document)
-    print(f"wrote {args.out} with plan_error {document['hardware']['plan_error']}")
+    print(f"wrote {args.out} with plan_error {error}")
     return 0
 
 

@@ -53,6 +53,7 @@ from cluster_e2e import (  # noqa: E402 (next to this file)
     display,
     run_flags,
     stop_if_interrupted,
+    with_figures_of,
 )
 from e2e import calibrate, calibrate_dense, run_example  # noqa: E402
 from train import load_spec  # noqa: E402 (the example's models; e2e.py put its directory on the path)
@@ -130,15 +131,7 @@ def with_link_ratios(calibrated: Path, ratios: Path | None) -> dict[str, Any]:
     """A calibrated hardware document with the link ratios and phase overlap (and their sources and measurements) of
     `ratios`, a file of benchmarks/fit_link_ratios.py's, where one is given: fitted to training steps on the same
     links."""
-    document = json.loads(calibrated.read_text())
-    if ratios is not None:
-        fitted = json.loads(ratios.read_text())
-        for field in LINK_RATIOS:
-            document["hardware"][field] = fitted["hardware"][field]
-            document.setdefault("sources", {})[field] = fitted.get("sources", {}).get(field, "measured")
-            if field in fitted.get("measurements", {}):
-                document.setdefault("measurements", {})[field] = fitted["measurements"][field]
-    return document
+    return json.loads(calibrated.read_text()) if ratios is None else with_figures_of(calibrated, ratios, LINK_RATIOS)
 
 
 def point_folder(args: argparse.Namespace, model: str, nodes: int) -> Path:

@@ -48,6 +48,7 @@ from cluster_e2e import (  # noqa: E402 (next to this file)
     cluster_ready,
     run_flags,
     stop_if_interrupted,
+    with_figures_of,
 )
 from e2e import calibrate, calibrate_dense, run_example  # noqa: E402
 from model_generator import ModelRanges, describe, generate_model  # noqa: E402
@@ -149,12 +150,7 @@ def with_dense_of(cluster: Path, model: Path) -> dict[str, Any]:
     """The cluster's hardware file with a model's dense figures (its measured dense step and counted parameters, as
     `--calibrate dense` measured them on the same cluster): a model kept by an earlier sweep, priced with the
     cluster's figures calibrated since."""
-    document, kept = json.loads(cluster.read_text()), json.loads(model.read_text())
-    for field in DENSE_FIELDS:
-        document["hardware"][field] = kept["hardware"][field]
-        document["sources"][field] = kept["sources"][field]
-        if field in kept.get("measurements", {}):
-            document.setdefault("measurements", {})[field] = kept["measurements"][field]
+    document, kept = with_figures_of(cluster, model, DENSE_FIELDS), json.loads(model.read_text())
     document["run"]["dense_date"] = kept["run"].get("dense_date", kept["run"]["date"])
     return document
 
@@ -196,18 +192,23 @@ def plan_difference_error(outcomes: list[ModelOutcome]) -> float:
 def write_error(hardware: Path, out: Path, outcomes: list[ModelOutcome]) -> None:
     """The calibrated hardware file with the measured error on plan differences, marked measured, and the misses it
     is the largest of as its measurement."""
-    error = plan_difference_error(outcomes)
     seeds = [o.seed for o in outcomes]
     document = json.loads(hardware.read_text())
-    document["hardware"]["plan_error"] = round(error, 4)
-    document.setdefault("sources", {})["plan_error"] = "measured"
-    document.setdefault("measurements", {})["plan_error"] = stats(
-        speedup_misses(outcomes),
-        "speedup",
-        f"|predicted - measured| speedup of embark over torchrec per model, benchmarks/sweep.py seeds {seeds}",
-    )
+    error = set_plan_error(document, speedup_misses(outcomes), f"benchmarks/sweep.py seeds {seeds}")
     save_hardware(out, document)
     print(f"wrote {out} with plan_error {error:.4f}")
+
+
+def set_plan_error(document: dict[str, Any], misses: list[float], where: str) -> float:
+    """A hardware document's plan_error set to the worst of `misses` (per model, |predicted - measured| speedup of
+    embark over torchrec, measured `where`), marked measured, with the misses as its measurement; the error set."""
+    error = round(max(misses), 4)
+    document["hardware"]["plan_error"] = error
+    document.setdefault("sources", {})["plan_error"] = "measured"
+    document.setdefault("measurements", {})["plan_error"] = stats(
+        misses, "speedup", f"|predicted - measured| speedup of embark over torchrec per model, {where}"
+    )
+    return error
 
 
 def verdict(met: bool) -> str:
