@@ -13,6 +13,7 @@ predicted speedups and the measured ones are of the same plans on the same figur
     PYTHONPATH=. .venv/bin/python benchmarks/sweep.py [--count 10 | --seeds 1,2,3] [--hardware FILE]
         [--nodes 2] [--gpus-per-node 2] [--link-mbit 50] [--rounds 2] [--steps 25] [--batch-size 2048]
         [--out benchmarks/sweep.md] [--write-error FILE]
+    PYTHONPATH=. .venv/bin/python benchmarks/sweep.py --more 3 --out benchmarks/sweep.md  (fresh models added)
 
 The error on plan differences (the largest |predicted - measured| speedup of embark over torchrec over the models)
 is the figure the planner needs to be honest (Hardware.plan_error): --write-error FILE writes the calibrated hardware
@@ -323,6 +324,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "fresh rounds kept under --out's folder, each priced with --hardware (the cluster file) and the "
         "model's kept dense figures",
     )
+    p.add_argument(
+        "--more",
+        type=int,
+        default=0,
+        help="add this many fresh models to --out's kept sweep (its settings and cluster file; its models priced "
+        "from their kept rounds, not run again), and write the whole",
+    )
     args = p.parse_args(argv)
     try:
         args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()] or [
@@ -341,6 +349,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.hardware is None or not (args.remeasure.with_suffix("") / "sweep.json").exists()
     ):
         p.error(f"--remeasure {args.remeasure}: needs a kept sweep (its folder's sweep.json) and --hardware")
+    if args.more:
+        if args.more < 0 or args.reprice or args.remeasure is not None or args.hardware is not None:
+            p.error("--more N: N >= 1, with neither --reprice, --remeasure nor --hardware (the kept sweep's is used)")
+        settings_file = args.out.with_suffix("") / "sweep.json"
+        if not settings_file.exists():
+            p.error(f"--more: {settings_file} holds no kept sweep to add models to")
+        kept = json.loads(settings_file.read_text())
+        vars(args).update({k: kept[k] for k in SETTINGS})
+        args.hardware = Path(kept["hardware"])
+        args.seeds = [secrets.randbelow(2**31) for _ in range(args.more)]
     return args
 
 
@@ -371,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
     if not cluster_ready("sweep.py"):
         return 2
     start, outcomes = time.perf_counter(), []
+    earlier = 0.0  # --more: the kept models' seconds
+    if args.more:
+        outcomes = [priced(model_folder(args.out, seed)) for seed in kept_seeds(args.out.with_suffix(""))]
+        earlier = sum(o.seconds for o in outcomes)
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         hardware = args.hardware
@@ -384,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         folder = args.out.with_suffix("")
         folder.mkdir(parents=True, exist_ok=True)
         settings = {k: getattr(args, k) for k in SETTINGS} | {"hardware": str(display(hardware))}
+        if args.more:
+            settings = json.loads((folder / "sweep.json").read_text())  # the kept sweep's, note and all
         if args.remeasure is not None:
             settings["note"] = (
                 f"**Measured again (--remeasure).** The models and plans of `{display(args.remeasure)}`, not planned "
@@ -396,13 +420,15 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 for seed in args.seeds:
                     outcomes.append(measure(args, seed, hardware, tmp))
-                    args.out.write_text(markdown(outcomes, args, hardware, time.perf_counter() - start))
+                    elapsed = earlier + time.perf_counter() - start
+                    args.out.write_text(markdown(outcomes, args, hardware, elapsed))
         except (KeyboardInterrupt, RuntimeError):
             if not INTERRUPTS:
                 raise
             print(f"sweep.py: interrupted; {args.out} holds the {len(outcomes)} models done", file=sys.stderr)
             return 130
-    text = markdown(outcomes, args, hardware, time.perf_counter() - start, settings.get("note", ""))
+    elapsed = earlier + time.perf_counter() - start
+    text = markdown(outcomes, args, hardware, elapsed, settings.get("note", ""))
     args.out.write_text(text)
     print(text)
     if args.write_error is not None:

@@ -136,3 +136,20 @@ def test_remeasure_needs_a_kept_sweep_and_a_cluster_file(tmp_path: Path) -> None
         sweep.parse_args(["--remeasure", str(ROOT / "benchmarks" / "sweep_error.md")])
     args = sweep.parse_args(["--remeasure", str(ROOT / "benchmarks" / "sweep_error.md"), "--hardware", str(CALIBRATED)])
     assert args.remeasure.name == "sweep_error.md"
+
+
+def test_more_models_join_a_kept_sweep_on_its_settings_and_cluster_file(tmp_path: Path) -> None:
+    """--more N draws N fresh seeds and takes the kept sweep's settings and hardware file (the models it adds are
+    measured as its were); without a kept sweep, or with a --hardware of its own, it stops before any run."""
+    kept = {"nodes": 3, "gpus_per_node": 1, "link_mbit": [20.0], "rounds": 3, "steps": 12, "warmup_steps": 2}
+    kept |= {"batch_size": 512, "hardware": str(CALIBRATED)}
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "sweep.json").write_text(json.dumps(kept))
+    args = sweep.parse_args(["--more", "3", "--out", str(tmp_path / "s.md")])
+    assert len(args.seeds) == 3 and args.hardware == CALIBRATED
+    assert (args.nodes, args.gpus_per_node, args.link_mbit, args.rounds, args.steps) == (3, 1, [20.0], 3, 12)
+    assert (args.warmup_steps, args.batch_size) == (2, 512)
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["--more", "3", "--out", str(tmp_path / "none.md")])
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["--more", "3", "--out", str(tmp_path / "s.md"), "--hardware", str(CALIBRATED)])
