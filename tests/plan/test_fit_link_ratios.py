@@ -9,45 +9,20 @@ from pathlib import Path
 
 import pytest
 
-from embark_torchrec.plan.model.hardware_file import hardware_sources, load_hardware
-from tests.support.benchmarks import load_benchmark
+from embark_torchrec.plan.model.hardware_file import hardware_sources, load_hardware, save_hardware
+from tests.support.benchmarks import load_benchmark, made_up_sweep
 from tests.support.processes import ROOT
 
 fit = load_benchmark("fit_link_ratios")
-sweep = load_benchmark("sweep")
 CALIBRATED = ROOT / "benchmarks" / "cluster_e2e_multihot_zipf_50mbit.hardware.json"
 TRUE_RATIOS = {"inter_node_paired_ratio": 0.64, "inter_node_one_way_ratio": 1.5}
 PHASE_OVERLAP = 0.0  # the phases priced in turn, as on the emulated cluster
-DATA_MS = 10.0
 
 
 def _kept_sweep(tmp_path: Path, seeds: tuple[int, ...], last_step_measured: bool = False) -> Path:
     """A sweep's folder whose runs measured what the cost model prices at TRUE_RATIOS (plus batch making)."""
-    from embark_torchrec.plan import CostModel, Topology, plan_model, table_row_wise_plan
-
-    out = tmp_path / "sweep.md"
-    truth = Topology(
-        4, 2, load_hardware(CALIBRATED).with_overrides(**TRUE_RATIOS, inter_node_phase_overlap=PHASE_OVERLAP)
-    )
-    for seed in seeds:
-        folder = sweep.model_folder(out, seed)
-        folder.mkdir(parents=True)
-        spec = sweep.generate_model(seed, sweep.RANGES)
-        planned = spec.with_batch_size(4 * 512)
-        ours = plan_model(planned, truth).plan
-        plans = {"embark": ours, "torchrec": ours, "torchrec-user": ours, "trw": table_row_wise_plan(planned, truth)}
-        runs = {}
-        for run, plan in plans.items():
-            plan.save(folder / f"{run}.plan.json")
-            step = CostModel(planned, truth).evaluate(plan).step_ms + DATA_MS
-            runs[run] = [{"samples_per_s": 2048e3 / step, "step_ms": step, "data_ms_per_step": DATA_MS}]
-        (folder / "spec.json").write_text(json.dumps(spec.to_dict()))
-        (folder / "hardware.json").write_text(CALIBRATED.read_text())
-        rounds = {"seed": seed, "world_size": 4, "local_world_size": 2, "batch_size": 512, "seconds": 1.0}
-        (folder / "rounds.json").write_text(json.dumps(rounds | {"runs": runs}))
-    settings = {"hardware": str(CALIBRATED)} | ({"last_step_measured": True} if last_step_measured else {})
-    (out.with_suffix("") / "sweep.json").write_text(json.dumps(settings))
-    return out
+    truth = load_hardware(CALIBRATED).with_overrides(**TRUE_RATIOS, inter_node_phase_overlap=PHASE_OVERLAP)
+    return made_up_sweep(tmp_path, seeds, truth, CALIBRATED, last_step_measured=last_step_measured)
 
 
 def test_the_fit_recovers_the_ratios_the_steps_ran_at_and_writes_them(tmp_path: Path) -> None:
@@ -80,7 +55,7 @@ def test_the_scaling_curve_plans_with_the_fitted_figures_where_given(tmp_path: P
     document["hardware"] |= TRUE_RATIOS | {"inter_node_phase_overlap": PHASE_OVERLAP, "collective_us": 1.0}
     fitted.write_text(json.dumps(document))
     merged = tmp_path / "merged.hardware.json"
-    sweep.save_hardware(merged, scaling.with_link_ratios(CALIBRATED, fitted))
+    save_hardware(merged, scaling.with_link_ratios(CALIBRATED, fitted))
     calibrated = load_hardware(CALIBRATED)
     assert load_hardware(merged) == calibrated.with_overrides(**TRUE_RATIOS, inter_node_phase_overlap=PHASE_OVERLAP)
     assert scaling.with_link_ratios(CALIBRATED, None) == json.loads(CALIBRATED.read_text())
