@@ -19,6 +19,8 @@ and backward receives ran one after the other).
     PYTHONPATH=. .venv/bin/python benchmarks/fit_link_ratios.py --sweeps benchmarks/sweep.md
         --hardware benchmarks/sweep3_50mbit.hardware.json --out benchmarks/sweep4_50mbit.hardware.json
         [--phase-overlap 0]
+    PYTHONPATH=. .venv/bin/python benchmarks/fit_link_ratios.py --points benchmarks/scaling/dlrm_main_4x2,...
+        --hardware benchmarks/scaling/scaling_4x2_50mbit.hardware.json --out FILE   (one cluster size's)
 
 Only sweeps that left the pipeline's last step out of their steps (sweep.json without last_step_measured) are read:
 a step that counted it is too short by one input dist for its price to be compared.
@@ -119,12 +121,45 @@ def ran_plans(sweep: Path) -> list[RanPlan]:
     return out
 
 
-def fit(plans: list[RanPlan], phase_overlap: float) -> tuple[tuple[float, float], list[float]]:
+def point_plans(folder: Path) -> list[RanPlan]:
+    """Every run of one point benchmarks/scaling.py kept (benchmarks/scaling/<model>_<N>x<G>/: its model, its
+    size's hardware file with the model's dense part, its plans and rounds), to fit the ratios at that size."""
+    from scaling import load_spec  # the example's models, as scaling.py planned them
+
+    rounds_file = folder / "rounds.json"
+    if not rounds_file.exists():
+        raise SystemExit(f"{rounds_file}: no kept scaling point there (run benchmarks/scaling.py first)")
+    rounds = json.loads(rounds_file.read_text())
+    first = next(iter(rounds["runs"].values()))[0]
+    ws, lws = first["world_size"], first["local_world_size"]
+    spec = load_spec(rounds["model"], None).with_batch_size(first["batch_size"] * ws)
+    hardware = load_hardware(folder / "hardware.json")
+    kept = Rounds(rounds["runs"], {})
+    return [
+        RanPlan(
+            folder.name,
+            run,
+            spec,
+            ws,
+            lws,
+            hardware,
+            Plan.load(folder / f"{run}.plan.json"),
+            statistics.median(r["step_ms"] - r["data_ms_per_step"] for r in runs),
+            kept,
+        )
+        for run, runs in rounds["runs"].items()
+        if run in FITTED_RUNS
+    ]
+
+
+def fit(
+    plans: list[RanPlan], phase_overlap: float, one_way_grid: np.ndarray = ONE_WAY_GRID
+) -> tuple[tuple[float, float], list[float]]:
     """The grid's (paired, one-way) ratios of least squared log error over the plans, priced at `phase_overlap`, and
-    each plan's log error at them."""
+    each plan's log error at them; `one_way_grid` a single value holds the one-way ratio there."""
     errors = {
         (float(p), float(o)): [plan.log_error(float(p), float(o), phase_overlap) for plan in plans]
-        for p, o in itertools.product(PAIRED_GRID, ONE_WAY_GRID)
+        for p, o in itertools.product(PAIRED_GRID, one_way_grid)
     }
     best = min(errors, key=lambda ratios: float(np.sum(np.square(errors[ratios]))))
     return best, errors[best]
@@ -132,7 +167,13 @@ def fit(plans: list[RanPlan], phase_overlap: float) -> tuple[tuple[float, float]
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sweeps", required=True, help="comma-separated sweep markdowns whose folders hold kept rounds")
+    p.add_argument("--sweeps", default="", help="comma-separated sweep markdowns whose folders hold kept rounds")
+    p.add_argument(
+        "--points",
+        default="",
+        help="comma-separated folders of points benchmarks/scaling.py kept (benchmarks/scaling/<model>_<N>x<G>): "
+        "the ratios of one cluster size",
+    )
     p.add_argument("--hardware", type=Path, required=True, help="the cluster's calibrated hardware file")
     p.add_argument("--out", type=Path, required=True, help="where the file with the fitted ratios is written")
     p.add_argument(
@@ -140,22 +181,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         help="Hardware.inter_node_phase_overlap to price with and write (default: --hardware's)",
     )
+    p.add_argument(
+        "--one-way",
+        type=float,
+        help="hold the one-way ratio at this (fitted on more plans elsewhere) and fit the paired ratio alone: a few "
+        "plans, as one size's scaling points, do not pin both",
+    )
     args = p.parse_args(argv)
     args.sweeps = [Path(s.strip()) for s in args.sweeps.split(",") if s.strip()]
-    if not args.sweeps:
-        p.error("--sweeps: give at least one sweep")
+    args.points = [Path(s.strip()) for s in args.points.split(",") if s.strip()]
+    if not args.sweeps and not args.points:
+        p.error("--sweeps / --points: give at least one sweep or scaling point")
     cluster = load_hardware(args.hardware)  # a bad file fails here
     if args.phase_overlap is None:
         args.phase_overlap = cluster.inter_node_phase_overlap
     elif not 0.0 <= args.phase_overlap <= 1.0:
         p.error(f"--phase-overlap {args.phase_overlap}: expected 0 to 1")
+    if args.one_way is not None and not 1.0 <= args.one_way <= MAX_ONE_WAY_RATIO:
+        p.error(f"--one-way {args.one_way}: expected 1 to {MAX_ONE_WAY_RATIO}")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     plans = [p for sweep in args.sweeps for p in ran_plans(sweep)]
-    ratios, errors = fit(plans, args.phase_overlap)
+    plans += [p for point in args.points for p in point_plans(point)]
+    one_way_grid = ONE_WAY_GRID if args.one_way is None else np.array([args.one_way])
+    ratios, errors = fit(plans, args.phase_overlap, one_way_grid)
     before = [
         p.log_error(p.hardware.inter_node_paired_ratio, p.hardware.inter_node_one_way_ratio, args.phase_overlap)
         for p in plans
@@ -171,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     document = json.loads(args.hardware.read_text())
     document["hardware"]["inter_node_phase_overlap"] = args.phase_overlap
     document.setdefault("sources", {})["inter_node_phase_overlap"] = "measured"
-    sweeps = ", ".join(str(display(s)) for s in args.sweeps)
+    sweeps = ", ".join(str(display(s)) for s in (*args.sweeps, *args.points))
     for field, value in zip(FIELDS, ratios):
         document["hardware"][field] = value
         document.setdefault("sources", {})[field] = "measured"
@@ -179,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             [float(np.exp(e)) for e in errors],
             "estimated / measured step",
             f"fitted by benchmarks/fit_link_ratios.py with the other ratio: the pair (paired {PAIRED_GRID[0]}-"
-            f"{PAIRED_GRID[-1]} by 0.02, one-way {ONE_WAY_GRID[0]}-{ONE_WAY_GRID[-1]} by 0.05) of least squared log "
+            f"{PAIRED_GRID[-1]} by 0.02, one-way {one_way_grid[0]}-{one_way_grid[-1]} by 0.05) of least squared log "
             f"error of estimated over measured steps of the {len(plans)} plans of {sweeps}; the samples are each "
             "plan's estimated / measured step at it",
         )

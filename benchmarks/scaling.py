@@ -18,7 +18,12 @@ calibration at each size measures the shared cores' figures, so the prediction p
     PYTHONPATH=. .venv/bin/python benchmarks/scaling.py [--nodes 1,2,4] [--gpus-per-node 1] [--link-mbit 50]
         [--models benchmarks/models/dlrm_main.json,benchmarks/models/multihot_zipf.json] [--rounds 2] [--steps 25]
         [--warmup-steps 4] [--batch-size 1024] [--out benchmarks/scaling.md] [--hardware-dir benchmarks/scaling]
-        [--link-ratios benchmarks/sweep4_50mbit.hardware.json]
+        [--link-ratios benchmarks/sweep4_50mbit.hardware.json | --link-ratios 2=FILE,4=FILE]
+
+The paired ratio (how fast a rank's bytes cross nodes in pairs, as TWRW's do) is not one figure for every size: on
+this box's links the steps fit 0.80 at 2 nodes and 1.10 at 4. So each size's may be fitted to a first run's points
+at that size (benchmarks/fit_link_ratios.py --points, the one-way ratio held at the sweeps'), and the curve planned
+with them, NODES=FILE per size.
 
 Each point's files (its hardware file with the dense part, its plans, its rounds) are kept in
 benchmarks/scaling/<model>_<nodes>x<ranks per node>/.
@@ -109,7 +114,8 @@ def measure(args: argparse.Namespace, model: str, nodes: int, cluster: Path, tmp
     folder.mkdir(parents=True, exist_ok=True)
     dense_run = cluster_run(args, model, nodes, args.link_mbit, cluster, tmp / "unused.md")
     hardware = folder / "hardware.json"
-    save_hardware(hardware, with_link_ratios(calibrate_dense(dense_run, tmp, f"{name}_dense"), args.link_ratios))
+    calibrated = calibrate_dense(dense_run, tmp, f"{name}_dense")
+    save_hardware(hardware, with_link_ratios(calibrated, ratios_for(args, nodes)))
     plans = {p: folder / f"{p}.plan.json" for p in PLANNERS}
     runs: dict[str, list[dict[str, Any]]] = {p: [] for p in PLANNERS}
     for i in range(args.rounds):
@@ -171,6 +177,23 @@ def targets(points: list[Point]) -> list[str]:
     return lines
 
 
+def link_ratios_text(args: argparse.Namespace) -> str:
+    """Where the markdown's points took their link ratios from."""
+    files = args.link_ratios
+    if not files:
+        return ". "
+    if list(files) == [None]:
+        return (
+            f"; the paired and one-way link ratios and the phase overlap from `{display(files[None])}` (fitted to "
+            "training steps on these links) at every size. "
+        )
+    sizes = ", ".join(f"{n} nodes `{display(f)}`" for n, f in sorted(files.items(), key=lambda i: i[0] or 0))
+    return (
+        f"; the paired and one-way link ratios and the phase overlap of each size fitted to training steps at that "
+        f"size (benchmarks/fit_link_ratios.py --points): {sizes}; other sizes as calibrated. "
+    )
+
+
 def markdown(points: list[Point], args: argparse.Namespace, seconds: float) -> str:
     lines = [
         f"# Weak scaling on emulated clusters: {args.gpus_per_node} CPU rank(s) per node, {args.link_mbit:g} Mbit/s "
@@ -180,12 +203,7 @@ def markdown(points: list[Point], args: argparse.Namespace, seconds: float) -> s
         f"the pipeline's last step left out of samples/s), {args.rounds} interleaved rounds of {', '.join(PLANNERS)}; "
         f"each size calibrated once (hardware files in `{display(args.hardware_dir)}`), each model's dense part "
         "measured on it before its rounds"
-        + (
-            f"; the paired and one-way link ratios and the phase overlap from `{display(args.link_ratios)}` (fitted "
-            "to training steps on these links) at every size. "
-            if args.link_ratios
-            else ". "
-        )
+        + link_ratios_text(args)
         + "Speedups: measured, medians of per-round samples/s ratios; predicted, estimated steps' ratio. Link share: "
         "a rank's embedding bytes on the link at its rate, over the measured step (see the script). "
         f"{seconds / 60:.1f} min in all.",
@@ -251,9 +269,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hardware-dir", type=Path, default=HARDWARE_DIR, help="where each size's hardware file is kept")
     p.add_argument(
         "--link-ratios",
-        type=Path,
+        default="",
         help="a hardware file whose paired and one-way ratios and phase overlap (benchmarks/fit_link_ratios.py's, "
-        "fitted to training steps on these links) replace the ones calibrated at every size",
+        "fitted to training steps on these links) replace the ones calibrated at every size; or one per size, "
+        "NODES=FILE,... (fit_link_ratios.py --points: each fitted to one size's steps; a size without one keeps its "
+        "calibrated figures)",
     )
     args = p.parse_args(argv)
     try:
@@ -270,9 +290,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.warmup_steps < 0:
         p.error("--warmup-steps must be >= 0")
     args.hardware_dir = args.hardware_dir.resolve()
-    if args.link_ratios is not None:
-        load_hardware(args.link_ratios)  # a bad file fails here, before any run
+    try:
+        args.link_ratios = link_ratio_files(args.link_ratios)
+    except ValueError as e:
+        p.error(f"--link-ratios {args.link_ratios}: {e}")
+    for file in args.link_ratios.values():
+        load_hardware(file)  # a bad file fails here, before any run
     return args
+
+
+def link_ratio_files(text: str) -> dict[int | None, Path]:
+    """--link-ratios: FILE (key None: every size) or NODES=FILE,... (per size)."""
+    if not text.strip():
+        return {}
+    if "=" not in text:
+        return {None: Path(text.strip())}
+    out: dict[int | None, Path] = {}
+    for item in (i.strip() for i in text.split(",") if i.strip()):
+        nodes, sep, file = item.partition("=")
+        if not sep or not nodes.strip().isdigit() or not file.strip():
+            raise ValueError(f"{item!r}: expected NODES=FILE")
+        out[int(nodes)] = Path(file.strip())
+    return out
+
+
+def ratios_for(args: argparse.Namespace, nodes: int) -> Path | None:
+    """The file whose link ratios price `nodes` nodes (its own, else the one for every size), or None."""
+    return args.link_ratios.get(nodes, args.link_ratios.get(None))
 
 
 def main(argv: list[str] | None = None) -> int:

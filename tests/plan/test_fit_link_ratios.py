@@ -59,3 +59,38 @@ def test_the_scaling_curve_plans_with_the_fitted_figures_where_given(tmp_path: P
     calibrated = load_hardware(CALIBRATED)
     assert load_hardware(merged) == calibrated.with_overrides(**TRUE_RATIOS, inter_node_phase_overlap=PHASE_OVERLAP)
     assert scaling.with_link_ratios(CALIBRATED, None) == json.loads(CALIBRATED.read_text())
+
+
+def test_one_size_s_scaling_points_fit_the_paired_ratio_with_the_one_way_ratio_held(tmp_path: Path) -> None:
+    """--points: the runs benchmarks/scaling.py kept at one size (its rounds.json: the model's file and each run's
+    size) give back the paired ratio their steps ran at, with --one-way holding the one-way ratio where given."""
+    sweep_folder = load_benchmark("sweep").model_folder(_kept_sweep(tmp_path, (3,)), 3)
+    point = tmp_path / "scaling" / "generated_2x2"
+    point.mkdir(parents=True)
+    (point / "model.json").write_text((sweep_folder / "spec.json").read_text())
+    kept = json.loads((sweep_folder / "rounds.json").read_text())["runs"]
+    shape = {"world_size": 4, "local_world_size": 2, "batch_size": 512}
+    runs = {run: [r | shape for r in kept[run]] for run in ("embark", "torchrec", "trw")}
+    (point / "rounds.json").write_text(json.dumps({"model": str(point / "model.json"), "nodes": 2, "runs": runs}))
+    for name in ("hardware.json", "embark.plan.json", "torchrec.plan.json", "trw.plan.json"):
+        (point / name).write_text((sweep_folder / name).read_text())
+    out = tmp_path / "links.hardware.json"
+    argv = ["--points", str(point), "--hardware", str(CALIBRATED), "--out", str(out), "--phase-overlap", "0"]
+    assert fit.main([*argv, "--one-way", str(TRUE_RATIOS["inter_node_one_way_ratio"])]) == 0
+    fitted = load_hardware(out)
+    assert fitted == load_hardware(CALIBRATED).with_overrides(**TRUE_RATIOS, inter_node_phase_overlap=PHASE_OVERLAP)
+    with pytest.raises(SystemExit):
+        fit.parse_args([*argv, "--one-way", "0.5"])
+
+
+def test_the_scaling_curve_takes_link_ratios_per_size() -> None:
+    """--link-ratios NODES=FILE,...: each size priced with its own file, a size without one as calibrated; a plain
+    FILE serves every size; a malformed entry stops before any run, naming it."""
+    scaling = load_benchmark("scaling")
+    args = scaling.parse_args(["--link-ratios", f"2={CALIBRATED},4={CALIBRATED}", "--nodes", "1,2,4"])
+    assert {n: scaling.ratios_for(args, n) for n in (1, 2, 4)} == {1: None, 2: CALIBRATED, 4: CALIBRATED}
+    every = scaling.parse_args(["--link-ratios", str(CALIBRATED)])
+    assert scaling.ratios_for(every, 8) == CALIBRATED
+    assert scaling.ratios_for(scaling.parse_args([]), 2) is None
+    with pytest.raises(SystemExit):
+        scaling.parse_args(["--link-ratios", f"two={CALIBRATED}"])
