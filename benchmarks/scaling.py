@@ -21,7 +21,7 @@ calibration at each size measures the shared cores' figures, so the prediction p
         [--link-ratios benchmarks/sweep4_50mbit.hardware.json | --link-ratios 2=FILE,4=FILE]
 
 The paired ratio (how fast a rank's bytes cross nodes in pairs, as TWRW's do) is not one figure for every size: on
-this box's links the steps fit 0.80 at 2 nodes and 1.10 at 4. So each size's may be fitted to a first run's points
+this box's links the steps fit 0.82 at 2 nodes and 1.10 at 4. So each size's may be fitted to a first run's points
 at that size (benchmarks/fit_link_ratios.py --points, the one-way ratio held at the sweeps'), and the curve planned
 with them, NODES=FILE per size.
 

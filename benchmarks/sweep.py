@@ -332,6 +332,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "from their kept rounds, not run again), and write the whole",
     )
     args = p.parse_args(argv)
+    seeds_given = bool(args.seeds.strip())
     try:
         args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()] or [
             secrets.randbelow(2**31) for _ in range(args.count)
@@ -350,8 +351,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ):
         p.error(f"--remeasure {args.remeasure}: needs a kept sweep (its folder's sweep.json) and --hardware")
     if args.more:
-        if args.more < 0 or args.reprice or args.remeasure is not None or args.hardware is not None:
-            p.error("--more N: N >= 1, with neither --reprice, --remeasure nor --hardware (the kept sweep's is used)")
+        if args.more < 0 or args.reprice or args.remeasure is not None or args.hardware is not None or seeds_given:
+            p.error(
+                "--more N: N >= 1, with neither --reprice, --remeasure, --hardware (the kept sweep's is used) nor "
+                "--seeds (its models are fresh)"
+            )
         settings_file = args.out.with_suffix("") / "sweep.json"
         if not settings_file.exists():
             p.error(f"--more: {settings_file} holds no kept sweep to add models to")

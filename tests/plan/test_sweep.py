@@ -140,7 +140,7 @@ def test_remeasure_needs_a_kept_sweep_and_a_cluster_file(tmp_path: Path) -> None
 
 def test_more_models_join_a_kept_sweep_on_its_settings_and_cluster_file(tmp_path: Path) -> None:
     """--more N draws N fresh seeds and takes the kept sweep's settings and hardware file (the models it adds are
-    measured as its were); without a kept sweep, or with a --hardware of its own, it stops before any run."""
+    measured as its were); without a kept sweep, or with a --hardware or --seeds of its own, it stops before any run."""
     kept = {"nodes": 3, "gpus_per_node": 1, "link_mbit": [20.0], "rounds": 3, "steps": 12, "warmup_steps": 2}
     kept |= {"batch_size": 512, "hardware": str(CALIBRATED)}
     (tmp_path / "s").mkdir()
@@ -153,3 +153,5 @@ def test_more_models_join_a_kept_sweep_on_its_settings_and_cluster_file(tmp_path
         sweep.parse_args(["--more", "3", "--out", str(tmp_path / "none.md")])
     with pytest.raises(SystemExit):
         sweep.parse_args(["--more", "3", "--out", str(tmp_path / "s.md"), "--hardware", str(CALIBRATED)])
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["--more", "3", "--out", str(tmp_path / "s.md"), "--seeds", "5,6"])
