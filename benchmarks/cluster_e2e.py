@@ -109,10 +109,13 @@ class Rounds:
         """a's speedup over b by the cost model: b's estimated step over a's."""
         return self.estimated_ms[b] / self.estimated_ms[a]
 
+    def measured_ms(self, run: str) -> float:
+        """A run's measured step: the median over rounds of the step less the slowest rank's batch making."""
+        return float(statistics.median(r["step_ms"] - r["data_ms_per_step"] for r in self.runs[run]))
+
     def estimate_error(self, run: str) -> float:
-        """The estimated step over the measured one (the step less the slowest rank's batch making), less 1."""
-        measured = statistics.median(r["step_ms"] - r["data_ms_per_step"] for r in self.runs[run])
-        return self.estimated_ms[run] / measured - 1
+        """The estimated step over the measured one (measured_ms), less 1."""
+        return self.estimated_ms[run] / self.measured_ms(run) - 1
 
 
 def model_label(model: str | None) -> str:

@@ -31,10 +31,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -70,29 +70,39 @@ class RanPlan:
     measured_ms: float
     rounds: Rounds  # the model's rounds of every run (its estimates unset)
 
-    def estimated_ms(self, paired: float, one_way: float, phase_overlap: float) -> float:
-        hardware = self.hardware.with_overrides(
-            inter_node_paired_ratio=paired, inter_node_one_way_ratio=one_way, inter_node_phase_overlap=phase_overlap
-        )
+    def priced_ms(self, hardware: Hardware) -> float:
+        """The plan's estimated step on `hardware` (its model and topology's shape as it ran)."""
         cost = CostModel(self.spec, Topology(self.world_size, self.local_world_size, hardware))
         return cost.evaluate(self.plan).step_ms
+
+    def estimated_ms(self, paired: float, one_way: float, phase_overlap: float) -> float:
+        return self.priced_ms(
+            self.hardware.with_overrides(
+                inter_node_paired_ratio=paired, inter_node_one_way_ratio=one_way, inter_node_phase_overlap=phase_overlap
+            )
+        )
 
     def log_error(self, paired: float, one_way: float, phase_overlap: float) -> float:
         return float(np.log(self.estimated_ms(paired, one_way, phase_overlap) / self.measured_ms))
 
 
-def speedup_misses(plans: list[RanPlan], figures: tuple[float, float, float]) -> dict[str, float]:
-    """Per model, |predicted - measured| speedup of embark over torchrec (as benchmarks/sweep.py measures it) with
-    the plans priced at `figures` (paired, one-way, phase overlap): the error on plan differences they leave."""
+def model_misses(plans: list[RanPlan], estimated_ms: Callable[[RanPlan], float]) -> dict[str, float]:
+    """Per model, |predicted - measured| speedup of embark over torchrec (as benchmarks/sweep.py measures it), each
+    plan priced by `estimated_ms`: the error on plan differences that pricing leaves."""
     by_model: dict[str, dict[str, RanPlan]] = {}
     for p in plans:
         by_model.setdefault(p.model, {})[p.run] = p
     out = {}
     for model, runs in by_model.items():
-        estimated = {run: runs[run].estimated_ms(*figures) for run in ("embark", "torchrec")}
+        estimated = {run: estimated_ms(runs[run]) for run in ("embark", "torchrec")}
         rounds = Rounds(runs["embark"].rounds.runs, estimated)
         out[model] = abs(rounds.predicted("embark", "torchrec") - rounds.measured("embark", "torchrec"))
     return out
+
+
+def speedup_misses(plans: list[RanPlan], figures: tuple[float, float, float]) -> dict[str, float]:
+    """model_misses with the plans priced at `figures` (paired, one-way, phase overlap)."""
+    return model_misses(plans, lambda plan: plan.estimated_ms(*figures))
 
 
 def ran_plans(sweep: Path) -> list[RanPlan]:
@@ -111,13 +121,11 @@ def ran_plans(sweep: Path) -> list[RanPlan]:
             rounds["batch_size"] * ws
         )
         hardware = load_hardware(folder / "hardware.json")
+        kept = Rounds(rounds["runs"], {})
         for run in FITTED_RUNS:
-            measured = statistics.median(r["step_ms"] - r["data_ms_per_step"] for r in rounds["runs"][run])
             plan = Plan.load(folder / f"{run}.plan.json")
-            kept = Rounds(rounds["runs"], {})
-            out.append(
-                RanPlan(f"seed {seed}", run, spec, ws, rounds["local_world_size"], hardware, plan, measured, kept)
-            )
+            lws = rounds["local_world_size"]
+            out.append(RanPlan(f"seed {seed}", run, spec, ws, lws, hardware, plan, kept.measured_ms(run), kept))
     return out
 
 
@@ -144,10 +152,10 @@ def point_plans(folder: Path) -> list[RanPlan]:
             lws,
             hardware,
             Plan.load(folder / f"{run}.plan.json"),
-            statistics.median(r["step_ms"] - r["data_ms_per_step"] for r in runs),
+            kept.measured_ms(run),
             kept,
         )
-        for run, runs in rounds["runs"].items()
+        for run in rounds["runs"]
         if run in FITTED_RUNS
     ]
 
@@ -224,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     document["hardware"]["inter_node_phase_overlap"] = args.phase_overlap
     document.setdefault("sources", {})["inter_node_phase_overlap"] = "measured"
     sweeps = ", ".join(str(display(s)) for s in (*args.sweeps, *args.points))
+    one_way = (
+        f"one-way {ONE_WAY_GRID[0]}-{ONE_WAY_GRID[-1]} by 0.05"
+        if args.one_way is None
+        else f"the one-way ratio held at {args.one_way:g} (--one-way)"
+    )
     for field, value in zip(FIELDS, ratios):
         document["hardware"][field] = value
         document.setdefault("sources", {})[field] = "measured"
@@ -231,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             [float(np.exp(e)) for e in errors],
             "estimated / measured step",
             f"fitted by benchmarks/fit_link_ratios.py with the other ratio: the pair (paired {PAIRED_GRID[0]}-"
-            f"{PAIRED_GRID[-1]} by 0.02, one-way {one_way_grid[0]}-{one_way_grid[-1]} by 0.05) of least squared log "
+            f"{PAIRED_GRID[-1]} by 0.02, {one_way}) of least squared log "
             f"error of estimated over measured steps of the {len(plans)} plans of {sweeps}; the samples are each "
             "plan's estimated / measured step at it",
         )

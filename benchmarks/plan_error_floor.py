@@ -7,9 +7,9 @@ again with each figure 10% higher, which gives each plan's log estimate's sensit
 errors fitted as those sensitivities times the log of a factor per figure, by least squares over every subset of
 1 to all of the figures, show how much of the error any of them explains (linearized). Then, priced exactly, a
 coordinate search over the factors (each figure within x1/4 to x4 of its own, in turn, until no figure moves) for
-the least worst speedup miss: per model, |predicted - measured| speedup of embark over TorchRec's plan (the
-measured one the ratio of their median steps; the target 0.07). If even that setting leaves the worst miss above
-the target, no refit of these figures reaches it, and the model's shape has to change.
+the least worst speedup miss: per model, |predicted - measured| speedup of embark over TorchRec's plan (measured
+as the sweeps measure it: the median of per-round ratios; the target 0.07). If even that setting leaves the worst
+miss above the target, no refit of these figures reaches it, and the model's shape has to change.
 
     PYTHONPATH=. .venv/bin/python benchmarks/plan_error_floor.py --sweeps benchmarks/sweep.md,benchmarks/sweep4.md
         --hardware benchmarks/sweep4_50mbit.hardware.json
@@ -21,16 +21,16 @@ import argparse
 import itertools
 import sys
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
-from embark_torchrec.plan import CostModel, Topology
 from embark_torchrec.plan.model.hardware_file import load_hardware
 from embark_torchrec.plan.model.topology import Hardware
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from fit_link_ratios import FIELDS, RanPlan, ran_plans  # noqa: E402 (next to this file)
+from fit_link_ratios import FIELDS, RanPlan, model_misses, ran_plans  # noqa: E402 (next to this file)
 
 FIGURES = (
     "allreduce_bus_gbps",
@@ -48,20 +48,14 @@ GRID = 2.0 ** np.array([-2.0, -1.0, -0.5, -0.25, -0.1, 0.1, 0.25, 0.5, 1.0, 2.0]
 def estimated_ms(plan: RanPlan, links: dict[str, float], factors: dict[str, float]) -> float:
     """The plan's estimated step with --hardware's link figures and each figure of `factors` scaled by it."""
     hardware: Hardware = plan.hardware.with_overrides(**links)
-    hardware = hardware.with_overrides(**{f: getattr(hardware, f) * k for f, k in factors.items()})
-    return CostModel(plan.spec, Topology(plan.world_size, plan.local_world_size, hardware)).evaluate(plan.plan).step_ms
+    return plan.priced_ms(hardware.with_overrides(**{f: getattr(hardware, f) * k for f, k in factors.items()}))
 
 
-def speedup_misses(plans: list[RanPlan], errors: np.ndarray) -> list[float]:
-    """Per model, |predicted - measured| speedup of embark over TorchRec's plan, the plans' estimates being their
-    measured steps x exp(`errors`) (the measured speedup: the ratio of the two median steps)."""
-    index = {(p.model, p.run): i for i, p in enumerate(plans)}
-    out = []
-    for model in dict.fromkeys(p.model for p in plans):
-        e, t = index[model, "embark"], index[model, "torchrec"]
-        measured = plans[t].measured_ms / plans[e].measured_ms
-        out.append(abs(measured * float(np.exp(errors[t] - errors[e])) - measured))
-    return out
+def speedup_misses(plans: list[RanPlan], errors: Sequence[float]) -> list[float]:
+    """Per model, |predicted - measured| speedup of embark over TorchRec's plan as the sweeps measure it
+    (fit_link_ratios.model_misses), each plan's estimate its measured step x exp(its entry of `errors`)."""
+    estimated = {id(plan): plan.measured_ms * float(np.exp(e)) for plan, e in zip(plans, errors)}
+    return list(model_misses(plans, lambda plan: estimated[id(plan)]).values())
 
 
 def least_worst_miss(plans: list[RanPlan], links: dict[str, float]) -> tuple[dict[str, float], float]:

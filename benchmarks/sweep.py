@@ -359,9 +359,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         settings_file = args.out.with_suffix("") / "sweep.json"
         if not settings_file.exists():
             p.error(f"--more: {settings_file} holds no kept sweep to add models to")
-        kept = json.loads(settings_file.read_text())
-        vars(args).update({k: kept[k] for k in SETTINGS})
-        args.hardware = Path(kept["hardware"])
+        args.kept_settings = json.loads(settings_file.read_text())
+        vars(args).update({k: args.kept_settings[k] for k in SETTINGS})
+        args.hardware = Path(args.kept_settings["hardware"])
         args.seeds = [secrets.randbelow(2**31) for _ in range(args.more)]
     return args
 
@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         folder.mkdir(parents=True, exist_ok=True)
         settings = {k: getattr(args, k) for k in SETTINGS} | {"hardware": str(display(hardware))}
         if args.more:
-            settings = json.loads((folder / "sweep.json").read_text())  # the kept sweep's, note and all
+            settings = args.kept_settings  # the kept sweep's, note and all
         if args.remeasure is not None:
             settings["note"] = (
                 f"**Measured again (--remeasure).** The models and plans of `{display(args.remeasure)}`, not planned "
