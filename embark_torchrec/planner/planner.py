@@ -389,8 +389,8 @@ class EmbarkPlanner(ShardingPlanner):
     when its stderr is a terminal (under torchrun, collective_plan plans on rank 0 alone: one line),
     True on every rank that plans, False never.
     `torchrec_candidate`: whether plan() also runs TorchRec's own EmbeddingShardingPlanner (its
-    default sharders and options, on the same tables, batch and hardware figures: the plan
-    `python -m embark_torchrec.planner --compare torchrec` scores) and passes its plan to plan_model as a
+    default options, with the sharders plan() is given, on the same tables, batch and hardware figures: the plan
+    the job would run under TorchRec's planner) and passes its plan to plan_model as a
     candidate and the incumbent: plan_model returns it unless our plan is predicted faster by more than
     the cost model's measured error on plan differences on this hardware (Hardware.plan_error, from a hardware
     file; 0, not measured, for the presets: then any predicted gain counts), and report() says which way it
@@ -516,8 +516,9 @@ class EmbarkPlanner(ShardingPlanner):
                     here[t.name] = replace(c, ranks=c.ranks or tuple(range(topology.world_size)))
         return {m.names[name]: c for name, c in here.items()}
 
-    def _torchrec_candidate(self, joint: ModelSpec, topology: Topology) -> dict[str, Plan]:
-        """TorchRec's default plan of the joint spec, by name, when asked for (see torchrec_candidate)."""
+    def _torchrec_candidate(self, joint: ModelSpec, topology: Topology, sharders: list[Any]) -> dict[str, Plan]:
+        """TorchRec's default plan of the joint spec with the job's sharders, by name, when asked for (see
+        torchrec_candidate)."""
         wanted = self.torchrec_candidate
         if wanted is None:  # the hardware's measured error decides against TorchRec's plan: it must be at hand
             wanted = topology.hardware.plan_error > 0 or (
@@ -526,7 +527,7 @@ class EmbarkPlanner(ShardingPlanner):
         if not wanted:
             return {}
         try:
-            return {TORCHREC_DEFAULT: torchrec_default_plan(joint, topology, self.compute_device)}
+            return {TORCHREC_DEFAULT: torchrec_default_plan(joint, topology, self.compute_device, sharders)}
         except Exception as e:  # noqa: BLE001  TorchRec's planner failing leaves the search's plan
             logger.warning("TorchRec's planner found no plan to compare with (%s: %s)", type(e).__name__, e)
             return {}
@@ -572,7 +573,7 @@ class EmbarkPlanner(ShardingPlanner):
             id_distribution=modules[0].spec.id_distribution,
         )
         here = {n: c for m in modules for n, c in self._constraints(m, sharders, topology).items()}
-        candidates = self._torchrec_candidate(joint, topology)
+        candidates = self._torchrec_candidate(joint, topology, sharders)
         incumbent = TORCHREC_DEFAULT if candidates else None
         planned = plan_model(
             joint, topology, here, self.config, self.optimizer, self._progress(), candidates, incumbent

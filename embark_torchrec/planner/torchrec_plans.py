@@ -4,7 +4,7 @@ shard by shard. Sequence tables are planned as TorchRec plans them, in an Embedd
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
@@ -117,17 +117,24 @@ def torchrec_constraints(spec: ModelSpec) -> dict[str, Any]:
     return {t.name: ParameterConstraints(pooling_factors=[t.pooling] * len(t.feature_names)) for t in spec.tables}
 
 
-def torchrec_default_plan(spec: ModelSpec, topology: Topology, compute_device: str = "cuda") -> Plan:
+def torchrec_default_plan(
+    spec: ModelSpec, topology: Topology, compute_device: str = "cuda", sharders: Sequence[Any] = ()
+) -> Plan:
     """Run torchrec's EmbeddingShardingPlanner with its defaults on our figures, as a Plan (with the
-    spec's table kinds): pooled tables by its EmbeddingBagCollectionSharder, sequence tables by its
-    EmbeddingCollectionSharder, which offers only the sharding types TorchRec's EmbeddingCollection runs.
+    spec's table kinds): pooled tables by an EmbeddingBagCollection's sharder, sequence tables by an
+    EmbeddingCollection's, each the job's among `sharders` where one shards that module type (TorchRec's planner
+    offers a module only its sharder's sharding types: ours offer every built-in type on CPU too, where TorchRec's
+    own offer no row-wise one, and their fused parameters size the optimizer state), else TorchRec's own
+    (its EmbeddingCollectionSharder offers only the types TorchRec's EmbeddingCollection runs).
     `compute_device`: the job's, as a user gives TorchRec's Topology (its plans for CPU and CUDA differ)."""
     planner = EmbeddingShardingPlanner(
         topology=torchrec_topology(topology, compute_device),
         batch_size=spec.batch_size // topology.world_size,
         constraints=torchrec_constraints(spec),
     )
-    sharding_plan = planner.plan(meta_module(spec), [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()])
+    given = {sharder.module_type: sharder for sharder in sharders}
+    defaults = (EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder())
+    sharding_plan = planner.plan(meta_module(spec), [given.get(d.module_type, d) for d in defaults])
     parts = [from_sharding_plan(sharding_plan, topology, path) for path in sharding_plan.plan]
     layouts = {name: layout for part in parts for name, layout in part.tables.items()}
     tables = {t.name: layouts[t.name] for t in spec.tables}

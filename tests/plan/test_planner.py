@@ -5,6 +5,7 @@ torchrec's plan types, collective planning on every rank, and the table-row-wise
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import math
 from dataclasses import replace
@@ -28,7 +29,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConf
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from embark_torchrec.plan.search.baselines import table_row_wise_plan
-from embark_torchrec.planner.torchrec_plans import from_sharding_plan
+from embark_torchrec.planner.torchrec_plans import from_sharding_plan, torchrec_default_plan
 from embark_torchrec.plan.layout.constraints import TableConstraints
 from embark_torchrec.plan.layout.groups import ShardingGroup
 from embark_torchrec.plan.layout.tables import Plan, TableLayout, WirePrecision
@@ -40,8 +41,10 @@ from embark_torchrec.plan.search.config import SearchConfig
 from embark_torchrec.planner.parameter_sharding import module_sharding_plan
 from embark_torchrec.sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 from embark_torchrec.plan.model.spec import ModelSpec, SpecError, TableSpec
+from embark_torchrec.plan.model.hardware_file import load_hardware
 from embark_torchrec.plan.model.topology import PRESETS, Topology
 from embark_torchrec.testing import fake_world, threaded_ranks
+from tests.support.processes import ROOT
 
 # collectives free: the unconstrained plans below then cut tables and replicate small ones (each a sharding group of
 # its own), which is what the constraints under test must prevent
@@ -817,7 +820,7 @@ def test_torchrec_plan_returned_when_the_cost_model_prices_it_faster(monkeypatch
     search's plan, it is the plan returned (PlannedModel.source "torchrec")."""
     spec = ModelSpec.from_module(_ebc(), batch_size=512 * 8, name="sparse")
     good = plan_model(spec, Topology(8, 4, PRESETS["dgx-h100"]), progress=False).plan
-    planner = _torchrec_planner(monkeypatch, lambda s, t, d: good, torchrec_candidate=True, config=_CRIPPLED)
+    planner = _torchrec_planner(monkeypatch, lambda s, t, d, sharders: good, torchrec_candidate=True, config=_CRIPPLED)
     planner.plan(_Model(), [EmbarkEmbeddingBagCollectionSharder()])
     planned = planner.plans["sparse"]
     assert planned.source == TORCHREC_DEFAULT
@@ -831,7 +834,7 @@ def test_torchrec_planner_by_default_only_on_cuda_and_its_failure_leaves_the_sea
     is logged and the search's plan is returned."""
     calls: list[int] = []
 
-    def failing(spec: ModelSpec, topology: Topology, compute_device: str) -> Plan:
+    def failing(spec: ModelSpec, topology: Topology, compute_device: str, sharders: list[Any]) -> Plan:
         calls.append(topology.world_size)
         raise RuntimeError("no plan")
 
@@ -845,6 +848,22 @@ def test_torchrec_planner_by_default_only_on_cuda_and_its_failure_leaves_the_sea
     assert cuda.plans["sparse"].source != TORCHREC_DEFAULT
     with pytest.raises(SpecError, match="torchrec_candidate"):
         EmbarkPlanner(world_size=8, torchrec_candidate="yes")
+
+
+def test_torchrec_s_plan_is_planned_with_the_job_s_sharders() -> None:
+    """TorchRec's planner offers a module only its sharder's sharding types: on CPU ours offer the row-wise ones that
+    TorchRec's own do not, so the plan TorchRec's planner makes for the job (the incumbent the planner keeps) is the
+    one it makes with the job's sharders. On a generated model of sweep 5 it splits a table across a node's ranks
+    (table-row-wise), as the sweep's own run of TorchRec's planner with our sharder did; with TorchRec's own sharder
+    it cannot."""
+    kept = ROOT / "benchmarks" / "sweep5" / "seed1982918119"
+    spec = ModelSpec.from_dict(json.loads((kept / "spec.json").read_text())).with_batch_size(2048 * 4)
+    topology = Topology(4, 2, load_hardware(kept / "hardware.json"))
+    theirs = torchrec_default_plan(spec, topology, "cpu")
+    with_ours = torchrec_default_plan(spec, topology, "cpu", [EmbarkEmbeddingBagCollectionSharder()])
+    assert all(layout.num_row_slices <= 1 for layout in theirs.tables.values())  # data-parallel: none
+    assert with_ours.tables == Plan.load(kept / "torchrec.plan.json").tables
+    assert any(layout.num_row_slices > 1 for layout in with_ours.tables.values())
 
 
 def _priced_apart() -> tuple[ModelSpec, Topology, Plan, float]:
@@ -895,10 +914,10 @@ def test_a_measured_error_brings_torchrecs_plan_in_and_the_report_says_why(monke
     """On hardware with a measured plan_error TorchRec's planner runs by default (on CPU too), its plan is the
     incumbent, and report() ends with the choice's sentence."""
     spec, topology, worse, speedup = _priced_apart()
-    calls: list[int] = []
+    calls: list[tuple[Any, ...]] = []
 
-    def torchrec(s: ModelSpec, t: Topology, compute_device: str) -> Plan:
-        calls.append((t.world_size, compute_device))
+    def torchrec(s: ModelSpec, t: Topology, compute_device: str, sharders: list[Any]) -> Plan:
+        calls.append((t.world_size, compute_device, sharders))
         return worse
 
     import embark_torchrec.planner.planner as planner_module
@@ -906,9 +925,11 @@ def test_a_measured_error_brings_torchrecs_plan_in_and_the_report_says_why(monke
     monkeypatch.setattr(planner_module, "torchrec_default_plan", torchrec)
     hardware = PRESETS["dgx-h100"].with_overrides(plan_error=round(speedup, 6))
     planner = EmbarkPlanner(world_size=8, local_world_size=4, batch_size=512, hardware=hardware, compute_device="cpu")
-    planner.plan(_Model(), [EmbarkEmbeddingBagCollectionSharder()])
-    # TorchRec's planner plans for the job's device, as the user's own run of it would (its CPU and CUDA plans differ)
-    assert calls == [(8, "cpu")] and planner.plans["sparse"].source == TORCHREC_DEFAULT
+    sharders = [EmbarkEmbeddingBagCollectionSharder()]
+    planner.plan(_Model(), sharders)
+    # TorchRec's planner plans for the job's device with the job's sharders, as the user's own run of it would (its
+    # CPU and CUDA plans differ, and so do the sharding types TorchRec's own sharders and ours offer on CPU)
+    assert calls == [(8, "cpu", sharders)] and planner.plans["sparse"].source == TORCHREC_DEFAULT
     assert planner.report().startswith("# torchrec plan for sparse")
     assert planner.report().endswith(planner.plans["sparse"].choice.sentence())
 
