@@ -148,7 +148,12 @@ def ratio(a: float, b: float) -> str:
 def round_ratio(runs: dict[str, list[dict[str, Any]]], a: str, b: str, key: str) -> float:
     """The median over rounds of a's value / b's in the same round: runs next to each other in time share the
     machine's load, which drifts over a run of many minutes."""
-    return float(statistics.median(x[key] / y[key] for x, y in zip(runs[a], runs[b])))
+    return float(statistics.median(round_ratios(runs, a, b, key)))
+
+
+def round_ratios(runs: dict[str, list[dict[str, Any]]], a: str, b: str, key: str) -> list[float]:
+    """a's value / b's, round by round."""
+    return [x[key] / y[key] for x, y in zip(runs[a], runs[b])]
 
 
 def describe(spec: ModelSpec, model: str | None) -> str:

@@ -28,17 +28,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from cluster_e2e import (  # noqa: E402 (next to this file)
-    TIMEOUT_S,
-    Rounds,
-    cluster_ready,
-    cluster_run,
-    display,
-    run_flags,
-    stop_if_interrupted,
-)
-from e2e import run_example  # noqa: E402
-from sweep import RUNS, SETTINGS, SPEEDUP_TARGET, kept_seeds, model_folder, priced  # noqa: E402
+from cluster_e2e import TIMEOUT_S, Rounds, cluster_ready, display  # noqa: E402 (next to this file)
+from e2e import round_ratios  # noqa: E402
+from sweep import SETTINGS, SPEEDUP_TARGET, interleaved_rounds, kept_seeds, model_folder, priced  # noqa: E402
 
 PAIR = ("embark", "torchrec")  # the speedup the sweep's 7-point target is about, run again
 
@@ -69,12 +61,6 @@ class Repeat:
         return self.again - self.sweep
 
 
-def round_speedups(runs: dict[str, list[dict[str, Any]]]) -> list[float]:
-    """embark's samples/s over torchrec's, round by round."""
-    a, b = PAIR
-    return [x["samples_per_s"] / y["samples_per_s"] for x, y in zip(runs[a], runs[b])]
-
-
 def repeat_of(folder: Path, again: dict[str, list[dict[str, Any]]]) -> Repeat:
     """A model's Repeat from its kept folder (its rounds priced with today's cost model) and the new rounds."""
     kept = priced(folder)
@@ -82,29 +68,11 @@ def repeat_of(folder: Path, again: dict[str, list[dict[str, Any]]]) -> Repeat:
     return Repeat(
         kept.seed,
         kept.predicted(*PAIR),
-        round_speedups(kept.runs),
+        round_ratios(kept.runs, *PAIR, "samples_per_s"),
         kept.measured(*PAIR),
-        round_speedups(again),
+        round_ratios(again, *PAIR, "samples_per_s"),
         fresh.measured(*PAIR),
     )
-
-
-def run_again(args: argparse.Namespace, folder: Path, tmp: Path) -> dict[str, list[dict[str, Any]]]:
-    """The model's embark and torchrec plans in args.rounds fresh interleaved rounds with the sweep's settings."""
-    runs: dict[str, list[dict[str, Any]]] = {run: [] for run in PAIR}
-    for i in range(args.rounds):
-        for run in PAIR if i % 2 == 0 else PAIR[::-1]:
-            stop_if_interrupted()
-            planner, with_hardware = RUNS[run]
-            hardware = folder / "hardware.json" if with_hardware else None
-            once = cluster_run(args, str(folder / "spec.json"), args.nodes, args.link_mbit[0], hardware, tmp / "u.md")
-            result = run_example(
-                planner, once, tmp / "unused.plan.json", folder / f"{run}.plan.json", extra=run_flags(args)
-            )
-            runs[run].append(result)
-            rate = result["samples_per_s"]
-            print(f"{folder.name} round {i + 1}/{args.rounds} {run}: {rate:,.0f} samples/s", flush=True)
-    return runs
 
 
 def markdown(repeats: list[Repeat], args: argparse.Namespace, seconds: float) -> str:
@@ -198,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                 again = kept_again(args.out, seed)
             else:
                 start = time.perf_counter()
-                again = {"seed": seed, "runs": run_again(args, folder, Path(tmp_dir))}
+                runs = interleaved_rounds(args, seed, folder, Path(tmp_dir), list(PAIR), planned=True)
+                again = {"seed": seed, "runs": runs}
                 again["seconds"] = time.perf_counter() - start
                 (args.out.with_suffix("") / f"seed{seed}.json").write_text(json.dumps(again, indent=1))
             seconds += again["seconds"]

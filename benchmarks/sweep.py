@@ -107,8 +107,20 @@ def run_rounds(
 ) -> ModelOutcome:
     """A model's interleaved rounds of every run, from its folder's spec and hardware file, kept as its rounds.json:
     each run plans (its plan kept in the folder) or, `planned`, runs the folder's plan (--remeasure)."""
-    runs: dict[str, list[dict[str, Any]]] = {run: [] for run in RUNS}
-    names = list(RUNS)
+    runs = interleaved_rounds(args, seed, folder, tmp, list(RUNS), planned)
+    ws = args.nodes * args.gpus_per_node
+    rounds = {"seed": seed, "world_size": ws, "local_world_size": args.gpus_per_node, "batch_size": args.batch_size}
+    rounds |= {"seconds": time.perf_counter() - start, "runs": runs}
+    (folder / "rounds.json").write_text(json.dumps(rounds, indent=1))
+    return priced(folder)
+
+
+def interleaved_rounds(
+    args: argparse.Namespace, seed: int, folder: Path, tmp: Path, names: list[str], planned: bool
+) -> dict[str, list[dict[str, Any]]]:
+    """args.rounds rounds of the runs `names` (of RUNS) of a model's folder, every other round in reverse, each run's
+    RESULT by run: each run plans (its plan kept in the folder) or, `planned`, runs the folder's plan."""
+    runs: dict[str, list[dict[str, Any]]] = {run: [] for run in names}
     for i in range(args.rounds):
         for run in names if i % 2 == 0 else names[::-1]:
             stop_if_interrupted()
@@ -124,11 +136,7 @@ def run_rounds(
                 f"{result['inter_node_bytes_per_step']:,} inter-node bytes/step",
                 flush=True,
             )
-    ws = args.nodes * args.gpus_per_node
-    rounds = {"seed": seed, "world_size": ws, "local_world_size": args.gpus_per_node, "batch_size": args.batch_size}
-    rounds |= {"seconds": time.perf_counter() - start, "runs": runs}
-    (folder / "rounds.json").write_text(json.dumps(rounds, indent=1))
-    return priced(folder)
+    return runs
 
 
 def remeasure(args: argparse.Namespace, tmp: Path) -> list[ModelOutcome]:
