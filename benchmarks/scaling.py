@@ -13,9 +13,13 @@ time the link needs at least, against the step). A PNG plots samples/s and embar
 
 On this 2-core box every rank of every node shares the same cores, so compute per rank shrinks as ranks are added;
 the link rate is set low (--link-mbit, 50 by default) to keep communication the larger part of the step, and the
-calibration at each size measures the shared cores' figures, so the prediction prices what the box does.
+calibration at each size measures the shared cores' figures, so the prediction prices what the box does. With
+--dilate-links the sizes emulate one cluster in slow motion: --link-mbit is a node's link when each rank has a core,
+and a size whose ranks share the cores gets its link slowed as much as their compute (docs/results.md, "Links slowed
+as the ranks share the cores").
 
     PYTHONPATH=. .venv/bin/python benchmarks/scaling.py [--nodes 1,2,4] [--gpus-per-node 1] [--link-mbit 50]
+        [--dilate-links] [--single-node-steps 100]
         [--models benchmarks/models/dlrm_main.json,benchmarks/models/multihot_zipf.json] [--rounds 2] [--steps 25]
         [--warmup-steps 4] [--batch-size 1024] [--out benchmarks/scaling.md] [--hardware-dir benchmarks/scaling]
         [--link-ratios benchmarks/sweep4_50mbit.hardware.json | --link-ratios 2=FILE,4=FILE]
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -64,6 +69,7 @@ from e2e import calibrate, calibrate_dense, run_example  # noqa: E402
 from train import load_spec  # noqa: E402 (the example's models; e2e.py put its directory on the path)
 
 OUT = ROOT / "benchmarks" / "scaling.md"
+CORES = len(os.sched_getaffinity(0))  # the cores every emulated node's ranks share
 HARDWARE_DIR = ROOT / "benchmarks" / "scaling"
 MODELS = ("benchmarks/models/dlrm_main.json", "benchmarks/models/multihot_zipf.json")
 PLANNERS = ("embark", "torchrec", "trw")
@@ -86,22 +92,42 @@ class Point(Rounds):
         return float(statistics.median(r["samples_per_s"] for r in self.runs[planner]))
 
 
+def at_size(args: argparse.Namespace, nodes: int) -> argparse.Namespace:
+    """The settings a run at this size takes: --single-node-steps on one node, else --steps."""
+    return argparse.Namespace(**{**vars(args), "steps": args.single_node_steps if nodes == 1 else args.steps})
+
+
+def link_mbit(args: argparse.Namespace, nodes: int) -> float:
+    """The link of each node at this size, Mbit/s per direction: --link-mbit, or with --dilate-links that rate slowed
+    as much as the ranks' compute is by sharing the box's cores, so that compute and communication keep the
+    proportions of the cluster emulated (ranks with a core each) at every size."""
+    ranks = nodes * args.gpus_per_node
+    return args.link_mbit * min(1.0, CORES / ranks) if args.dilate_links else args.link_mbit
+
+
+def link_text(args: argparse.Namespace) -> str:
+    """The markdown's words for the links."""
+    if not args.dilate_links:
+        return f"{args.link_mbit:g} Mbit/s per node's link"
+    return f"{args.link_mbit:g} Mbit/s per node's link with a core per rank, slowed as the ranks share {CORES} cores"
+
+
 def hardware_file(args: argparse.Namespace, nodes: int, tmp: Path) -> Path:
     """This size's calibrated hardware file: the one kept in --hardware-dir, else one calibration of the first model."""
-    kept = args.hardware_dir / f"scaling_{nodes}x{args.gpus_per_node}_{args.link_mbit:g}mbit.hardware.json"
+    kept = args.hardware_dir / f"scaling_{nodes}x{args.gpus_per_node}_{link_mbit(args, nodes):g}mbit.hardware.json"
     if kept.exists():
         load_hardware(kept)  # a bad file fails here, before the runs
         return kept
     print(f"{nodes} nodes: calibrating (quick)", flush=True)
     out = kept.with_suffix("").with_suffix(".md")
-    return calibrate(cluster_run(args, args.models[0], nodes, args.link_mbit, None, out), tmp)
+    return calibrate(cluster_run(at_size(args, nodes), args.models[0], nodes, link_mbit(args, nodes), None, out), tmp)
 
 
-def link_share(result: dict[str, Any], args: argparse.Namespace) -> float:
+def link_share(result: dict[str, Any], args: argparse.Namespace, nodes: int) -> float:
     """The least time the link needs for a step's embedding bytes, over the measured step: a rank's counted inter-node
     bytes (sent + received) times the node's ranks, half each way, at the link's rate per direction."""
     per_direction = result["inter_node_bytes_per_step"] * args.gpus_per_node / 2
-    link_ms = per_direction * 8 / (args.link_mbit * 1e6) * 1e3
+    link_ms = per_direction * 8 / (link_mbit(args, nodes) * 1e6) * 1e3
     return link_ms / result["step_ms"]
 
 
@@ -112,7 +138,7 @@ def measure(args: argparse.Namespace, model: str, nodes: int, cluster: Path, tmp
     name = f"{Path(model).stem}_{nodes}"
     folder = point_folder(args, model, nodes)
     folder.mkdir(parents=True, exist_ok=True)
-    dense_run = cluster_run(args, model, nodes, args.link_mbit, cluster, tmp / "unused.md")
+    dense_run = cluster_run(at_size(args, nodes), model, nodes, link_mbit(args, nodes), cluster, tmp / "unused.md")
     hardware = folder / "hardware.json"
     calibrated = calibrate_dense(dense_run, tmp, f"{name}_dense")
     save_hardware(hardware, with_link_ratios(calibrated, ratios_for(args, nodes)))
@@ -121,7 +147,7 @@ def measure(args: argparse.Namespace, model: str, nodes: int, cluster: Path, tmp
     for i in range(args.rounds):
         for p in PLANNERS if i % 2 == 0 else PLANNERS[::-1]:
             stop_if_interrupted()
-            once = cluster_run(args, model, nodes, args.link_mbit, hardware, tmp / "unused.md")
+            once = cluster_run(at_size(args, nodes), model, nodes, link_mbit(args, nodes), hardware, tmp / "unused.md")
             result = run_example(p, once, plans[p], extra=run_flags(args))
             runs[p].append(result)
             print(f"{Path(model).stem} @ {nodes} nodes round {i + 1} {p}: {result['samples_per_s']:,.0f} samples/s")
@@ -129,7 +155,7 @@ def measure(args: argparse.Namespace, model: str, nodes: int, cluster: Path, tmp
     spec = load_spec(model, None).with_batch_size(args.batch_size * ws)
     cost = CostModel(spec, Topology(ws, args.gpus_per_node, load_hardware(hardware)))
     estimated = {p: cost.evaluate(Plan.load(plans[p])).step_ms for p in PLANNERS}
-    shares = {p: statistics.median(link_share(r, args) for r in runs[p]) for p in PLANNERS} if nodes > 1 else {}
+    shares = {p: statistics.median(link_share(r, args, nodes) for r in runs[p]) for p in PLANNERS} if nodes > 1 else {}
     return Point(runs, estimated, Path(model).stem, nodes, shares)
 
 
@@ -196,10 +222,10 @@ def link_ratios_text(args: argparse.Namespace) -> str:
 
 def markdown(points: list[Point], args: argparse.Namespace, seconds: float) -> str:
     lines = [
-        f"# Weak scaling on emulated clusters: {args.gpus_per_node} CPU rank(s) per node, {args.link_mbit:g} Mbit/s "
-        "per node's link",
+        f"# Weak scaling on emulated clusters: {args.gpus_per_node} CPU rank(s) per node, {link_text(args)}",
         "",
-        f"Batch {args.batch_size} per rank at every size, {args.steps} steps a run ({args.warmup_steps} of warm-up and "
+        f"Batch {args.batch_size} per rank at every size, {args.steps} steps a run ({args.single_node_steps} on one "
+        f"node) ({args.warmup_steps} of warm-up and "
         f"the pipeline's last step left out of samples/s), {args.rounds} interleaved rounds of {', '.join(PLANNERS)}; "
         f"each size calibrated once (hardware files in `{display(args.hardware_dir)}`), each model's dense part "
         "measured on it before its rounds"
@@ -212,16 +238,17 @@ def markdown(points: list[Point], args: argparse.Namespace, seconds: float) -> s
         "",
         *targets(points),
         "",
-        "| model | nodes | samples/s embark / torchrec / trw | embark / torchrec measured (predicted) "
+        "| model | nodes | link Mbit/s | samples/s embark / torchrec / trw | embark / torchrec measured (predicted) "
         "| embark / trw measured (predicted) | link share torchrec / trw | estimated / measured step "
         f"{', '.join(PLANNERS)} |",
-        "|---|---:|---|---:|---:|---|---|",
+        "|---|---:|---:|---|---:|---:|---|---|",
     ]
     for p in points:
         rates = " / ".join(f"{p.samples_per_s(x):,.0f}" for x in PLANNERS)
         share = " / ".join(f"{p.link_share[x]:.0%}" for x in ("torchrec", "trw")) if p.link_share else "no link"
+        link = f"{link_mbit(args, p.nodes):g}" if p.nodes > 1 else "none"
         lines.append(
-            f"| {p.model} | {p.nodes} | {rates} | {p.measured('embark', 'torchrec'):.2f}x "
+            f"| {p.model} | {p.nodes} | {link} | {rates} | {p.measured('embark', 'torchrec'):.2f}x "
             f"({p.predicted('embark', 'torchrec'):.2f}x) | {p.measured('embark', 'trw'):.2f}x "
             f"({p.predicted('embark', 'trw'):.2f}x) | {share} | "
             f"{', '.join(f'{p.estimate_error(x):+.0%}' for x in PLANNERS)} |"
@@ -259,9 +286,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nodes", default="1,2,4", help="comma-separated cluster sizes")
     p.add_argument("--gpus-per-node", type=int, default=1)
     p.add_argument("--link-mbit", type=float, default=50.0, help="each node's link, Mbit/s per direction")
+    p.add_argument(
+        "--dilate-links",
+        action="store_true",
+        help="weak scaling in slow motion: --link-mbit is the link of ranks with a core each; a size whose ranks share "
+        "this box's cores (compute per rank cores/ranks as fast) gets its link slowed as much, --link-mbit x "
+        "min(1, cores/ranks)",
+    )
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated spec files or built-in names")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=25)
+    p.add_argument(
+        "--single-node-steps",
+        type=int,
+        default=100,
+        help="steps a run of one node: its steps take milliseconds, so --steps of them time too short a stretch",
+    )
     p.add_argument("--warmup-steps", type=int, default=4, help="first steps of a run left out of samples/s")
     p.add_argument("--batch-size", type=int, default=1024, help="per rank, at every size")
     p.add_argument("--timeout-s", type=float, default=TIMEOUT_S, help="per run (the calibration job too)")
@@ -279,13 +319,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     try:
         args.nodes = sorted({int(n) for n in args.nodes.split(",") if n.strip()})
         for n in args.nodes:
-            ClusterSpec(nodes=n, gpus_per_node=args.gpus_per_node, link_mbit=args.link_mbit)
+            ClusterSpec(nodes=n, gpus_per_node=args.gpus_per_node, link_mbit=link_mbit(args, n))
     except ValueError as e:
         p.error(f"--nodes / --gpus-per-node / --link-mbit: {e}")
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     for model in args.models:
         load_spec(model, None)  # a bad model fails here, before any run
-    if not args.nodes or not args.models or args.rounds < 1 or args.steps < 2 or args.batch_size < 1:
+    if (
+        not args.nodes
+        or not args.models
+        or args.rounds < 1
+        or min(args.steps, args.single_node_steps) < 2
+        or args.batch_size < 1
+    ):
         p.error("give nodes and models; --rounds, --batch-size >= 1, --steps >= 2")
     if args.warmup_steps < 0:
         p.error("--warmup-steps must be >= 0")

@@ -94,3 +94,18 @@ def test_the_scaling_curve_takes_link_ratios_per_size() -> None:
     assert scaling.ratios_for(scaling.parse_args([]), 2) is None
     with pytest.raises(SystemExit):
         scaling.parse_args(["--link-ratios", f"two={CALIBRATED}"])
+
+
+def test_dilated_links_slow_as_the_ranks_share_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--dilate-links: a size whose ranks share the box's cores gets its link slowed by the same factor as their
+    compute (2 cores: 4 ranks at half --link-mbit, 8 at a quarter; ranks with a core each at --link-mbit); without
+    it every size keeps --link-mbit. One node runs --single-node-steps, a cluster --steps."""
+    scaling = load_benchmark("scaling")
+    monkeypatch.setattr(scaling, "CORES", 2)
+    dilated = scaling.parse_args(["--link-mbit", "100", "--dilate-links", "--gpus-per-node", "2"])
+    assert [scaling.link_mbit(dilated, n) for n in (1, 2, 4)] == [100.0, 50.0, 25.0]
+    fixed = scaling.parse_args(["--link-mbit", "50", "--gpus-per-node", "2"])
+    assert [scaling.link_mbit(fixed, n) for n in (1, 2, 4)] == [50.0, 50.0, 50.0]
+    steps = scaling.parse_args(["--steps", "16", "--single-node-steps", "100"])
+    assert [scaling.at_size(steps, n).steps for n in (1, 2, 4)] == [100, 16, 16]
+    assert steps.steps == 16
