@@ -224,8 +224,8 @@ def markdown(points: list[Point], args: argparse.Namespace, seconds: float) -> s
     lines = [
         f"# Weak scaling on emulated clusters: {args.gpus_per_node} CPU rank(s) per node, {link_text(args)}",
         "",
-        f"Batch {args.batch_size} per rank at every size, {args.steps} steps a run ({args.single_node_steps} on one "
-        f"node) ({args.warmup_steps} of warm-up and "
+        f"Batch {args.batch_size} per rank at every size, {args.steps} steps a run, {args.single_node_steps} on one "
+        f"node ({args.warmup_steps} of warm-up and "
         f"the pipeline's last step left out of samples/s), {args.rounds} interleaved rounds of {', '.join(PLANNERS)}; "
         f"each size calibrated once (hardware files in `{display(args.hardware_dir)}`), each model's dense part "
         "measured on it before its rounds"

@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -169,10 +169,11 @@ def _cheapest(
     candidates: Mapping[str, Plan],
     cost: CostModel,
     constraints: Mapping[str, TableConstraints],
-    incumbent: str | None = None,
+    incumbents: Sequence[str] = (),
 ) -> tuple[str, Plan, StepCost, PlanChoice | None]:
     """The search's plan, or the usable candidate its cost model prices faster (the first on a tie); but the
-    incumbent's (a candidate's name) while the cheapest is not predicted faster by more than Hardware.plan_error."""
+    incumbent's (the cheapest usable of the candidates named `incumbents`) while the cheapest is not predicted faster
+    by more than Hardware.plan_error."""
     topology = cost.topology
     priced: dict[str, tuple[Plan, StepCost]] = {EMBARK: planned}
     for name, candidate in candidates.items():
@@ -184,12 +185,14 @@ def _cheapest(
         if candidate_step.rank_memory.max() <= topology.hbm_cap_bytes:
             priced[name] = (candidate, candidate_step)
     choice = None
-    if incumbent in priced:
+    standing = [name for name in incumbents if name in priced]
+    if standing:
+        incumbent = min(standing, key=lambda name: priced[name][1].step_ms)  # the first on a tie
         others = {name: p for name, p in priced.items() if name != incumbent}
         best = min(others, key=lambda name: others[name][1].step_ms)  # the first on a tie: the search's
         speedup = priced[incumbent][1].step_ms / others[best][1].step_ms
         error = topology.hardware.plan_error
-        kept = speedup < 1.0 or (error > 0 and speedup - error <= 1.0)
+        kept = speedup <= 1.0 or (error > 0 and speedup - error <= 1.0)
         choice = PlanChoice(incumbent, best, speedup, error, incumbent if kept else best)
         source = choice.chosen
     else:
@@ -214,16 +217,17 @@ def plan_model(
     optimizer: OptimizerMemory | None = None,
     progress: bool | Progress | None = None,
     candidates: Mapping[str, Plan] | None = None,
-    incumbent: str | None = None,
+    incumbent: str | Sequence[str] | None = None,
 ) -> PlannedModel:
     """Clusters, then the greedy 3D search; the result is validated against every invariant.
 
     The search is greedy, so its plan is also compared with the table-row-wise baseline (EMBark's
     reference layout; when no table has constraints) and with `candidates` (by name, e.g.
     TorchRec's default plan), and the cheapest that fits memory and honours the constraints is
-    returned (PlannedModel.source names it). `incumbent`, one of the candidates' names (EmbarkPlanner: TorchRec's
-    default plan), is returned instead unless the cheapest is predicted faster than it by more than the cost model's
-    measured error on plan differences (Hardware.plan_error); PlannedModel.choice says which way it went.
+    returned (PlannedModel.source names it). `incumbent`, one of the candidates' names or several (EmbarkPlanner:
+    TorchRec's default plans; of several, the cheapest usable one stands), is returned instead unless the cheapest is
+    predicted faster than it by more than the cost model's measured error on plan differences (Hardware.plan_error);
+    PlannedModel.choice says which way it went.
 
     progress: a Progress to call as planning goes; True draws a ProgressLine on stderr, False
     nothing, None (the default) a ProgressLine when stderr is a terminal (it shows only once
@@ -235,8 +239,10 @@ def plan_model(
     unknown = sorted(set(constraints) - {t.name for t in spec.tables})
     if unknown:
         raise ValueError(f"constraints name tables the model does not have: {unknown}")
-    if incumbent is not None and incumbent not in (candidates or {}):
-        raise ValueError(f"incumbent {incumbent!r} is not one of the candidates {sorted(candidates or {})}")
+    incumbents = (incumbent,) if isinstance(incumbent, str) else tuple(incumbent or ())
+    for name in incumbents:
+        if name not in (candidates or {}):
+            raise ValueError(f"incumbent {name!r} is not one of the candidates {sorted(candidates or {})}")
     own_line = progress is None or isinstance(progress, bool)
     line = progress_line(progress, f"planning {spec.name}") if own_line else None
     report = line if own_line else progress
@@ -254,7 +260,7 @@ def plan_model(
             report("scoring the baselines", 0, None, "")
         baselines = {TABLE_ROW_WISE: table_row_wise_plan(spec, topology)}
         source, plan, step, choice = _cheapest(
-            (plan, step), {**baselines, **(candidates or {})}, cost, constraints, incumbent
+            (plan, step), {**baselines, **(candidates or {})}, cost, constraints, incumbents
         )
         if source != EMBARK:
             clusters = {name: layout.cluster for name, layout in plan.tables.items()}

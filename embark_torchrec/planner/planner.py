@@ -31,7 +31,14 @@ from ..plan.model.ranges import MAX_WORLD_SIZE, planned_world_size_refusal
 from ..plan.search.config import SearchConfig
 from ..plan.model.spec import IdDistribution, ModelSpec, SpecError, module_tables
 from ..plan.model.hardware_file import hardware_sources, resolve_hardware
-from ..plan.model.topology import COMPUTE_DEVICES, CPU_HARDWARE, DEFAULT_HARDWARE, Hardware, Topology
+from ..plan.model.topology import (
+    COMPUTE_DEVICES,
+    CPU_HARDWARE,
+    DEFAULT_HARDWARE,
+    Hardware,
+    Topology,
+    hardware_preset,
+)
 from ..sharding.sharded_ec import EmbarkEmbeddingCollectionSharder
 from ..sharding.sharder import EmbarkEmbeddingBagCollectionSharder
 from ..sharding.torchrec_compat import (
@@ -47,6 +54,9 @@ from .torchrec_plans import torchrec_default_plan
 logger = logging.getLogger(__name__)
 
 TORCHREC_DEFAULT = "torchrec"  # the candidate name of TorchRec's default plan (PlannedModel.source)
+# the candidate name of TorchRec's default plan on the device preset's figures: what TorchRec's planner gives a job
+# that has no hardware file (the example's --planner torchrec without --hardware)
+TORCHREC_PRESET = "torchrec-preset"
 TORCHREC_CANDIDATE_WORK = 512  # tables x ranks up to which plan() compares TorchRec's plan by default (on CUDA)
 
 # GPU names (torch.cuda.get_device_name) to our presets, first match wins
@@ -390,8 +400,9 @@ class EmbarkPlanner(ShardingPlanner):
     True on every rank that plans, False never.
     `torchrec_candidate`: whether plan() also runs TorchRec's own EmbeddingShardingPlanner (its
     default options, with the sharders plan() is given, on the same tables, batch and hardware figures: the plan
-    the job would run under TorchRec's planner) and passes its plan to plan_model as a
-    candidate and the incumbent: plan_model returns it unless our plan is predicted faster by more than
+    the job would run under TorchRec's planner; where the figures are not the device's preset, once more on the
+    preset's, the plan TorchRec's planner gives a job without a hardware file) and passes its plans to plan_model as
+    candidates, the cheaper the incumbent: plan_model returns it unless our plan is predicted faster by more than
     the cost model's measured error on plan differences on this hardware (Hardware.plan_error, from a hardware
     file; 0, not measured, for the presets: then any predicted gain counts), and report() says which way it
     went. TorchRec's planner takes seconds to minutes (on this project's CPU box: 8 s for DCNv2's 26 tables at
@@ -516,9 +527,11 @@ class EmbarkPlanner(ShardingPlanner):
                     here[t.name] = replace(c, ranks=c.ranks or tuple(range(topology.world_size)))
         return {m.names[name]: c for name, c in here.items()}
 
-    def _torchrec_candidate(self, joint: ModelSpec, topology: Topology, sharders: list[Any]) -> dict[str, Plan]:
-        """TorchRec's default plan of the joint spec with the job's sharders, by name, when asked for (see
-        torchrec_candidate)."""
+    def _torchrec_candidates(self, joint: ModelSpec, topology: Topology, sharders: list[Any]) -> dict[str, Plan]:
+        """TorchRec's default plans of the joint spec with the job's sharders, by name, when asked for (see
+        torchrec_candidate): on this planner's figures and, where those are not the device's preset, on the preset's,
+        as TorchRec's planner plans a job without a hardware file; the cheaper of the two is the incumbent, so that
+        the plan returned is never priced slower than either TorchRec plan the user would otherwise run."""
         wanted = self.torchrec_candidate
         if wanted is None:  # the hardware's measured error decides against TorchRec's plan: it must be at hand
             wanted = topology.hardware.plan_error > 0 or (
@@ -526,11 +539,21 @@ class EmbarkPlanner(ShardingPlanner):
             )
         if not wanted:
             return {}
-        try:
-            return {TORCHREC_DEFAULT: torchrec_default_plan(joint, topology, self.compute_device, sharders)}
-        except Exception as e:  # noqa: BLE001  TorchRec's planner failing leaves the search's plan
-            logger.warning("TorchRec's planner found no plan to compare with (%s: %s)", type(e).__name__, e)
-            return {}
+        with warnings.catch_warnings():  # an unknown GPU is the constructor's to warn of, where it takes a preset
+            warnings.simplefilter("ignore")
+            preset = hardware_preset(default_hardware(self.compute_device))
+        figures = {TORCHREC_DEFAULT: topology}
+        if preset != topology.hardware:
+            figures[TORCHREC_PRESET] = Topology(topology.world_size, topology.local_world_size, preset)
+        out = {}
+        for name, on in figures.items():
+            try:
+                out[name] = torchrec_default_plan(joint, on, self.compute_device, sharders)
+            except Exception as e:  # noqa: BLE001  TorchRec's planner failing leaves the search's plan
+                logger.warning(
+                    "TorchRec's planner found no %s plan to compare with (%s: %s)", name, type(e).__name__, e
+                )
+        return out
 
     def _check_names(self, found: list[_Found]) -> None:
         """Constraints and measured tables name tables of this call's modules. Constraints on tables of
@@ -573,8 +596,8 @@ class EmbarkPlanner(ShardingPlanner):
             id_distribution=modules[0].spec.id_distribution,
         )
         here = {n: c for m in modules for n, c in self._constraints(m, sharders, topology).items()}
-        candidates = self._torchrec_candidate(joint, topology, sharders)
-        incumbent = TORCHREC_DEFAULT if candidates else None
+        candidates = self._torchrec_candidates(joint, topology, sharders)
+        incumbent = tuple(candidates) or None
         planned = plan_model(
             joint, topology, here, self.config, self.optimizer, self._progress(), candidates, incumbent
         )

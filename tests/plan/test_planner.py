@@ -29,13 +29,18 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConf
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from embark_torchrec.plan.search.baselines import table_row_wise_plan
-from embark_torchrec.planner.torchrec_plans import from_sharding_plan, torchrec_default_plan
+from embark_torchrec.planner.torchrec_plans import (
+    from_sharding_plan,
+    meta_module,
+    torchrec_constraints,
+    torchrec_default_plan,
+)
 from embark_torchrec.plan.layout.constraints import TableConstraints
 from embark_torchrec.plan.layout.groups import ShardingGroup
 from embark_torchrec.plan.layout.tables import Plan, TableLayout, WirePrecision
 from embark_torchrec.plan.cost.model import CostModel
 from embark_torchrec.plan.plan_model import plan_model
-from embark_torchrec.planner.planner import TORCHREC_DEFAULT, EmbarkPlanner, default_hardware
+from embark_torchrec.planner.planner import TORCHREC_DEFAULT, TORCHREC_PRESET, EmbarkPlanner, default_hardware
 from embark_torchrec.plan.model.ranges import MAX_PLANNED_WORLD_SIZE
 from embark_torchrec.plan.search.config import SearchConfig
 from embark_torchrec.planner.parameter_sharding import module_sharding_plan
@@ -917,7 +922,7 @@ def test_a_measured_error_brings_torchrecs_plan_in_and_the_report_says_why(monke
     calls: list[tuple[Any, ...]] = []
 
     def torchrec(s: ModelSpec, t: Topology, compute_device: str, sharders: list[Any]) -> Plan:
-        calls.append((t.world_size, compute_device, sharders))
+        calls.append((t.world_size, compute_device, sharders, t.hardware))
         return worse
 
     import embark_torchrec.planner.planner as planner_module
@@ -928,8 +933,10 @@ def test_a_measured_error_brings_torchrecs_plan_in_and_the_report_says_why(monke
     sharders = [EmbarkEmbeddingBagCollectionSharder()]
     planner.plan(_Model(), sharders)
     # TorchRec's planner plans for the job's device with the job's sharders, as the user's own run of it would (its
-    # CPU and CUDA plans differ, and so do the sharding types TorchRec's own sharders and ours offer on CPU)
-    assert calls == [(8, "cpu", sharders)] and planner.plans["sparse"].source == TORCHREC_DEFAULT
+    # CPU and CUDA plans differ, and so do the sharding types TorchRec's own sharders and ours offer on CPU), on our
+    # figures and on the device preset's (a job without a hardware file); of two equal plans the first stands
+    assert calls == [(8, "cpu", sharders, hardware), (8, "cpu", sharders, PRESETS["cpu-gloo"])]
+    assert planner.plans["sparse"].source == TORCHREC_DEFAULT
     assert planner.report().startswith("# torchrec plan for sparse")
     assert planner.report().endswith(planner.plans["sparse"].choice.sentence())
 
@@ -975,3 +982,34 @@ def test_a_world_size_beyond_what_plans_in_minutes_is_refused_up_front() -> None
     )
     with fake_world(MAX_PLANNED_WORLD_SIZE * 2), pytest.raises(SpecError, match="at most"):
         EmbarkPlanner(batch_size=8).plan(module, [EmbarkEmbeddingBagCollectionSharder()])
+
+
+def test_the_incumbent_is_the_cheaper_of_torchrec_s_plans_on_our_figures_and_on_the_preset_s() -> None:
+    """A job without a hardware file runs TorchRec's planner on the device preset's figures; its plan can be cheaper
+    than the one TorchRec's planner makes on the calibrated figures. On a generated model of sweep 6 (where embark
+    kept TorchRec's calibrated-figures plan and ran 0.97x the user's TorchRec plan) the planner compares both, the
+    preset's being exactly the plan the sweep ran as the user's, and keeps that one, the cheaper."""
+    kept = ROOT / "benchmarks" / "sweep6" / "seed1281976710"
+    spec = ModelSpec.from_dict(json.loads((kept / "spec.json").read_text()))
+    hardware = load_hardware(kept / "hardware.json")
+    sharders = [EmbarkEmbeddingBagCollectionSharder()]
+    topology = Topology(4, 2, hardware)
+    at_batch = spec.with_batch_size(2048 * 4)
+    user = torchrec_default_plan(at_batch, Topology(4, 2, PRESETS["cpu-gloo"]), "cpu", sharders)
+    assert user.tables == Plan.load(kept / "torchrec-user.plan.json").tables
+    calibrated = torchrec_default_plan(at_batch, topology, "cpu", sharders)
+    cost = CostModel(at_batch, topology)
+    assert cost.evaluate(user).step_ms < cost.evaluate(calibrated).step_ms  # the user's is the cheaper here
+    planner = EmbarkPlanner(
+        world_size=4,
+        local_world_size=2,
+        batch_size=2048,
+        hardware=hardware,
+        compute_device="cpu",
+        constraints=torchrec_constraints(spec),
+        measured=spec,
+    )
+    planner.plan(meta_module(spec), sharders)
+    planned = planner.plans["pooled"]
+    assert planned.choice is not None and planned.choice.incumbent == TORCHREC_PRESET
+    assert planned.choice.chosen == TORCHREC_PRESET and planned.plan.tables == user.tables
