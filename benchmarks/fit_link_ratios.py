@@ -22,6 +22,11 @@ and backward receives ran one after the other).
     PYTHONPATH=. .venv/bin/python benchmarks/fit_link_ratios.py --points benchmarks/scaling/dlrm_main_4x2,...
         --hardware benchmarks/scaling/scaling_4x2_50mbit.hardware.json --out FILE   (one cluster size's)
 
+`--fit-solo` fits Hardware.inter_node_solo_ratio with them (how much faster a rank's bytes cross once its node's
+other ranks are through: the cost model's water filling of a node's link). Calibrate measures it as one rank alone
+in a bare all-to-all (1.91 at 4 nodes x 2 ranks and 25 Mbit/s); in training at that size, a node whose ranks carry
+uneven bytes ran as if it were 1.5 (benchmarks/scaling_dilated_first.md's 4-node steps).
+
 Only sweeps that left the pipeline's last step out of their steps (sweep.json without last_step_measured) are read:
 a step that counted it is too short by one input dist for its price to be compared.
 """
@@ -52,7 +57,8 @@ from sweep import kept_seeds, model_folder, set_plan_error  # noqa: E402
 FITTED_RUNS = ("embark", "torchrec", "trw")  # the plans planned with the hardware file (torchrec-user's is not)
 PAIRED_GRID = np.round(np.arange(0.50, 1.2001, 0.02), 2)
 ONE_WAY_GRID = np.round(np.arange(1.0, MAX_ONE_WAY_RATIO + 0.001, 0.05), 2)
-FIELDS = ("inter_node_paired_ratio", "inter_node_one_way_ratio")
+SOLO_STEP = 0.1  # --fit-solo's grid: 1.0 (no speed-up alone) up to the ranks per node (the whole link) by this
+FIELDS = ("inter_node_paired_ratio", "inter_node_one_way_ratio", "inter_node_solo_ratio")
 
 
 @dataclass(frozen=True)
@@ -75,15 +81,19 @@ class RanPlan:
         cost = CostModel(self.spec, Topology(self.world_size, self.local_world_size, hardware))
         return cost.evaluate(self.plan).step_ms
 
-    def estimated_ms(self, paired: float, one_way: float, phase_overlap: float) -> float:
+    def estimated_ms(self, paired: float, one_way: float, phase_overlap: float, solo: float | None = None) -> float:
+        """Priced at these link figures; `solo` None keeps the plan's file's inter_node_solo_ratio."""
         return self.priced_ms(
             self.hardware.with_overrides(
-                inter_node_paired_ratio=paired, inter_node_one_way_ratio=one_way, inter_node_phase_overlap=phase_overlap
+                inter_node_paired_ratio=paired,
+                inter_node_one_way_ratio=one_way,
+                inter_node_phase_overlap=phase_overlap,
+                inter_node_solo_ratio=solo,
             )
         )
 
-    def log_error(self, paired: float, one_way: float, phase_overlap: float) -> float:
-        return float(np.log(self.estimated_ms(paired, one_way, phase_overlap) / self.measured_ms))
+    def log_error(self, paired: float, one_way: float, phase_overlap: float, solo: float | None = None) -> float:
+        return float(np.log(self.estimated_ms(paired, one_way, phase_overlap, solo) / self.measured_ms))
 
 
 def model_misses(plans: list[RanPlan], estimated_ms: Callable[[RanPlan], float]) -> dict[str, float]:
@@ -100,8 +110,8 @@ def model_misses(plans: list[RanPlan], estimated_ms: Callable[[RanPlan], float])
     return out
 
 
-def speedup_misses(plans: list[RanPlan], figures: tuple[float, float, float]) -> dict[str, float]:
-    """model_misses with the plans priced at `figures` (paired, one-way, phase overlap)."""
+def speedup_misses(plans: list[RanPlan], figures: tuple[float, float, float, float | None]) -> dict[str, float]:
+    """model_misses with the plans priced at `figures` (paired, one-way, phase overlap, solo or None: the files')."""
     return model_misses(plans, lambda plan: plan.estimated_ms(*figures))
 
 
@@ -160,14 +170,26 @@ def point_plans(folder: Path) -> list[RanPlan]:
     ]
 
 
+def solo_grid(plans: list[RanPlan]) -> np.ndarray:
+    """--fit-solo's values: from 1.0 (a rank alone on its node's link gets no more than its share) to the plans'
+    ranks per node (it gets the whole link), by SOLO_STEP."""
+    top = max(p.local_world_size for p in plans)
+    return np.round(np.arange(1.0, top + SOLO_STEP / 2, SOLO_STEP), 3)
+
+
 def fit(
-    plans: list[RanPlan], phase_overlap: float, one_way_grid: np.ndarray = ONE_WAY_GRID
-) -> tuple[tuple[float, float], list[float]]:
-    """The grid's (paired, one-way) ratios of least squared log error over the plans, priced at `phase_overlap`, and
-    each plan's log error at them; `one_way_grid` a single value holds the one-way ratio there."""
+    plans: list[RanPlan],
+    phase_overlap: float,
+    one_way_grid: np.ndarray = ONE_WAY_GRID,
+    solos: np.ndarray | None = None,
+) -> tuple[tuple[float, float, float | None], list[float]]:
+    """The grid's (paired, one-way, solo) ratios of least squared log error over the plans, priced at
+    `phase_overlap`, and each plan's log error at them; `one_way_grid` a single value holds the one-way ratio there;
+    `solos` None keeps each plan's file's solo ratio (the third figure None)."""
+    solo_values: list[float | None] = [None] if solos is None else [float(x) for x in solos]
     errors = {
-        (float(p), float(o)): [plan.log_error(float(p), float(o), phase_overlap) for plan in plans]
-        for p, o in itertools.product(PAIRED_GRID, one_way_grid)
+        (float(p), float(o), s): [plan.log_error(float(p), float(o), phase_overlap, s) for plan in plans]
+        for p, o, s in itertools.product(PAIRED_GRID, one_way_grid, solo_values)
     }
     best = min(errors, key=lambda ratios: float(np.sum(np.square(errors[ratios]))))
     return best, errors[best]
@@ -195,6 +217,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="hold the one-way ratio at this (fitted on more plans elsewhere) and fit the paired ratio alone: a few "
         "plans, as one size's scaling points, do not pin both",
     )
+    p.add_argument(
+        "--fit-solo",
+        action="store_true",
+        help="fit Hardware.inter_node_solo_ratio too (1.0 up to the calibrated one): how much faster a rank's bytes "
+        "cross once its node's other ranks are done, as training's steps show it rather than a bare all-to-all",
+    )
     args = p.parse_args(argv)
     args.sweeps = [Path(s.strip()) for s in args.sweeps.split(",") if s.strip()]
     args.points = [Path(s.strip()) for s in args.points.split(",") if s.strip()]
@@ -215,15 +243,16 @@ def main(argv: list[str] | None = None) -> int:
     plans = [p for sweep in args.sweeps for p in ran_plans(sweep)]
     plans += [p for point in args.points for p in point_plans(point)]
     one_way_grid = ONE_WAY_GRID if args.one_way is None else np.array([args.one_way])
-    ratios, errors = fit(plans, args.phase_overlap, one_way_grid)
+    ratios, errors = fit(plans, args.phase_overlap, one_way_grid, solo_grid(plans) if args.fit_solo else None)
     before = [
         p.log_error(p.hardware.inter_node_paired_ratio, p.hardware.inter_node_one_way_ratio, args.phase_overlap)
         for p in plans
     ]
     for p, was, now in zip(plans, before, errors):
         print(f"{p.model:16} {p.run:9} estimated / measured {np.expm1(was):+.1%} -> {np.expm1(now):+.1%}")
+    solo = "" if ratios[2] is None else f", solo ratio {ratios[2]:.2f}"
     print(
-        f"paired ratio {ratios[0]:.2f}, one-way ratio {ratios[1]:.2f} over {len(plans)} plans, phase overlap "
+        f"paired ratio {ratios[0]:.2f}, one-way ratio {ratios[1]:.2f}{solo} over {len(plans)} plans, phase overlap "
         f"{args.phase_overlap:g}: worst error "
         f"{np.abs(np.expm1(before)).max():.1%} -> {np.abs(np.expm1(errors)).max():.1%}, rms log error "
         f"{np.sqrt(np.mean(np.square(before))):.3f} -> {np.sqrt(np.mean(np.square(errors))):.3f}"
@@ -237,18 +266,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.one_way is None
         else f"the one-way ratio held at {args.one_way:g} (--one-way)"
     )
+    solos = "" if ratios[2] is None else f", solo 1.0-{solo_grid(plans)[-1]:g} by {SOLO_STEP}"
     for field, value in zip(FIELDS, ratios):
+        if value is None:
+            continue
         document["hardware"][field] = value
         document.setdefault("sources", {})[field] = "measured"
         document.setdefault("measurements", {})[field] = stats(
             [float(np.exp(e)) for e in errors],
             "estimated / measured step",
-            f"fitted by benchmarks/fit_link_ratios.py with the other ratio: the pair (paired {PAIRED_GRID[0]}-"
-            f"{PAIRED_GRID[-1]} by 0.02, {one_way}) of least squared log "
+            f"fitted by benchmarks/fit_link_ratios.py with the other ratios: the figures (paired {PAIRED_GRID[0]}-"
+            f"{PAIRED_GRID[-1]} by 0.02, {one_way}{solos}) of least squared log "
             f"error of estimated over measured steps of the {len(plans)} plans of {sweeps}; the samples are each "
             "plan's estimated / measured step at it",
         )
-    misses = speedup_misses(plans, (*ratios, args.phase_overlap))
+    misses = speedup_misses(plans, (ratios[0], ratios[1], args.phase_overlap, ratios[2]))
     where = f"{sweeps}, priced with the fitted ratios (benchmarks/fit_link_ratios.py: in sample)"
     error = set_plan_error(document, list(misses.values()), where)
     print("speedup misses: " + ", ".join(f"{m} {x:.3f}" for m, x in misses.items()))

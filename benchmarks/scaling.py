@@ -77,7 +77,12 @@ TRW_LEAD = 1.5  # embark / trw at 4 nodes
 TORCHREC_LEAD = 1.1  # embark / torchrec at 4 nodes
 PREDICTION_TARGET = 0.15  # |measured / predicted speedup - 1|
 # what --link-ratios takes from its file: the figures fit_link_ratios.py fits or fits at
-LINK_RATIOS = ("inter_node_paired_ratio", "inter_node_one_way_ratio", "inter_node_phase_overlap")
+LINK_RATIOS = (
+    "inter_node_paired_ratio",
+    "inter_node_one_way_ratio",
+    "inter_node_phase_overlap",
+    "inter_node_solo_ratio",
+)
 
 
 @dataclass

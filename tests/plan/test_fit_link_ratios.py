@@ -17,6 +17,7 @@ fit = load_benchmark("fit_link_ratios")
 CALIBRATED = ROOT / "benchmarks" / "cluster_e2e_multihot_zipf_50mbit.hardware.json"
 TRUE_RATIOS = {"inter_node_paired_ratio": 0.64, "inter_node_one_way_ratio": 1.5}
 PHASE_OVERLAP = 0.0  # the phases priced in turn, as on the emulated cluster
+TRUE_SOLO = 1.4  # a rank alone on its node's link, over its share
 
 
 def _kept_sweep(tmp_path: Path, seeds: tuple[int, ...], last_step_measured: bool = False) -> Path:
@@ -46,18 +47,36 @@ def test_a_sweep_that_counted_the_pipeline_s_last_step_is_refused(tmp_path: Path
         fit.ran_plans(kept)
 
 
+def test_fit_solo_recovers_the_solo_ratio_training_s_steps_ran_at(tmp_path: Path) -> None:
+    """--fit-solo: steps that ran as a rank alone on its node's link at 1.4x its share (not the 1.0 the file says)
+    give back 1.4 with the other ratios, written as measured; without the flag the file's solo ratio stays."""
+    truth = load_hardware(CALIBRATED).with_overrides(
+        **TRUE_RATIOS, inter_node_phase_overlap=PHASE_OVERLAP, inter_node_solo_ratio=TRUE_SOLO
+    )
+    kept = made_up_sweep(tmp_path, (3, 11), truth, CALIBRATED)
+    out = tmp_path / "fitted.hardware.json"
+    argv = ["--sweeps", str(kept), "--hardware", str(CALIBRATED), "--out", str(out), "--phase-overlap", "0"]
+    held = ["--one-way", str(TRUE_RATIOS["inter_node_one_way_ratio"])]
+    assert fit.main([*argv, *held, "--fit-solo"]) == 0
+    assert load_hardware(out) == truth
+    assert (hardware_sources(str(out)) or {})["inter_node_solo_ratio"] == "measured"
+    assert fit.main([*argv, *held]) == 0
+    assert load_hardware(out).inter_node_solo_ratio == load_hardware(CALIBRATED).inter_node_solo_ratio != TRUE_SOLO
+
+
 def test_the_scaling_curve_plans_with_the_fitted_figures_where_given(tmp_path: Path) -> None:
-    """benchmarks/scaling.py --link-ratios: a size's calibrated file gets the fitted file's paired and one-way
+    """benchmarks/scaling.py --link-ratios: a size's calibrated file gets the fitted file's paired, one-way and solo
     ratios and phase overlap (and their sources), every other figure its own; without it, the calibrated file as is."""
     scaling = load_benchmark("scaling")
     fitted = tmp_path / "fitted.hardware.json"
     document = json.loads(CALIBRATED.read_text())
-    document["hardware"] |= TRUE_RATIOS | {"inter_node_phase_overlap": PHASE_OVERLAP, "collective_us": 1.0}
+    linked = TRUE_RATIOS | {"inter_node_phase_overlap": PHASE_OVERLAP, "inter_node_solo_ratio": TRUE_SOLO}
+    document["hardware"] |= linked | {"collective_us": 1.0}
     fitted.write_text(json.dumps(document))
     merged = tmp_path / "merged.hardware.json"
     save_hardware(merged, scaling.with_link_ratios(CALIBRATED, fitted))
     calibrated = load_hardware(CALIBRATED)
-    assert load_hardware(merged) == calibrated.with_overrides(**TRUE_RATIOS, inter_node_phase_overlap=PHASE_OVERLAP)
+    assert load_hardware(merged) == calibrated.with_overrides(**linked)
     assert scaling.with_link_ratios(CALIBRATED, None) == json.loads(CALIBRATED.read_text())
 
 
