@@ -1,7 +1,8 @@
-"""The network's two link ratios fitted to real training steps: Hardware.inter_node_paired_ratio (the rate at which
+"""The network's link ratios fitted to real training steps: Hardware.inter_node_paired_ratio (the rate at which
 the hierarchical stage 2 and TorchRec's table-row-wise cross nodes, each rank with its local rank's peer on every
 other node, over the all-ranks rate) and Hardware.inter_node_one_way_ratio (how much faster a rank's bytes go where
-its traffic in a phase of the step runs one way), as the kept sweeps' steps show them.
+its traffic in a phase of the step runs one way), and with --fit-solo Hardware.inter_node_solo_ratio, as the kept
+sweeps' steps show them.
 
 Calibrate measures both with bare all-to-alls, sample by sample against the all-ranks pattern; on this box's gloo
 links their samples spread too far to price a plan by (24 samples: paired p25-p75 0.67-1.18, median 0.97; one way
@@ -25,7 +26,8 @@ and backward receives ran one after the other).
 `--fit-solo` fits Hardware.inter_node_solo_ratio with them (how much faster a rank's bytes cross once its node's
 other ranks are through: the cost model's water filling of a node's link). Calibrate measures it as one rank alone
 in a bare all-to-all (1.91 at 4 nodes x 2 ranks and 25 Mbit/s); in training at that size, a node whose ranks carry
-uneven bytes ran as if it were 1.5 (benchmarks/scaling_dilated_first.md's 4-node steps).
+uneven bytes ran as if it were 1.30 (the 4-node steps of benchmarks/scaling_dilated.md and of a 4-round run). Plans
+whose nodes' ranks carry even bytes do not tell it: the fit needs one that does not.
 
 Only sweeps that left the pipeline's last step out of their steps (sweep.json without last_step_measured) are read:
 a step that counted it is too short by one input dist for its price to be compared.

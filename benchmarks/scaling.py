@@ -215,13 +215,13 @@ def link_ratios_text(args: argparse.Namespace) -> str:
         return ". "
     if list(files) == [None]:
         return (
-            f"; the paired and one-way link ratios and the phase overlap from `{display(files[None])}` (fitted to "
+            f"; the link ratios (paired, one-way, solo) and the phase overlap from `{display(files[None])}` (fitted to "
             "training steps on these links) at every size. "
         )
     sizes = ", ".join(f"{n} nodes `{display(f)}`" for n, f in sorted(files.items(), key=lambda i: i[0] or 0))
     return (
-        f"; the paired and one-way link ratios and the phase overlap of each size fitted to training steps at that "
-        f"size (benchmarks/fit_link_ratios.py --points): {sizes}; other sizes as calibrated. "
+        f"; the link ratios (paired, one-way, solo) and the phase overlap of each size fitted to training steps at "
+        f"that size (benchmarks/fit_link_ratios.py --points): {sizes}; other sizes as calibrated. "
     )
 
 
