@@ -222,7 +222,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--fit-solo",
         action="store_true",
-        help="fit Hardware.inter_node_solo_ratio too (1.0 up to the calibrated one): how much faster a rank's bytes "
+        help="fit Hardware.inter_node_solo_ratio too (1.0 up to the ranks per node): how much faster a rank's bytes "
         "cross once its node's other ranks are done, as training's steps show it rather than a bare all-to-all",
     )
     args = p.parse_args(argv)
