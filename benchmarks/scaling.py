@@ -194,12 +194,17 @@ def targets(points: list[Point]) -> list[str]:
                 f"{verdict(four.measured('embark', 'torchrec') >= TORCHREC_LEAD)})"
             )
             if 2 in by_nodes:
-                grows = four.measured("embark", "trw") >= by_nodes[2].measured("embark", "trw")
-                lines.append(f"- {model}: lead over trw at 4 nodes >= at 2: {verdict(grows)}")
+                two = by_nodes[2].measured("embark", "trw")
+                grows = four.measured("embark", "trw") >= two
+                lines.append(
+                    f"- {model}: lead over trw at 4 nodes >= at 2 ({two:.2f}x -> "
+                    f"{four.measured('embark', 'trw'):.2f}x): {verdict(grows)}"
+                )
         shares = [by_nodes[n].link_share["trw"] for n in sorted(by_nodes) if by_nodes[n].link_share]
         if len(shares) > 1:
             grows = all(a <= b for a, b in zip(shares, shares[1:]))
-            lines.append(f"- {model}: trw's link share grows with nodes ({shares}): {verdict(grows)}")
+            shown = " -> ".join(f"{x:.0%}" for x in shares)
+            lines.append(f"- {model}: trw's link share grows with nodes ({shown}): {verdict(grows)}")
     offs = [abs(p.measured("embark", b) / p.predicted("embark", b) - 1) for p in points for b in ("torchrec", "trw")]
     lines.append(
         f"- every point's predicted speedup within {PREDICTION_TARGET:.0%} of measured: worst {max(offs):.0%} "

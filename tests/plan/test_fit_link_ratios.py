@@ -128,3 +128,20 @@ def test_dilated_links_slow_as_the_ranks_share_the_cores(monkeypatch: pytest.Mon
     steps = scaling.parse_args(["--steps", "16", "--single-node-steps", "100"])
     assert [scaling.at_size(steps, n).steps for n in (1, 2, 4)] == [100, 16, 16]
     assert steps.steps == 16
+
+
+def test_the_curve_s_targets_show_the_lead_and_link_share_they_judge() -> None:
+    """scaling.py's targets on the kept curve's 2- and 4-node points: the lead over TWRW at 2 and 4 nodes and TWRW's
+    link share per size are printed beside the verdict they give (a lead that shrinks is not met)."""
+    scaling = load_benchmark("scaling")
+    kept = ROOT / "benchmarks" / "scaling_dilated_solo" / "multihot_zipf_{}x2" / "rounds.json"
+    runs = {n: json.loads(Path(str(kept).format(n)).read_text())["runs"] for n in (2, 4)}
+    estimated = {n: {plan: rounds[0]["estimated_step_ms"] for plan, rounds in runs[n].items()} for n in (2, 4)}
+    shares = {2: {"trw": 0.56}, 4: {"trw": 0.59}}
+    points = [scaling.Point(runs[n], estimated[n], "multihot_zipf", n, shares[n]) for n in (2, 4)]
+    lines = scaling.targets(points)
+    assert "- multihot_zipf: lead over trw at 4 nodes >= at 2 (1.70x -> 1.98x): met" in lines
+    assert "- multihot_zipf: trw's link share grows with nodes (56% -> 59%): met" in lines
+    swapped = [scaling.Point(runs[6 - n], estimated[6 - n], "m", n, {}) for n in (2, 4)]  # 4 nodes' rounds at 2
+    shrunk = scaling.targets(swapped)
+    assert "- m: lead over trw at 4 nodes >= at 2 (1.98x -> 1.70x): **not met**" in shrunk
