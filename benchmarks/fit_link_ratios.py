@@ -245,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     plans = [p for sweep in args.sweeps for p in ran_plans(sweep)]
     plans += [p for point in args.points for p in point_plans(point)]
     one_way_grid = ONE_WAY_GRID if args.one_way is None else np.array([args.one_way])
-    ratios, errors = fit(plans, args.phase_overlap, one_way_grid, solo_grid(plans) if args.fit_solo else None)
+    solos = solo_grid(plans) if args.fit_solo else None
+    ratios, errors = fit(plans, args.phase_overlap, one_way_grid, solos)
     before = [
         p.log_error(p.hardware.inter_node_paired_ratio, p.hardware.inter_node_one_way_ratio, args.phase_overlap)
         for p in plans
@@ -268,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.one_way is None
         else f"the one-way ratio held at {args.one_way:g} (--one-way)"
     )
-    solos = "" if ratios[2] is None else f", solo 1.0-{solo_grid(plans)[-1]:g} by {SOLO_STEP}"
+    solo_range = "" if solos is None else f", solo {solos[0]:.1f}-{solos[-1]:g} by {SOLO_STEP}"
     for field, value in zip(FIELDS, ratios):
         if value is None:
             continue
@@ -278,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             [float(np.exp(e)) for e in errors],
             "estimated / measured step",
             f"fitted by benchmarks/fit_link_ratios.py with the other ratios: the figures (paired {PAIRED_GRID[0]}-"
-            f"{PAIRED_GRID[-1]} by 0.02, {one_way}{solos}) of least squared log "
+            f"{PAIRED_GRID[-1]} by 0.02, {one_way}{solo_range}) of least squared log "
             f"error of estimated over measured steps of the {len(plans)} plans of {sweeps}; the samples are each "
             "plan's estimated / measured step at it",
         )
