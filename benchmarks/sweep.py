@@ -31,7 +31,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from embark_torchrec.calibrate import stats
 from embark_torchrec.cluster import ClusterSpec
@@ -116,15 +116,22 @@ def run_rounds(
 
 
 def interleaved_rounds(
-    args: argparse.Namespace, seed: int, folder: Path, tmp: Path, names: list[str], planned: bool
+    args: argparse.Namespace,
+    seed: int,
+    folder: Path,
+    tmp: Path,
+    names: list[str],
+    planned: bool,
+    planners: Mapping[str, tuple[str, bool]] = RUNS,
 ) -> dict[str, list[dict[str, Any]]]:
-    """args.rounds rounds of the runs `names` (of RUNS) of a model's folder, every other round in reverse, each run's
-    RESULT by run: each run plans (its plan kept in the folder) or, `planned`, runs the folder's plan."""
+    """args.rounds rounds of the runs `names` (of `planners`: a run's planner and whether it is given the folder's
+    hardware file) of a model's folder, every other round in reverse, each run's RESULT by run: each run plans (its
+    plan kept in the folder) or, `planned`, runs the folder's <run>.plan.json."""
     runs: dict[str, list[dict[str, Any]]] = {run: [] for run in names}
     for i in range(args.rounds):
         for run in names if i % 2 == 0 else names[::-1]:
             stop_if_interrupted()
-            planner, with_hardware = RUNS[run]
+            planner, with_hardware = planners[run]
             hardware = folder / "hardware.json" if with_hardware else None
             once = cluster_run(args, str(folder / "spec.json"), args.nodes, args.link_mbit[0], hardware, tmp / "u.md")
             plan = folder / f"{run}.plan.json"

@@ -1,0 +1,268 @@
+"""Where a model's predicted speedup goes wrong, table by table: embark's kept plan of a sweep's model with TorchRec's
+layout of chosen tables put back ("swaps"), each variant run in interleaved rounds beside embark's and TorchRec's
+plans, and each swap's measured change of the step beside the change the cost model prices it at.
+
+A sweep's miss on a model (|predicted - measured| speedup of embark over TorchRec's plan) is the cost model's error on
+one whole plan difference. The swaps split that difference into pieces: a swap whose priced change is off its
+measured one by more than its rounds' spread is a mispriced piece (a table's cluster kind, its grid, the data-parallel
+all-reduce it moves), while pieces each priced within their spread whose errors add up in one direction point at no
+term of the model. The plans, the model's hardware file and the settings are the sweep's; nothing is planned. By
+default every table whose layout differs between the two plans is swapped alone; --swap t5,t6 swaps tables together.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/plan_ablation.py --sweep benchmarks/sweep7.md --seed 1199748406
+        [--swap t0 --swap t5,t6 ...] [--rounds 2] [--out benchmarks/plan_ablation.md]
+
+The variants and their rounds are kept under --out's folder (seed<seed>/); every kept model is in the markdown.
+--kept runs nothing and writes the markdown from them. Needs root (network namespaces), ip and tc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from embark_torchrec.plan import CostModel, ModelSpec, Plan, Topology
+from embark_torchrec.plan.layout.tables import TableLayout
+from embark_torchrec.plan.model.hardware_file import load_hardware
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from cluster_e2e import TIMEOUT_S, Rounds, cluster_ready, display  # noqa: E402 (next to this file)
+from sweep import RUNS, SETTINGS, interleaved_rounds, kept_seeds, model_folder  # noqa: E402
+
+BASE, OTHER = "embark", "torchrec"  # the plans whose difference is split
+SWAP = "swap-"  # a variant's run name: this and its tables joined by "+"
+
+
+def differing_tables(base: Plan, other: Plan) -> list[str]:
+    """The tables whose layouts differ between two plans of one model, in the base plan's order."""
+    return [name for name, layout in base.tables.items() if layout != other.tables[name]]
+
+
+def swapped(base: Plan, other: Plan, tables: tuple[str, ...]) -> Plan:
+    """`base` with `other`'s layouts of `tables`."""
+    plan = base
+    for name in tables:
+        plan = plan.replace_table(name, other.tables[name])
+    return plan
+
+
+def run_name(tables: tuple[str, ...]) -> str:
+    return SWAP + "+".join(tables)
+
+
+def layout_label(layout: TableLayout) -> str:
+    """A layout in a few words: its cluster, hierarchical, its grid and the ranks it is on."""
+    if layout.kind.replicated:
+        return layout.cluster
+    ranks = sorted({r for cell in layout.ranks for r in cell})
+    hierarchical = " hierarchical" if layout.hierarchical else ""
+    return f"{layout.cluster}{hierarchical} {layout.num_row_slices}x{layout.num_col_slices} on {ranks}"
+
+
+@dataclass(frozen=True)
+class Swap:
+    """One variant: the tables swapped, its priced and measured step, and both changes over the base plan's step (the
+    measured one per round too: its spread)."""
+
+    tables: tuple[str, ...]
+    labels: str
+    priced_ms: float
+    measured_ms: float
+    priced_change_ms: float
+    measured_change_ms: float
+    round_changes_ms: list[float]
+
+    @property
+    def error_ms(self) -> float:
+        """Priced change less measured change: > 0 where the cost model charges the swap more than it costs."""
+        return self.priced_change_ms - self.measured_change_ms
+
+
+@dataclass(frozen=True)
+class Ablation:
+    """One model's split: its two plans' priced and measured steps and speedup, and every swap."""
+
+    seed: int
+    priced_ms: dict[str, float]
+    measured_ms: dict[str, float]
+    swaps: list[Swap]
+
+    @property
+    def predicted(self) -> float:
+        return self.priced_ms[OTHER] / self.priced_ms[BASE]
+
+    @property
+    def measured(self) -> float:
+        return self.measured_ms[OTHER] / self.measured_ms[BASE]
+
+
+def ablation_of(folder: Path) -> Ablation:
+    """A kept model's split (its folder: spec, hardware file, the plans and rounds.json), priced with today's model."""
+    rounds = json.loads((folder / "rounds.json").read_text())
+    ws = rounds["world_size"]
+    spec = ModelSpec.from_dict(json.loads((folder / "spec.json").read_text()))
+    spec = spec.with_batch_size(rounds["batch_size"] * ws)
+    cost = CostModel(spec, Topology(ws, rounds["local_world_size"], load_hardware(folder / "hardware.json")))
+    priced = {run: cost.evaluate(Plan.load(folder / f"{run}.plan.json")).step_ms for run in rounds["runs"]}
+    kept = Rounds(rounds["runs"], priced)
+    measured = {run: kept.measured_ms(run) for run in rounds["runs"]}
+
+    def per_round(run: str) -> list[float]:
+        return [r["step_ms"] - r["data_ms_per_step"] for r in rounds["runs"][run]]
+
+    base_rounds = per_round(BASE)
+    swaps = []
+    for tables in (tuple(t) for t in rounds["swaps"]):
+        run = run_name(tables)
+        base, other = Plan.load(folder / f"{BASE}.plan.json"), Plan.load(folder / f"{OTHER}.plan.json")
+        labels = "; ".join(f"{t}: {layout_label(base.tables[t])} -> {layout_label(other.tables[t])}" for t in tables)
+        swaps.append(
+            Swap(
+                tables,
+                labels,
+                priced[run],
+                measured[run],
+                priced[run] - priced[BASE],
+                measured[run] - measured[BASE],
+                [v - b for v, b in zip(per_round(run), base_rounds)],
+            )
+        )
+    return Ablation(int(rounds["seed"]), priced, measured, swaps)
+
+
+def markdown(ablations: list[Ablation], note: str) -> str:
+    """Every kept model's split, and what the swaps' errors add up to."""
+    lines = [
+        "# Plan differences split table by table",
+        "",
+        "Embark's kept plan of a sweep's model with TorchRec's layout of some tables put back, each variant run in "
+        "interleaved rounds beside the two plans (benchmarks/plan_ablation.py); steps are medians over rounds of the "
+        "step less the batch making, priced with the model's hardware file. A swap's error is its priced change of "
+        "the step less its measured change (> 0: charged more than it costs). " + note,
+    ]
+    for a in ablations:
+        lines += [
+            "",
+            f"## Seed {a.seed}: embark / torchrec {a.measured:.3f}x measured, {a.predicted:.3f}x predicted "
+            f"(miss {a.predicted - a.measured:+.3f})",
+            "",
+            f"embark: priced {a.priced_ms[BASE]:,.0f} ms, measured {a.measured_ms[BASE]:,.0f} ms; torchrec: priced "
+            f"{a.priced_ms[OTHER]:,.0f} ms, measured {a.measured_ms[OTHER]:,.0f} ms.",
+            "",
+            "| swapped into embark's plan | priced | measured | change priced | change measured (rounds) | error |",
+            "|---|---:|---:|---:|---|---:|",
+        ]
+        for s in a.swaps:
+            rounds = ", ".join(f"{c:+,.0f}" for c in s.round_changes_ms)
+            lines.append(
+                f"| {s.labels} | {s.priced_ms:,.0f} | {s.measured_ms:,.0f} | {s.priced_change_ms:+,.0f} | "
+                f"{s.measured_change_ms:+,.0f} ({rounds}) | {s.error_ms:+,.0f} |"
+            )
+        whole_priced = a.priced_ms[OTHER] - a.priced_ms[BASE]
+        whole_measured = a.measured_ms[OTHER] - a.measured_ms[BASE]
+        lines += [
+            "",
+            f"The whole difference: priced {whole_priced:+,.0f} ms, measured {whole_measured:+,.0f} ms (error "
+            f"{whole_priced - whole_measured:+,.0f}); the swaps' errors add up to "
+            f"{sum(s.error_ms for s in a.swaps):+,.0f} ms.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def prepare(sweep: Path, seed: int, swaps: list[tuple[str, ...]], folder: Path) -> list[str]:
+    """The model's spec, hardware file, both plans and every swap's variant written into `folder`; the run names."""
+    source = model_folder(sweep, seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("spec.json", "hardware.json"):
+        shutil.copyfile(source / name, folder / name)
+    base, other = Plan.load(source / f"{BASE}.plan.json"), Plan.load(source / f"{OTHER}.plan.json")
+    plans = {BASE: base, OTHER: other} | {run_name(t): swapped(base, other, t) for t in swaps}
+    for run, plan in plans.items():
+        (folder / f"{run}.plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
+    return list(plans)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sweep", type=Path, help="a kept sweep's markdown (its folder holds the models)")
+    p.add_argument("--seed", type=int, help="the sweep's model to split")
+    p.add_argument(
+        "--swap",
+        action="append",
+        default=[],
+        help="comma-separated tables put back together (repeatable; default: every differing table alone)",
+    )
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "plan_ablation.md")
+    p.add_argument("--kept", action="store_true", help="run nothing: the markdown from the kept models")
+    args = p.parse_args(argv)
+    if args.kept:
+        return args
+    if args.sweep is None or args.seed is None:
+        p.error("--sweep and --seed are needed (or --kept)")
+    settings_file = args.sweep.with_suffix("") / "sweep.json"
+    if not settings_file.exists():
+        p.error(f"--sweep {args.sweep}: {settings_file} holds no kept sweep")
+    if args.seed not in kept_seeds(args.sweep.with_suffix("")):
+        p.error(f"--seed {args.seed}: not a model {args.sweep.with_suffix('')} kept rounds of")
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
+    source = model_folder(args.sweep, args.seed)
+    base, other = Plan.load(source / f"{BASE}.plan.json"), Plan.load(source / f"{OTHER}.plan.json")
+    differing = differing_tables(base, other)
+    if not differing:
+        p.error(f"--seed {args.seed}: embark's plan is TorchRec's (nothing to split)")
+    swaps = [tuple(t.strip() for t in s.split(",") if t.strip()) for s in args.swap] or [(t,) for t in differing]
+    for tables in swaps:
+        same = [t for t in tables if t not in differing]
+        if same or not tables:
+            p.error(f"--swap {','.join(tables)}: {same or 'no table'} not a table whose layout differs ({differing})")
+    args.swaps = swaps
+    settings = json.loads(settings_file.read_text())
+    vars(args).update({k: settings[k] for k in SETTINGS if k != "rounds"})
+    args.timeout_s = TIMEOUT_S
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    kept_folder = args.out.with_suffix("")
+    if not args.kept:
+        if not cluster_ready("plan_ablation.py"):
+            return 1
+        folder = kept_folder / f"seed{args.seed}"
+        names = prepare(args.sweep, args.seed, args.swaps, folder)
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory() as tmp:
+            planners = {name: RUNS[BASE] for name in names}  # every variant runs as a plan file with the hardware file
+            runs = interleaved_rounds(args, args.seed, folder, Path(tmp), names, True, planners)
+        kept: dict[str, Any] = {
+            "seed": args.seed,
+            "sweep": display(args.sweep),
+            "world_size": runs[BASE][0]["world_size"],
+            "local_world_size": runs[BASE][0]["local_world_size"],
+            "batch_size": runs[BASE][0]["batch_size"],
+            "seconds": time.perf_counter() - start,
+            "swaps": [list(t) for t in args.swaps],
+            "runs": runs,
+        }
+        (folder / "rounds.json").write_text(json.dumps(kept, indent=1))
+    folders = sorted(f for f in kept_folder.glob("seed*") if (f / "rounds.json").exists())
+    minutes = sum(json.loads((f / "rounds.json").read_text())["seconds"] for f in folders) / 60
+    sources = sorted({json.loads((f / "rounds.json").read_text())["sweep"] for f in folders})
+    note = f"Models of {', '.join(sources)}; {minutes:.1f} min of runs in all."
+    args.out.write_text(markdown([ablation_of(f) for f in folders], note))
+    print(args.out.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
