@@ -8,9 +8,12 @@ measured one by more than its rounds' spread is a mispriced piece (a table's clu
 all-reduce it moves), while pieces each priced within their spread whose errors add up in one direction point at no
 term of the model. The plans, the model's hardware file and the settings are the sweep's; nothing is planned. By
 default every table whose layout differs between the two plans is swapped alone; --swap t5,t6 swaps tables together.
+--plan NAME=FILE runs one more plan of the model (any layouts, e.g. a table of embark's plan laid out otherwise) the
+same way, its change over embark's plan priced and measured beside the swaps'.
 
     PYTHONPATH=. .venv/bin/python benchmarks/plan_ablation.py --sweep benchmarks/sweep7.md --seed 1199748406
-        [--swap t0 --swap t5,t6 ...] [--rounds 2] [--out benchmarks/plan_ablation.md]
+        [--swap t0 --swap t5,t6 ...] [--plan t4-tw=t4_tw.plan.json ...] [--rounds 2]
+        [--out benchmarks/plan_ablation.md]
 
 The variants and their rounds are kept under --out's folder (seed<seed>/); every kept model is in the markdown.
 --kept runs nothing and writes the markdown from them. Needs root (network namespaces), ip and tc.
@@ -26,7 +29,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from embark_torchrec.plan import CostModel, ModelSpec, Plan, Topology
 from embark_torchrec.plan.layout.tables import TableLayout
@@ -38,7 +41,8 @@ from cluster_e2e import TIMEOUT_S, Rounds, cluster_ready, display  # noqa: E402 
 from sweep import RUNS, SETTINGS, interleaved_rounds, kept_seeds, model_folder  # noqa: E402
 
 BASE, OTHER = "embark", "torchrec"  # the plans whose difference is split
-SWAP = "swap-"  # a variant's run name: this and its tables joined by "+"
+SWAP = "swap-"  # a swap's run name: this and its tables joined by "+"
+GIVEN = "plan-"  # a --plan's run name: this and its NAME
 
 
 def differing_tables(base: Plan, other: Plan) -> list[str]:
@@ -58,6 +62,10 @@ def run_name(tables: tuple[str, ...]) -> str:
     return SWAP + "+".join(tables)
 
 
+def given_name(name: str) -> str:
+    return GIVEN + name
+
+
 def layout_label(layout: TableLayout) -> str:
     """A layout in a few words: its cluster, hierarchical, its grid and the ranks it is on."""
     if layout.kind.replicated:
@@ -67,13 +75,19 @@ def layout_label(layout: TableLayout) -> str:
     return f"{layout.cluster}{hierarchical} {layout.num_row_slices}x{layout.num_col_slices} on {ranks}"
 
 
-@dataclass(frozen=True)
-class Swap:
-    """One variant: the tables swapped, its priced and measured step, and both changes over the base plan's step (the
-    measured one per round too: its spread)."""
+def change_label(base: Plan, plan: Plan) -> str:
+    """The tables a plan lays out otherwise than `base`, each with both layouts."""
+    tables = differing_tables(base, plan)
+    return "; ".join(f"{t}: {layout_label(base.tables[t])} -> {layout_label(plan.tables[t])}" for t in tables)
 
-    tables: tuple[str, ...]
-    labels: str
+
+@dataclass(frozen=True)
+class Change:
+    """One variant of embark's plan (a swap, or a --plan): its run, what it changes, its priced and measured step, and
+    both changes over the base plan's step (the measured one per round too: its spread)."""
+
+    run: str
+    label: str
     priced_ms: float
     measured_ms: float
     priced_change_ms: float
@@ -88,12 +102,13 @@ class Swap:
 
 @dataclass(frozen=True)
 class Ablation:
-    """One model's split: its two plans' priced and measured steps and speedup, and every swap."""
+    """One model's split: its two plans' priced and measured steps and speedup, every swap and every --plan."""
 
     seed: int
     priced_ms: dict[str, float]
     measured_ms: dict[str, float]
-    swaps: list[Swap]
+    swaps: list[Change]
+    given: list[Change]
 
     @property
     def predicted(self) -> float:
@@ -118,24 +133,22 @@ def ablation_of(folder: Path) -> Ablation:
     def per_round(run: str) -> list[float]:
         return [r["step_ms"] - r["data_ms_per_step"] for r in rounds["runs"][run]]
 
-    base_rounds = per_round(BASE)
-    swaps = []
-    for tables in (tuple(t) for t in rounds["swaps"]):
-        run = run_name(tables)
-        base, other = Plan.load(folder / f"{BASE}.plan.json"), Plan.load(folder / f"{OTHER}.plan.json")
-        labels = "; ".join(f"{t}: {layout_label(base.tables[t])} -> {layout_label(other.tables[t])}" for t in tables)
-        swaps.append(
-            Swap(
-                tables,
-                labels,
-                priced[run],
-                measured[run],
-                priced[run] - priced[BASE],
-                measured[run] - measured[BASE],
-                [v - b for v, b in zip(per_round(run), base_rounds)],
-            )
+    base = Plan.load(folder / f"{BASE}.plan.json")
+
+    def change(run: str) -> Change:
+        return Change(
+            run,
+            change_label(base, Plan.load(folder / f"{run}.plan.json")),
+            priced[run],
+            measured[run],
+            priced[run] - priced[BASE],
+            measured[run] - measured[BASE],
+            [v - b for v, b in zip(per_round(run), per_round(BASE))],
         )
-    return Ablation(int(rounds["seed"]), priced, measured, swaps)
+
+    swaps = [change(run_name(tuple(t))) for t in rounds["swaps"]]
+    given = [change(given_name(name)) for name in rounds.get("plans", [])]
+    return Ablation(int(rounds["seed"]), priced, measured, swaps, given)
 
 
 def markdown(ablations: list[Ablation], note: str) -> str:
@@ -157,13 +170,14 @@ def markdown(ablations: list[Ablation], note: str) -> str:
             f"embark: priced {a.priced_ms[BASE]:,.0f} ms, measured {a.measured_ms[BASE]:,.0f} ms; torchrec: priced "
             f"{a.priced_ms[OTHER]:,.0f} ms, measured {a.measured_ms[OTHER]:,.0f} ms.",
             "",
-            "| swapped into embark's plan | priced | measured | change priced | change measured (rounds) | error |",
-            "|---|---:|---:|---:|---|---:|",
+            "| embark's plan changed | by | priced | measured | change priced | change measured (rounds) | error |",
+            "|---|---|---:|---:|---:|---|---:|",
         ]
-        for s in a.swaps:
+        for s in a.swaps + a.given:
+            by = "TorchRec's layout" if s in a.swaps else f"--plan {s.run.removeprefix(GIVEN)}"
             rounds = ", ".join(f"{c:+,.0f}" for c in s.round_changes_ms)
             lines.append(
-                f"| {s.labels} | {s.priced_ms:,.0f} | {s.measured_ms:,.0f} | {s.priced_change_ms:+,.0f} | "
+                f"| {s.label} | {by} | {s.priced_ms:,.0f} | {s.measured_ms:,.0f} | {s.priced_change_ms:+,.0f} | "
                 f"{s.measured_change_ms:+,.0f} ({rounds}) | {s.error_ms:+,.0f} |"
             )
         whole_priced = a.priced_ms[OTHER] - a.priced_ms[BASE]
@@ -177,14 +191,18 @@ def markdown(ablations: list[Ablation], note: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def prepare(sweep: Path, seed: int, swaps: list[tuple[str, ...]], folder: Path) -> list[str]:
-    """The model's spec, hardware file, both plans and every swap's variant written into `folder`; the run names."""
+def prepare(
+    sweep: Path, seed: int, swaps: list[tuple[str, ...]], folder: Path, given: Mapping[str, Plan] | None = None
+) -> list[str]:
+    """The model's spec, hardware file, both plans, every swap's variant and every --plan (`given`, by NAME) written
+    into `folder`; the run names."""
     source = model_folder(sweep, seed)
     folder.mkdir(parents=True, exist_ok=True)
     for name in ("spec.json", "hardware.json"):
         shutil.copyfile(source / name, folder / name)
     base, other = Plan.load(source / f"{BASE}.plan.json"), Plan.load(source / f"{OTHER}.plan.json")
     plans = {BASE: base, OTHER: other} | {run_name(t): swapped(base, other, t) for t in swaps}
+    plans |= {given_name(name): plan for name, plan in (given or {}).items()}
     for run, plan in plans.items():
         (folder / f"{run}.plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
     return list(plans)
@@ -199,6 +217,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="append",
         default=[],
         help="comma-separated tables put back together (repeatable; default: every differing table alone)",
+    )
+    p.add_argument(
+        "--plan",
+        action="append",
+        default=[],
+        metavar="NAME=FILE",
+        help="one more plan of the model, run and priced beside the swaps (repeatable; NAME labels it)",
     )
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "plan_ablation.md")
@@ -226,6 +251,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if same or not tables:
             p.error(f"--swap {','.join(tables)}: {same or 'no table'} not a table whose layout differs ({differing})")
     args.swaps = swaps
+    spec = ModelSpec.from_dict(json.loads((source / "spec.json").read_text()))
+    args.given = {}
+    for item in args.plan:
+        name, _, file = item.partition("=")
+        if not name or not file or name in args.given:
+            p.error(f"--plan {item}: expected NAME=FILE, each NAME once")
+        try:
+            plan = Plan.load(file)
+            plan.validate(spec)
+        except (OSError, ValueError) as e:
+            p.error(f"--plan {item}: {e}")
+        ran, shape = (base.world_size, base.local_world_size), (plan.world_size, plan.local_world_size)
+        if shape != ran:
+            p.error(f"--plan {item}: {file} is for (ranks, ranks per node) {shape}; the model ran on {ran}")
+        if not differing_tables(base, plan):
+            p.error(f"--plan {item}: {file} lays out every table as embark's plan does")
+        args.given[name] = plan
     settings = json.loads(settings_file.read_text())
     vars(args).update({k: settings[k] for k in SETTINGS if k != "rounds"})
     args.timeout_s = TIMEOUT_S
@@ -239,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         if not cluster_ready("plan_ablation.py"):
             return 1
         folder = kept_folder / f"seed{args.seed}"
-        names = prepare(args.sweep, args.seed, args.swaps, folder)
+        names = prepare(args.sweep, args.seed, args.swaps, folder, args.given)
         start = time.perf_counter()
         with tempfile.TemporaryDirectory() as tmp:
             planners = {name: RUNS[BASE] for name in names}  # every variant runs as a plan file with the hardware file
@@ -252,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             "batch_size": runs[BASE][0]["batch_size"],
             "seconds": time.perf_counter() - start,
             "swaps": [list(t) for t in args.swaps],
+            "plans": list(args.given),
             "runs": runs,
         }
         (folder / "rounds.json").write_text(json.dumps(kept, indent=1))
