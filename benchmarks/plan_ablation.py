@@ -58,7 +58,7 @@ def swapped(base: Plan, other: Plan, tables: tuple[str, ...]) -> Plan:
     return plan
 
 
-def run_name(tables: tuple[str, ...]) -> str:
+def swap_name(tables: tuple[str, ...]) -> str:
     return SWAP + "+".join(tables)
 
 
@@ -146,7 +146,7 @@ def ablation_of(folder: Path) -> Ablation:
             [v - b for v, b in zip(per_round(run), per_round(BASE))],
         )
 
-    swaps = [change(run_name(tuple(t))) for t in rounds["swaps"]]
+    swaps = [change(swap_name(tuple(t))) for t in rounds["swaps"]]
     given = [change(given_name(name)) for name in rounds.get("plans", [])]
     return Ablation(int(rounds["seed"]), priced, measured, swaps, given)
 
@@ -201,7 +201,7 @@ def prepare(
     for name in ("spec.json", "hardware.json"):
         shutil.copyfile(source / name, folder / name)
     base, other = Plan.load(source / f"{BASE}.plan.json"), Plan.load(source / f"{OTHER}.plan.json")
-    plans = {BASE: base, OTHER: other} | {run_name(t): swapped(base, other, t) for t in swaps}
+    plans = {BASE: base, OTHER: other} | {swap_name(t): swapped(base, other, t) for t in swaps}
     plans |= {given_name(name): plan for name, plan in (given or {}).items()}
     for run, plan in plans.items():
         (folder / f"{run}.plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
