@@ -109,9 +109,13 @@ class Rounds:
         """a's speedup over b by the cost model: b's estimated step over a's."""
         return self.estimated_ms[b] / self.estimated_ms[a]
 
+    def round_steps_ms(self, run: str) -> list[float]:
+        """A run's step in each round less the slowest rank's batch making."""
+        return [r["step_ms"] - r["data_ms_per_step"] for r in self.runs[run]]
+
     def measured_ms(self, run: str) -> float:
-        """A run's measured step: the median over rounds of the step less the slowest rank's batch making."""
-        return float(statistics.median(r["step_ms"] - r["data_ms_per_step"] for r in self.runs[run]))
+        """A run's measured step: the median over rounds of round_steps_ms."""
+        return float(statistics.median(self.round_steps_ms(run)))
 
     def estimate_error(self, run: str) -> float:
         """The estimated step over the measured one (measured_ms), less 1."""

@@ -31,14 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from embark_torchrec.plan import CostModel, ModelSpec, Plan, Topology
+from embark_torchrec.plan import Plan
 from embark_torchrec.plan.layout.tables import TableLayout
-from embark_torchrec.plan.model.hardware_file import load_hardware
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from cluster_e2e import TIMEOUT_S, Rounds, cluster_ready, display  # noqa: E402 (next to this file)
-from sweep import RUNS, SETTINGS, interleaved_rounds, kept_seeds, model_folder  # noqa: E402
+from sweep import RUNS, SETTINGS, interleaved_rounds, kept_cost, kept_seeds, kept_spec, model_folder  # noqa: E402
 
 BASE, OTHER = "embark", "torchrec"  # the plans whose difference is split
 SWAP = "swap-"  # a swap's run name: this and its tables joined by "+"
@@ -105,6 +104,8 @@ class Ablation:
     """One model's split: its two plans' priced and measured steps and speedup, every swap and every --plan."""
 
     seed: int
+    sweep: str  # the kept sweep the model is of
+    seconds: float  # the runs' time
     priced_ms: dict[str, float]
     measured_ms: dict[str, float]
     swaps: list[Change]
@@ -122,18 +123,11 @@ class Ablation:
 def ablation_of(folder: Path) -> Ablation:
     """A kept model's split (its folder: spec, hardware file, the plans and rounds.json), priced with today's model."""
     rounds = json.loads((folder / "rounds.json").read_text())
-    ws = rounds["world_size"]
-    spec = ModelSpec.from_dict(json.loads((folder / "spec.json").read_text()))
-    spec = spec.with_batch_size(rounds["batch_size"] * ws)
-    cost = CostModel(spec, Topology(ws, rounds["local_world_size"], load_hardware(folder / "hardware.json")))
+    cost = kept_cost(folder, kept_spec(folder), rounds)
     priced = {run: cost.evaluate(Plan.load(folder / f"{run}.plan.json")).step_ms for run in rounds["runs"]}
     kept = Rounds(rounds["runs"], priced)
     measured = {run: kept.measured_ms(run) for run in rounds["runs"]}
-
-    def per_round(run: str) -> list[float]:
-        return [r["step_ms"] - r["data_ms_per_step"] for r in rounds["runs"][run]]
-
-    base = Plan.load(folder / f"{BASE}.plan.json")
+    base, base_rounds = Plan.load(folder / f"{BASE}.plan.json"), kept.round_steps_ms(BASE)
 
     def change(run: str) -> Change:
         return Change(
@@ -143,12 +137,12 @@ def ablation_of(folder: Path) -> Ablation:
             measured[run],
             priced[run] - priced[BASE],
             measured[run] - measured[BASE],
-            [v - b for v, b in zip(per_round(run), per_round(BASE))],
+            [v - b for v, b in zip(kept.round_steps_ms(run), base_rounds)],
         )
 
     swaps = [change(swap_name(tuple(t))) for t in rounds["swaps"]]
     given = [change(given_name(name)) for name in rounds.get("plans", [])]
-    return Ablation(int(rounds["seed"]), priced, measured, swaps, given)
+    return Ablation(int(rounds["seed"]), rounds["sweep"], rounds["seconds"], priced, measured, swaps, given)
 
 
 def markdown(ablations: list[Ablation], note: str) -> str:
@@ -251,7 +245,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if same or not tables:
             p.error(f"--swap {','.join(tables)}: {same or 'no table'} not a table whose layout differs ({differing})")
     args.swaps = swaps
-    spec = ModelSpec.from_dict(json.loads((source / "spec.json").read_text()))
+    spec = kept_spec(source)
     args.given = {}
     for item in args.plan:
         name, _, file = item.partition("=")
@@ -298,11 +292,10 @@ def main(argv: list[str] | None = None) -> int:
             "runs": runs,
         }
         (folder / "rounds.json").write_text(json.dumps(kept, indent=1))
-    folders = sorted(f for f in kept_folder.glob("seed*") if (f / "rounds.json").exists())
-    minutes = sum(json.loads((f / "rounds.json").read_text())["seconds"] for f in folders) / 60
-    sources = sorted({json.loads((f / "rounds.json").read_text())["sweep"] for f in folders})
-    note = f"Models of {', '.join(sources)}; {minutes:.1f} min of runs in all."
-    args.out.write_text(markdown([ablation_of(f) for f in folders], note))
+    ablations = [ablation_of(f) for f in sorted(kept_folder.glob("seed*")) if (f / "rounds.json").exists()]
+    minutes = sum(a.seconds for a in ablations) / 60
+    note = f"Models of {', '.join(sorted({a.sweep for a in ablations}))}; {minutes:.1f} min of runs in all."
+    args.out.write_text(markdown(ablations, note))
     print(args.out.read_text())
     return 0
 

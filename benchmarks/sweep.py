@@ -181,19 +181,30 @@ def model_folder(out: Path, seed: int) -> Path:
     return out.with_suffix("") / f"seed{seed}"
 
 
+def kept_spec(folder: Path) -> ModelSpec:
+    """A kept model's spec (its folder's spec.json), at the batch per rank it was generated with."""
+    return ModelSpec.from_dict(json.loads((folder / "spec.json").read_text()))
+
+
+def kept_cost(folder: Path, spec: ModelSpec, rounds: dict[str, Any]) -> CostModel:
+    """Today's cost model of a kept model (`spec`, its folder's hardware.json) at the shape and global batch its
+    rounds (rounds.json) ran at."""
+    ws = rounds["world_size"]
+    topology = Topology(ws, rounds["local_world_size"], load_hardware(folder / "hardware.json"))
+    return CostModel(spec.with_batch_size(rounds["batch_size"] * ws), topology)
+
+
 def priced(folder: Path) -> ModelOutcome:
     """A model's kept rounds, every plan priced with today's cost model and the model's hardware file."""
     rounds = json.loads((folder / "rounds.json").read_text())
-    spec = ModelSpec.from_dict(json.loads((folder / "spec.json").read_text()))
-    ws = rounds["world_size"]
-    topology = Topology(ws, rounds["local_world_size"], load_hardware(folder / "hardware.json"))
-    planned = spec.with_batch_size(rounds["batch_size"] * ws)
+    spec = kept_spec(folder)
+    cost = kept_cost(folder, spec, rounds)
     plans = {run: Plan.load(folder / f"{run}.plan.json") for run in RUNS}
-    estimated = {run: CostModel(planned, topology).evaluate(plan).step_ms for run, plan in plans.items()}
+    estimated = {run: cost.evaluate(plan).step_ms for run, plan in plans.items()}
     # the planner's incumbent is the cheaper of TorchRec's plans on the calibrated figures and on the preset's (what
     # the user's run of TorchRec's planner, without a hardware file, makes): either returned is TorchRec's plan kept
     kept = any(plans["embark"].tables == plans[run].tables for run in ("torchrec", "torchrec-user"))
-    error = topology.hardware.plan_error
+    error = cost.topology.hardware.plan_error
     return ModelOutcome(rounds["runs"], estimated, rounds["seed"], spec, kept, rounds["seconds"], error)
 
 
