@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             "runs": runs,
         }
         (folder / "rounds.json").write_text(json.dumps(kept, indent=1))
-    ablations = [ablation_of(f) for f in sorted(kept_folder.glob("seed*")) if (f / "rounds.json").exists()]
+    ablations = [ablation_of(kept_folder / f"seed{seed}") for seed in kept_seeds(kept_folder)]
     minutes = sum(a.seconds for a in ablations) / 60
     note = f"Models of {', '.join(sorted({a.sweep for a in ablations}))}; {minutes:.1f} min of runs in all."
     args.out.write_text(markdown(ablations, note))
