@@ -31,7 +31,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from embark_torchrec.calibrate import stats
 from embark_torchrec.cluster import ClusterSpec
@@ -123,10 +123,12 @@ def interleaved_rounds(
     names: list[str],
     planned: bool,
     planners: Mapping[str, tuple[str, bool]] = RUNS,
+    flags: Callable[[str, int], Sequence[str]] | None = None,
 ) -> dict[str, list[dict[str, Any]]]:
     """args.rounds rounds of the runs `names` (of `planners`: a run's planner and whether it is given the folder's
     hardware file) of a model's folder, every other round in reverse, each run's RESULT by run: each run plans (its
-    plan kept in the folder) or, `planned`, runs the folder's <run>.plan.json."""
+    plan kept in the folder) or, `planned`, runs the folder's <run>.plan.json. `flags(run, round)`: more of the
+    example's flags for one run (step_stages.py's --stage-times)."""
     runs: dict[str, list[dict[str, Any]]] = {run: [] for run in names}
     for i in range(args.rounds):
         for run in names if i % 2 == 0 else names[::-1]:
@@ -136,7 +138,8 @@ def interleaved_rounds(
             once = cluster_run(args, str(folder / "spec.json"), args.nodes, args.link_mbit[0], hardware, tmp / "u.md")
             plan = folder / f"{run}.plan.json"
             out, given = (tmp / "unused.plan.json", plan) if planned else (plan, None)
-            result = run_example(planner, once, out, given, extra=run_flags(args))
+            extra = (*run_flags(args), *(flags(run, i) if flags else ()))
+            result = run_example(planner, once, out, given, extra=extra)
             runs[run].append(result)
             print(
                 f"seed {seed} round {i + 1}/{args.rounds} {run}: {result['samples_per_s']:,.0f} samples/s, "

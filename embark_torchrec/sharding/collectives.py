@@ -15,11 +15,14 @@ input becomes a leaf that requires one.
 
 Profiler labels follow TorchRec's comm_ops ("## all2all_pooled ##", "## All2All_Pooled_fwd ##", ...), so that a
 trace reads alike: ALL_TO_ALL_LABEL around the call, the exchange's start forward and backward, and its wait.
+observing_waits times each wait for the stage timer (stage_times.py); unobserved, a wait pays one list check.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,6 +36,19 @@ ALL_TO_ALL_LABEL = "## embark_all2all ##"
 FORWARD_LABEL = "## Embark_All2All_fwd ##"
 BACKWARD_LABEL = "## Embark_All2All_bwd ##"
 WAIT_LABEL = "## Embark_All2All_wait ##"
+
+WaitObserver = Callable[[bool, float], None]  # (whether the backward's, seconds waited)
+_wait_observers: List[WaitObserver] = []
+
+
+@contextmanager
+def observing_waits(observer: WaitObserver) -> Iterator[None]:
+    """While open, `observer` hears how long each of our exchanges kept its caller waiting, forward or backward."""
+    _wait_observers.append(observer)
+    try:
+        yield
+    finally:
+        _wait_observers.remove(observer)
 
 
 class _Exchange:
@@ -83,10 +99,15 @@ class _Exchange:
                     self.buffer, payload, recv_sizes, send_sizes, group=self.group, async_op=True
                 )
 
-    def finish(self, recv: Sequence[Sequence[Segment]], codec: Any) -> torch.Tensor:
+    def finish(self, recv: Sequence[Sequence[Segment]], codec: Any, backward: bool) -> torch.Tensor:
         assert self.work is not None and self.buffer is not None
         with record_function(WAIT_LABEL):
+            start = time.perf_counter() if _wait_observers else 0.0
             self.work.wait()
+            if _wait_observers:
+                waited = time.perf_counter() - start
+                for observer in _wait_observers:
+                    observer(backward, waited)
             out, self.work, self.buffer = decode(codec, self.buffer, recv), None, None
         return out
 
@@ -101,7 +122,7 @@ class _Req(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         exchange: _Exchange = ctx.exchange
-        grad = exchange.finish(exchange.send, exchange.codec(backward=True))
+        grad = exchange.finish(exchange.send, exchange.codec(backward=True), True)
         if exchange.gradient_divisor > 1 and get_gradient_division():
             grad = grad.div_(exchange.gradient_divisor)  # a fresh buffer: in place, as TorchRec does
         return grad, None
@@ -111,7 +132,7 @@ class _Wait(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, dummy: torch.Tensor, exchange: _Exchange) -> torch.Tensor:  # type: ignore[override]
         ctx.exchange = exchange
-        return exchange.finish(exchange.recv, exchange.codec(backward=False))
+        return exchange.finish(exchange.recv, exchange.codec(backward=False), False)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]

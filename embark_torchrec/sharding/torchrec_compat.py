@@ -7,7 +7,7 @@ still exists on the installed TorchRec.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import fbgemm_gpu
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -357,3 +357,48 @@ def tiled_sharding_spec(shards: List[Any]) -> Any:
     spec = object.__new__(EnumerableShardingSpec)
     spec.shards = shards
     return spec
+
+
+# TorchRec's autograd collectives (distributed/comm_ops.py) and its training pipeline: what stage_times.py times.
+# Each X_Req starts its exchange in the forward and waits for the gradients' exchange in its backward; each X_Wait
+# (All2All_Seq_Req_Wait for sequences) waits for the forward's result.
+_COLLECTIVE_WAITS = (
+    ("All2All_Pooled_Wait", "forward", False),
+    ("All2All_Pooled_Req", "backward", True),
+    ("Variable_Batch_All2All_Pooled_Wait", "forward", False),
+    ("Variable_Batch_All2All_Pooled_Req", "backward", True),
+    ("All2All_Seq_Req_Wait", "forward", False),
+    ("All2All_Seq_Req", "backward", True),
+    ("All2Allv_Wait", "forward", False),
+    ("All2Allv_Req", "backward", True),
+    ("ReduceScatter_Wait", "forward", False),
+    ("ReduceScatter_Req", "backward", True),
+    ("ReduceScatterBase_Wait", "forward", False),
+    ("ReduceScatterBase_Req", "backward", True),
+    ("ReduceScatterV_Wait", "forward", False),
+    ("ReduceScatterV_Req", "backward", True),
+    ("AllGatherBase_Wait", "forward", False),
+    ("AllGatherBase_Req", "backward", True),
+)
+
+
+def collective_waits() -> List[Tuple[type, str, bool]]:
+    """Where TorchRec's collectives wait for their exchanges: (autograd Function, its static method that waits,
+    whether it is the backward's)."""
+    from torchrec.distributed import comm_ops
+
+    return [(getattr(comm_ops, name), method, backward) for name, method, backward in _COLLECTIVE_WAITS]
+
+
+def pipeline_stages() -> List[Tuple[type, str, str]]:
+    """TrainPipelineSparseDist's methods that run one stage of a step: (class, method, stage). Its input dist starts
+    (`start_sparse_data_dist`) and is waited for (`wait_sparse_data_dist`, which starts the IDs' all-to-all), the
+    next batch is made (`enqueue_batch`), and `_backward` runs the loss's backward."""
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    return [
+        (TrainPipelineSparseDist, "start_sparse_data_dist", "input_dist"),
+        (TrainPipelineSparseDist, "wait_sparse_data_dist", "input_dist"),
+        (TrainPipelineSparseDist, "enqueue_batch", "batch"),
+        (TrainPipelineSparseDist, "_backward", "backward"),
+    ]

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,7 @@ from embark_torchrec import (
     load_plan,
 )
 from embark_torchrec import calibrate as calibration
+from embark_torchrec.sharding.stage_times import StageTimes, timing_stages
 from embark_torchrec import checkpoint
 from embark_torchrec.plan import (
     ALLREDUCE_PRECISIONS,
@@ -207,6 +209,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plan-in", type=Path, help="run this plan file instead of planning")
     p.add_argument("--plan-out", type=Path, help="write the plan that runs (any planner) as a plan file")
     p.add_argument("--no-pipeline", action="store_true", help="plain loop instead of TrainPipelineSparseDist")
+    p.add_argument(
+        "--stage-times",
+        type=Path,
+        help="write each rank's time per training step and stage (forward, backward, their exchange waits) as "
+        "DIR/rank<r>.json (benchmarks/step_stages.py)",
+    )
     p.add_argument("--log-every", type=_at_least(0), default=d.log_every, help="steps between samples/s and loss lines")
     p.add_argument("--warmup-steps", type=_at_least(0), default=d.warmup_steps, help=WARMUP_HELP)
     p.add_argument(
@@ -476,33 +484,42 @@ def train(
     dist.barrier()
     progress.start(args.steps - start_step, args.warmup_steps, pipelined=pipeline is not None)
     window_start = time.perf_counter()
-    for step in range(start_step, args.steps):
-        if pipeline is not None:
-            loss, _, _ = pipeline.progress(batches)
-        else:
-            loss, _ = model(next(batches).to(world.device))
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        progress.step_done(step + 1 - start_step)
-        window_loss += loss.detach()
-        window_steps += 1
-        bar.update(1)
-        if window_steps == args.log_every or step + 1 == args.steps:
-            mean_loss = mean_over_ranks(float(window_loss) / window_steps, world.device)
-            rate = window_steps * samples_per_step / (time.perf_counter() - window_start)
-            if progress.first_loss is None:
-                progress.first_loss = mean_loss
-            progress.last_loss = mean_loss
-            bar.set_postfix(loss=f"{mean_loss:.4f}")
-            if world.rank == 0:
-                tqdm.write(f"step {step + 1}: loss {mean_loss:.4f}, {rate:,.0f} samples/s", file=sys.stdout)
-            window_loss, window_steps, window_start = torch.zeros((), device=world.device), 0, time.perf_counter()
-        if args.checkpoint_dir and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-            saving = time.perf_counter()
-            save_checkpoint(args.checkpoint_dir, model, optimizer, step + 1)
-            progress.pause(time.perf_counter() - saving)  # saves are not training throughput
+    with ExitStack() as stages:
+        times = stages.enter_context(timing_stages(StageTimes(), model)) if args.stage_times else None
+        for step in range(start_step, args.steps):
+            if pipeline is not None:
+                loss, _, _ = pipeline.progress(batches)
+            else:
+                loss, _ = model(next(batches).to(world.device))
+                backward_start = time.perf_counter()
+                loss.backward()
+                if times is not None:
+                    times.add("backward", time.perf_counter() - backward_start)
+                optimizer.step()
+                optimizer.zero_grad()
+            progress.step_done(step + 1 - start_step)
+            if times is not None:
+                times.step_done()
+            window_loss += loss.detach()
+            window_steps += 1
+            bar.update(1)
+            if window_steps == args.log_every or step + 1 == args.steps:
+                mean_loss = mean_over_ranks(float(window_loss) / window_steps, world.device)
+                rate = window_steps * samples_per_step / (time.perf_counter() - window_start)
+                if progress.first_loss is None:
+                    progress.first_loss = mean_loss
+                progress.last_loss = mean_loss
+                bar.set_postfix(loss=f"{mean_loss:.4f}")
+                if world.rank == 0:
+                    tqdm.write(f"step {step + 1}: loss {mean_loss:.4f}, {rate:,.0f} samples/s", file=sys.stdout)
+                window_loss, window_steps, window_start = torch.zeros((), device=world.device), 0, time.perf_counter()
+            if args.checkpoint_dir and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+                saving = time.perf_counter()
+                save_checkpoint(args.checkpoint_dir, model, optimizer, step + 1)
+                progress.pause(time.perf_counter() - saving)  # saves are not training throughput
     bar.close()
+    if times is not None:
+        times.write(args.stage_times / f"rank{world.rank}.json", world.rank)
     return (pipeline.detach() if pipeline is not None else model), progress
 
 

@@ -121,6 +121,24 @@ def test_collective_and_sharding_internals_exist() -> None:
     assert "_wait_impl" in Awaitable.__abstractmethods__  # what collectives.AllToAllAwaitable implements
 
 
+def test_the_collective_waits_and_pipeline_stages_the_stage_timer_replaces_exist() -> None:
+    """What stage_times.py times on TorchRec: each collective's waiting method is a static method of that autograd
+    Function that waits for its request (X_Wait's forward, X_Req's backward), and TrainPipelineSparseDist still runs
+    its stages in those methods."""
+    from embark_torchrec.sharding.torchrec_compat import collective_waits, pipeline_stages
+
+    waits = collective_waits()
+    assert len(waits) == 16 and {backward for _, _, backward in waits} == {False, True}
+    for function, method, backward in waits:
+        assert isinstance(function.__dict__[method], staticmethod), (function, method)
+        assert ".wait()" in inspect.getsource(getattr(function, method)), (function, method)
+        assert function.__name__.endswith("_Req") == backward, function
+    for owner, method, _ in pipeline_stages():
+        assert callable(owner.__dict__[method]), method
+    progress = inspect.getsource(pipeline_stages()[0][0].progress)
+    assert all(f"self.{method}(" in progress for _, method, _ in pipeline_stages()), progress
+
+
 def test_in_backward_optimizers_and_managed_collision_inner_module() -> None:
     """apply_optimizer_in_backward leaves each parameter's optimizer class in `_optimizer_classes`, which
     in_backward_optimizers maps to fbgemm's type through TorchRec's own mapping; a managed-collision module keeps the

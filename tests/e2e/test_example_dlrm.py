@@ -62,10 +62,14 @@ def _torchrun(*flags: str, timeout_s: float = 180.0) -> tuple[dict[str, Any], st
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("dlrm")
     common = ("--batch-size", "256", "--log-every", "10", "--eval-batches", "8", "--checkpoint-dir", str(tmp / "ckpt"))
-    first, first_out = _torchrun("--steps", "40", "--save-every", "20", "--plan-out", str(tmp / "plan.json"), *common)
+    first, first_out = _torchrun(
+        "--steps", "40", "--save-every", "20", "--plan-out", str(tmp / "plan.json"),
+        "--stage-times", str(tmp / "stages_pipelined"), *common,
+    )  # fmt: skip
     resumed, resumed_out = _torchrun(
-        "--steps", "50", "--resume", "--no-pipeline", "--plan-in", str(tmp / "plan.json"), *common
-    )
+        "--steps", "50", "--resume", "--no-pipeline", "--plan-in", str(tmp / "plan.json"),
+        "--stage-times", str(tmp / "stages_plain"), *common,
+    )  # fmt: skip
     return {"first": first, "first_out": first_out, "resumed": resumed, "resumed_out": resumed_out, "tmp": tmp}
 
 
@@ -107,6 +111,26 @@ def test_example_saves_plan_and_checkpoints_and_resumes(runs: dict[str, Any]) ->
     assert "resumed from" in runs["resumed_out"] and "step_00000040" in runs["resumed_out"]
     assert (resumed["planner"], resumed["steps"], resumed["steps_run"]) == ("file", 50, 10)
     assert resumed["final_loss"] < runs["first"]["first_loss"]
+
+
+def test_stage_times_split_every_step_of_every_rank(runs: dict[str, Any]) -> None:
+    """--stage-times writes each rank's stages for every step it trained: with the pipeline, its input dists, forward,
+    backward and the output dists' and gradients' exchange waits; in the plain loop the backward the example times
+    itself, and no pipeline stage."""
+    from embark_torchrec.sharding.stage_times import STAGES
+
+    for folder, steps, pipelined in (("stages_pipelined", 40, True), ("stages_plain", 10, False)):
+        for rank in range(2):
+            kept = json.loads((runs["tmp"] / folder / f"rank{rank}.json").read_text())
+            assert (kept["rank"], kept["stages"], len(kept["steps"])) == (rank, list(STAGES), steps)
+            for i, step in enumerate(kept["steps"]):
+                assert step["step"] >= step["forward"] > 0 and step["backward"] > 0, step
+                assert step["forward"] >= step["forward_exchange_wait"] and step["backward_exchange_wait"] >= 0
+                assert (step["batch"] > 0) == pipelined, step
+                next_batch = pipelined and i < steps - 1  # the pipeline's last step has no next batch to send
+                assert (step["input_dist"] > 0) == next_batch, (i, step)
+            waits = sum(step["forward_exchange_wait"] + step["backward_exchange_wait"] for step in kept["steps"])
+            assert waits > 0  # the plan's tables exchange embeddings between the ranks
 
 
 # ---------------------------------------------------------------- the synthetic generator

@@ -345,6 +345,27 @@ def test_a_rank_s_phases_are_priced_one_after_another_where_they_do_not_overlap(
     assert priced == pytest.approx((ids + sums + grads) / 1.6 * per_byte, rel=1e-12)
 
 
+def test_the_phases_a_report_shows_add_up_to_the_priced_inter_node_time() -> None:
+    """CostModel.phase_network_ms (what benchmarks/step_stages.py sets beside the measured waits): where phases do
+    not overlap, each rank's IDs', forward's and gradients' network time plus its paired premium is exactly the
+    inter-node time the step is priced with, on a shared link (water filling per phase) and on a link per rank."""
+    spec = ModelSpec("m", 512, (TableSpec("t", rows=1000, dim=16, pooling=4.0), TableSpec("u", 500, 8, 2.0)))
+    hw = PRESETS["cpu-gloo"].with_overrides(inter_node_phase_overlap=0.0, inter_node_paired_ratio=0.8)
+    plan = {
+        "t": TableLayout("rb", (0, 500, 1000), (0, 16), ((1,), (1,)), hierarchical=True),
+        "u": TableLayout("rb", (0, 500), (0, 8), ((2,),)),
+    }
+    for solo in (1.0, 1.8):
+        cost = CostModel(spec, Topology(4, 2, hw.with_overrides(inter_node_solo_ratio=solo)))
+        rows = cost.rank_load(plan).rows
+        phases = cost.phase_network_ms(rows)
+        assert len(phases) == 3 and all((p > 0).any() for p in phases)
+        premium = np.maximum(rows[8], rows[9]) * cost.paired_premium_ms_per_byte
+        assert (premium > 0).any()
+        priced = cost.shared_link_inter_ms(rows) if solo > 1 else cost.rank_times(rows)[2]
+        np.testing.assert_allclose(sum(phases) + premium, priced, rtol=1e-12)
+
+
 def test_all_reduces_run_at_the_measured_bus_bandwidth_where_there_is_one() -> None:
     """Hardware.allreduce_bus_gbps > 0: a DP table's and the dense part's all-reduces cost the ring's bytes per rank
     (2 (W-1)/W of the gradient) over the measured bus bandwidth, whatever the links; 0: the ring's slowest link."""

@@ -489,41 +489,58 @@ class CostModel:
         lookup, intra, inter = self.rank_times(rows)
         return lookup + intra + inter
 
-    def shared_link_inter_ms(self, rows: np.ndarray) -> np.ndarray:
-        """Each rank's inter-node ms where a node's ranks share one link (Hardware.inter_node_solo_ratio > 1): its
-        ranks' sends (and, apart, their receives) drain together, each at the all-ranks rate while all are busy;
-        as ranks finish, the rest speed up to the solo ratio x that rate, the link's whole rate at most (water
-        filling: with k of L ranks busy, each runs at min(solo, L / k)). A rank's time is when its sends or its
-        receives finish, whichever is later, plus its paired premium as in rank_times."""
-        hw, top = self.topology.hardware, self.topology
+    def drained(self, sent: np.ndarray) -> np.ndarray:
+        """When each rank's inter-node bytes (`sent`, or received) are through its node's shared link, in bytes at the
+        all-ranks rate: the node's ranks drain together, each at the all-ranks rate while all are busy; as ranks
+        finish, the rest speed up to the solo ratio x that rate, the link's whole rate at most (water filling: with k
+        of L ranks busy, each runs at min(solo, L / k))."""
+        top = self.topology
         nodes, lws = top.num_nodes, top.local_world_size
         busy = np.arange(lws, 0, -1)  # ranks still sending during the i-th interval of a node's sorted loads
-        rate = np.minimum(hw.inter_node_solo_ratio, lws / busy)
+        rate = np.minimum(top.hardware.inter_node_solo_ratio, lws / busy)
+        by_node = sent.reshape(nodes, lws)
+        order = np.argsort(by_node, axis=1, kind="stable")
+        ordered = np.take_along_axis(by_node, order, axis=1)
+        steps = np.diff(ordered, axis=1, prepend=0.0) / rate
+        done = np.empty_like(by_node)
+        np.put_along_axis(done, order, np.cumsum(steps, axis=1), axis=1)
+        return done.reshape(-1)
 
-        def drained(sent: np.ndarray) -> np.ndarray:
-            """When each rank's bytes are through its node's link, the node's ranks draining together."""
-            by_node = sent.reshape(nodes, lws)
-            order = np.argsort(by_node, axis=1, kind="stable")
-            ordered = np.take_along_axis(by_node, order, axis=1)
-            steps = np.diff(ordered, axis=1, prepend=0.0) / rate
-            done = np.empty_like(by_node)
-            np.put_along_axis(done, order, np.cumsum(steps, axis=1), axis=1)
-            return done.reshape(-1)
+    def shares_links(self) -> bool:
+        """Whether a node's ranks share one link (Hardware.inter_node_solo_ratio > 1, several nodes)."""
+        return self.topology.hardware.inter_node_solo_ratio != 1.0 and self.topology.num_nodes > 1
+
+    def shared_link_inter_ms(self, rows: np.ndarray) -> np.ndarray:
+        """Each rank's inter-node ms where a node's ranks share one link (Hardware.inter_node_solo_ratio > 1): its
+        ranks' sends (and, apart, their receives) drain together (drained); a rank's time is when its sends or its
+        receives finish, whichever is later, plus its paired premium as in rank_times."""
+        hw = self.topology.hardware
 
         def phases() -> tuple[tuple[np.ndarray, np.ndarray], ...]:
-            return tuple((drained(sent), drained(received)) for sent, received in phases_inter(rows))
+            return tuple((self.drained(sent), self.drained(received)) for sent, received in phases_inter(rows))
 
-        inter = self.phased_network_ms(drained(rows[3]), drained(rows[4]), phases)
+        inter = self.phased_network_ms(self.drained(rows[3]), self.drained(rows[4]), phases)
         if hw.inter_node_paired_ratio != 1.0:
             inter = inter + np.maximum(rows[8], rows[9]) * self.paired_premium_ms_per_byte
         return inter
+
+    def phase_network_ms(self, rows: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Each rank's network ms in each phase of the step (phases_inter: the input dists' IDs, the forward's vectors
+        and partial sums, the backward's gradients), its node's ranks sharing the link where they do, before any
+        paired premium: where phases do not overlap (Hardware.inter_node_phase_overlap 0) the step's inter-node time
+        is their sum; benchmarks/step_stages.py sets each beside the waits measured in training."""
+        shared = self.shares_links()
+        return tuple(
+            self.network_ms(self.drained(sent), self.drained(received)) if shared else self.network_ms(sent, received)
+            for sent, received in phases_inter(rows)
+        )
 
     def step_cost(self, load: RankLoad, allreduce_precision: str = "fp32") -> StepCost:
         """The step of a plan's load; `allreduce_precision`: DDP's, at which the dense gradients travel
         (Plan.allreduce_precision; the data-parallel tables' are priced by their layouts)."""
         hw = self.topology.hardware
         lookup, intra, inter = self.rank_times(load.rows)
-        if hw.inter_node_solo_ratio != 1.0 and self.topology.num_nodes > 1:
+        if self.shares_links():
             inter = self.shared_link_inter_ms(load.rows)
         dp = self.ring_allreduce_ms(load.dp_intra, load.dp_inter)
         dense_bytes = hw.dense_params_mb * 1e6 / WEIGHT_BYTES * ELEMENT_BYTES[allreduce_precision]
