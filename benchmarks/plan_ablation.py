@@ -36,8 +36,17 @@ from embark_torchrec.plan.layout.tables import TableLayout
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from cluster_e2e import TIMEOUT_S, Rounds, cluster_ready, display  # noqa: E402 (next to this file)
-from sweep import RUNS, SETTINGS, interleaved_rounds, kept_cost, kept_seeds, kept_spec, model_folder  # noqa: E402
+from cluster_e2e import Rounds, cluster_ready, display  # noqa: E402 (next to this file)
+from sweep import (  # noqa: E402
+    RUNS,
+    check_kept_model,
+    interleaved_rounds,
+    kept_cost,
+    kept_model_flags,
+    kept_seeds,
+    kept_spec,
+    model_folder,
+)
 
 BASE, OTHER = "embark", "torchrec"  # the plans whose difference is split
 SWAP = "swap-"  # a swap's run name: this and its tables joined by "+"
@@ -204,8 +213,7 @@ def prepare(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sweep", type=Path, help="a kept sweep's markdown (its folder holds the models)")
-    p.add_argument("--seed", type=int, help="the sweep's model to split")
+    kept_model_flags(p, ROOT / "benchmarks" / "plan_ablation.md")
     p.add_argument(
         "--swap",
         action="append",
@@ -219,21 +227,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="NAME=FILE",
         help="one more plan of the model, run and priced beside the swaps (repeatable; NAME labels it)",
     )
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "plan_ablation.md")
-    p.add_argument("--kept", action="store_true", help="run nothing: the markdown from the kept models")
     args = p.parse_args(argv)
     if args.kept:
         return args
-    if args.sweep is None or args.seed is None:
-        p.error("--sweep and --seed are needed (or --kept)")
-    settings_file = args.sweep.with_suffix("") / "sweep.json"
-    if not settings_file.exists():
-        p.error(f"--sweep {args.sweep}: {settings_file} holds no kept sweep")
-    if args.seed not in kept_seeds(args.sweep.with_suffix("")):
-        p.error(f"--seed {args.seed}: not a model {args.sweep.with_suffix('')} kept rounds of")
-    if args.rounds < 1:
-        p.error("--rounds must be >= 1")
+    check_kept_model(p, args)
     source = model_folder(args.sweep, args.seed)
     base, other = Plan.load(source / f"{BASE}.plan.json"), Plan.load(source / f"{OTHER}.plan.json")
     differing = differing_tables(base, other)
@@ -262,9 +259,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not differing_tables(base, plan):
             p.error(f"--plan {item}: {file} lays out every table as embark's plan does")
         args.given[name] = plan
-    settings = json.loads(settings_file.read_text())
-    vars(args).update({k: settings[k] for k in SETTINGS if k != "rounds"})
-    args.timeout_s = TIMEOUT_S
     return args
 
 

@@ -34,8 +34,17 @@ from embark_torchrec.sharding.stage_times import STAGES
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from cluster_e2e import TIMEOUT_S, Rounds, cluster_ready, display  # noqa: E402 (next to this file)
-from sweep import RUNS, SETTINGS, interleaved_rounds, kept_cost, kept_seeds, kept_spec, model_folder  # noqa: E402
+from cluster_e2e import Rounds, cluster_ready, display  # noqa: E402 (next to this file)
+from sweep import (  # noqa: E402
+    RUNS,
+    check_kept_model,
+    interleaved_rounds,
+    kept_cost,
+    kept_model_flags,
+    kept_seeds,
+    kept_spec,
+    model_folder,
+)
 
 PLANS = ("embark", "torchrec")
 PHASES = ("lookup", "ids", "forward", "gradients", "paired_premium")  # what the cost model prices each rank at
@@ -135,26 +144,10 @@ def markdown(models: list[tuple[dict[str, Any], list[PlanStages]]], note: str) -
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sweep", type=Path, help="a kept sweep's markdown (its folder holds the models)")
-    p.add_argument("--seed", type=int, help="the sweep's model to run")
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "step_stages.md")
-    p.add_argument("--kept", action="store_true", help="run nothing: the markdown from the kept models")
+    kept_model_flags(p, ROOT / "benchmarks" / "step_stages.md")
     args = p.parse_args(argv)
-    if args.kept:
-        return args
-    if args.sweep is None or args.seed is None:
-        p.error("--sweep and --seed are needed (or --kept)")
-    settings_file = args.sweep.with_suffix("") / "sweep.json"
-    if not settings_file.exists():
-        p.error(f"--sweep {args.sweep}: {settings_file} holds no kept sweep")
-    if args.seed not in kept_seeds(args.sweep.with_suffix("")):
-        p.error(f"--seed {args.seed}: not a model {args.sweep.with_suffix('')} kept rounds of")
-    if args.rounds < 1:
-        p.error("--rounds must be >= 1")
-    settings = json.loads(settings_file.read_text())
-    vars(args).update({k: settings[k] for k in SETTINGS if k != "rounds"})
-    args.timeout_s = TIMEOUT_S
+    if not args.kept:
+        check_kept_model(p, args)
     return args
 
 

@@ -326,6 +326,32 @@ def markdown(
     return "\n".join(lines) + "\n"
 
 
+def kept_model_flags(p: argparse.ArgumentParser, out: Path) -> None:
+    """The flags of a benchmark that runs one kept model of a sweep again (plan_ablation.py, step_stages.py)."""
+    p.add_argument("--sweep", type=Path, help="a kept sweep's markdown (its folder holds the models)")
+    p.add_argument("--seed", type=int, help="the sweep's model to run")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", type=Path, default=out)
+    p.add_argument("--kept", action="store_true", help="run nothing: the markdown from the kept models")
+
+
+def check_kept_model(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """kept_model_flags' values, refused by name where --sweep keeps no such model; the sweep's settings (but its
+    rounds) into `args`, for its runs to run as the sweep's did."""
+    if args.sweep is None or args.seed is None:
+        p.error("--sweep and --seed are needed (or --kept)")
+    settings_file = args.sweep.with_suffix("") / "sweep.json"
+    if not settings_file.exists():
+        p.error(f"--sweep {args.sweep}: {settings_file} holds no kept sweep")
+    if args.seed not in kept_seeds(args.sweep.with_suffix("")):
+        p.error(f"--seed {args.seed}: not a model {args.sweep.with_suffix('')} kept rounds of")
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
+    settings = json.loads(settings_file.read_text())
+    vars(args).update({k: settings[k] for k in SETTINGS if k != "rounds"})
+    args.timeout_s = TIMEOUT_S
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--count", type=int, default=10, help="models, each of a fresh random seed")
