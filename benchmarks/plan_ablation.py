@@ -29,20 +29,21 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Mapping
 
 from embark_torchrec.plan import Plan
 from embark_torchrec.plan.layout.tables import TableLayout
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from cluster_e2e import Rounds, cluster_ready, display  # noqa: E402 (next to this file)
+from cluster_e2e import Rounds, cluster_ready  # noqa: E402 (next to this file)
 from sweep import (  # noqa: E402
     RUNS,
     check_kept_model,
     interleaved_rounds,
     kept_cost,
     kept_model_flags,
+    kept_model_rounds,
     kept_seeds,
     kept_spec,
     model_folder,
@@ -274,17 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             planners = {name: RUNS[BASE] for name in names}  # every variant runs as a plan file with the hardware file
             runs = interleaved_rounds(args, args.seed, folder, Path(tmp), names, True, planners)
-        kept: dict[str, Any] = {
-            "seed": args.seed,
-            "sweep": display(args.sweep),
-            "world_size": runs[BASE][0]["world_size"],
-            "local_world_size": runs[BASE][0]["local_world_size"],
-            "batch_size": runs[BASE][0]["batch_size"],
-            "seconds": time.perf_counter() - start,
-            "swaps": [list(t) for t in args.swaps],
-            "plans": list(args.given),
-            "runs": runs,
-        }
+        kept = kept_model_rounds(args, runs, time.perf_counter() - start)
+        kept |= {"swaps": [list(t) for t in args.swaps], "plans": list(args.given)}
         (folder / "rounds.json").write_text(json.dumps(kept, indent=1))
     ablations = [ablation_of(kept_folder / f"seed{seed}") for seed in kept_seeds(kept_folder)]
     minutes = sum(a.seconds for a in ablations) / 60

@@ -34,13 +34,14 @@ from embark_torchrec.sharding.stage_times import STAGES
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from cluster_e2e import Rounds, cluster_ready, display  # noqa: E402 (next to this file)
+from cluster_e2e import Rounds, cluster_ready  # noqa: E402 (next to this file)
 from sweep import (  # noqa: E402
     RUNS,
     check_kept_model,
     interleaved_rounds,
     kept_cost,
     kept_model_flags,
+    kept_model_rounds,
     kept_seeds,
     kept_spec,
     model_folder,
@@ -171,16 +172,7 @@ def run_model(args: argparse.Namespace, folder: Path) -> None:
             {run: RUNS["embark"] for run in PLANS},  # each plan runs as a plan file, with the model's hardware file
             lambda run, i: ("--stage-times", str(stage_folder(folder, run, i))),
         )
-    kept = {
-        "seed": args.seed,
-        "sweep": display(args.sweep),
-        "world_size": runs[PLANS[0]][0]["world_size"],
-        "local_world_size": runs[PLANS[0]][0]["local_world_size"],
-        "batch_size": runs[PLANS[0]][0]["batch_size"],
-        "warmup_steps": args.warmup_steps,
-        "seconds": time.perf_counter() - start,
-        "runs": runs,
-    }
+    kept = kept_model_rounds(args, runs, time.perf_counter() - start) | {"warmup_steps": args.warmup_steps}
     (folder / "rounds.json").write_text(json.dumps(kept, indent=1))
 
 

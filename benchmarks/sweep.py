@@ -352,6 +352,23 @@ def check_kept_model(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
     args.timeout_s = TIMEOUT_S
 
 
+def kept_model_rounds(
+    args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], seconds: float
+) -> dict[str, Any]:
+    """What a benchmark that ran one kept model again (plan_ablation.py, step_stages.py) keeps of its rounds, before
+    its own fields: the model, the shape and batch its runs report, how long they took, and the runs."""
+    first = next(iter(runs.values()))[0]
+    return {
+        "seed": args.seed,
+        "sweep": display(args.sweep),
+        "world_size": first["world_size"],
+        "local_world_size": first["local_world_size"],
+        "batch_size": first["batch_size"],
+        "seconds": seconds,
+        "runs": runs,
+    }
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--count", type=int, default=10, help="models, each of a fresh random seed")
