@@ -29,7 +29,8 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import combinations
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -80,6 +81,19 @@ class ModelOutcome(Rounds):
     kept_torchrec: bool
     seconds: float
     plan_error: float = 0.0
+    same_plans: frozenset[frozenset[str]] = field(default_factory=frozenset)  # pairs of runs of one plan
+
+    def measured(self, a: str, b: str) -> float:
+        """a's speedup over b; 1.0 where the two ran the same plan (table by table): one ShardingPlan runs the same
+        program, so what its two runs measure apart is the box's spread (runs_apart), not a speedup."""
+        return 1.0 if self.same_plan(a, b) else super().measured(a, b)
+
+    def same_plan(self, a: str, b: str) -> bool:
+        return frozenset((a, b)) in self.same_plans
+
+    def runs_apart(self, a: str, b: str) -> float:
+        """What a's runs measured over b's (the median of per-round ratios), the same plan or not."""
+        return super().measured(a, b)
 
     def within_band(self) -> bool:
         """Whether embark's measured speedup over torchrec lies in the band the planner's report printed."""
@@ -204,11 +218,14 @@ def priced(folder: Path) -> ModelOutcome:
     cost = kept_cost(folder, spec, rounds)
     plans = {run: Plan.load(folder / f"{run}.plan.json") for run in RUNS}
     estimated = {run: cost.evaluate(plan).step_ms for run, plan in plans.items()}
+    same = frozenset(
+        frozenset(pair) for pair in combinations(RUNS, 2) if plans[pair[0]].tables == plans[pair[1]].tables
+    )
     # the planner's incumbent is the cheaper of TorchRec's plans on the calibrated figures and on the preset's (what
     # the user's run of TorchRec's planner, without a hardware file, makes): either returned is TorchRec's plan kept
-    kept = any(plans["embark"].tables == plans[run].tables for run in ("torchrec", "torchrec-user"))
+    kept = any(frozenset(("embark", run)) in same for run in ("torchrec", "torchrec-user"))
     error = cost.topology.hardware.plan_error
-    return ModelOutcome(rounds["runs"], estimated, rounds["seed"], spec, kept, rounds["seconds"], error)
+    return ModelOutcome(rounds["runs"], estimated, rounds["seed"], spec, kept, rounds["seconds"], error, same)
 
 
 def speedup_misses(outcomes: list[ModelOutcome]) -> list[float]:
@@ -257,6 +274,12 @@ def summary(outcomes: list[ModelOutcome]) -> list[str]:
             f">= {FLOOR}x on every model {verdict(min(got) >= FLOOR)}, median >= {MEDIAN_TARGET}x "
             f"{verdict(statistics.median(got) >= MEDIAN_TARGET)}"
         )
+    itself = [o.runs_apart(a, b) for o in outcomes for a, b in PAIRS if o.same_plan(a, b)]
+    if itself:
+        lines.append(
+            f"- {len(itself)} of these comparisons are of a plan with itself (embark kept that TorchRec plan, table by "
+            f"table), counted 1.00x: its runs measured {min(itself):.2f}-{max(itself):.2f}x apart, the box's spread"
+        )
     trw = statistics.median(o.measured("embark", "trw") for o in outcomes)
     lines.append(f"- embark / trw: median {trw:.2f}x; >= {TRW_TARGET}x {verdict(trw >= TRW_TARGET)}")
     misses = [abs(o.estimate_error(run)) for o in outcomes for run in RUNS if run != "torchrec-user"]
@@ -296,8 +319,9 @@ def markdown(
         f"of warm-up{window} left out of samples/s), {args.rounds} "
         f"interleaved rounds of {', '.join(RUNS)}; planned with `{display(hardware)}` with each model's dense part "
         "measured on the cluster first (the example's --calibrate dense; torchrec-user: no hardware file); every plan "
-        "priced again with that model's file. Speedups: measured, the median of per-round samples/s ratios; "
-        f"predicted, the estimated steps' ratio. {seconds / 60:.1f} min in all.",
+        "priced again with that model's file. Speedups: measured, the median of per-round samples/s ratios (of "
+        "a plan with itself: 1.00x, what its runs measured apart shown beside); predicted, the estimated steps' "
+        f"ratio. {seconds / 60:.1f} min in all.",
         *(["", note] if note else []),
         "",
         "## Targets",
@@ -312,7 +336,11 @@ def markdown(
         "|---|---|---|" + "---:|" * len(PAIRS) + "---|",
     ]
     for o in outcomes:
-        pairs = " | ".join(f"{o.measured(a, b):.2f}x ({o.predicted(a, b):.2f}x)" for a, b in PAIRS)
+        pairs = " | ".join(
+            f"same plan (runs {o.runs_apart(a, b):.2f}x)" if o.same_plan(a, b) else
+            f"{o.measured(a, b):.2f}x ({o.predicted(a, b):.2f}x)"
+            for a, b in PAIRS
+        )  # fmt: skip
         misses = ", ".join(f"{run} {o.estimate_error(run):+.0%}" for run in RUNS)
         lines.append(f"| {o.seed} | {describe(o.spec)} | {'yes' if o.kept_torchrec else 'no'} | {pairs} | {misses} |")
     seeds = ",".join(str(o.seed) for o in outcomes)

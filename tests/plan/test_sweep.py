@@ -96,6 +96,9 @@ def test_kept_rounds_are_priced_again_with_today_s_cost_model(tmp_path: Path) ->
     for run, plan in plans.items():
         assert outcome.estimated_ms[run] == CostModel(planned, topology).evaluate(plan).step_ms
     assert outcome.kept_torchrec and outcome.spec == spec and outcome.runs == runs
+    assert outcome.same_plans == {frozenset(p) for p in [("embark", "torchrec"), ("embark", "torchrec-user")]} | {
+        frozenset(("torchrec", "torchrec-user"))
+    }
     assert sweep.main(["--reprice", "--out", str(out)]) == 0
     assert "| 7 |" in out.read_text() and "1 generated models on 2 emulated nodes" in out.read_text()
 
@@ -155,3 +158,25 @@ def test_more_models_join_a_kept_sweep_on_its_settings_and_cluster_file(tmp_path
         sweep.parse_args(["--more", "3", "--out", str(tmp_path / "s.md"), "--hardware", str(CALIBRATED)])
     with pytest.raises(SystemExit):
         sweep.parse_args(["--more", "3", "--out", str(tmp_path / "s.md"), "--seeds", "5,6"])
+
+
+def test_a_plan_against_itself_is_1x_and_its_runs_spread_is_shown() -> None:
+    """Where embark ran the same plan as a TorchRec run (table by table), their speedup is 1.00x and so is the
+    prediction: what the two runs measured apart is the box's spread, shown beside, not counted against the floor or
+    the 7 points; a different plan is measured as ever."""
+    from dataclasses import replace
+
+    same = frozenset({frozenset(("embark", "torchrec-user"))})
+    rates = {"embark": [960.0, 950.0], "torchrec": [1000.0, 1000.0], "torchrec-user": [1000.0, 1000.0]}
+    estimated = {"embark": 100.0, "torchrec": 100.0, "torchrec-user": 100.0, "trw": 200.0}
+    a = replace(_outcome(3, rates | {"trw": [500.0, 500.0]}, estimated), same_plans=same, kept_torchrec=True)
+    assert a.measured("embark", "torchrec-user") == 1.0 and a.runs_apart("embark", "torchrec-user") == 0.955
+    assert a.measured("embark", "torchrec") == 0.955  # another plan: measured
+    lines = sweep.summary([a])
+    assert lines[1].startswith("- embark / torchrec-user: min 1.00x") and "met" in lines[1], lines
+    assert any(
+        "1 of these comparisons are of a plan with itself" in line and "0.95-0.95x apart" in line for line in lines
+    )
+    args = sweep.parse_args(["--seeds", "3", "--steps", "4", "--rounds", "2"])
+    page = sweep.markdown([a], args, CALIBRATED, 60.0)
+    assert "| 0.95x (1.00x) | same plan (runs 0.95x) |" in page, page
