@@ -89,6 +89,7 @@ class ModelOutcome(Rounds):
         return 1.0 if self.same_plan(a, b) else super().measured(a, b)
 
     def same_plan(self, a: str, b: str) -> bool:
+        """Whether runs a and b ran one plan (priced found their plans' tables equal)."""
         return frozenset((a, b)) in self.same_plans
 
     def runs_apart(self, a: str, b: str) -> float:
@@ -278,7 +279,7 @@ def summary(outcomes: list[ModelOutcome]) -> list[str]:
     if itself:
         lines.append(
             f"- {len(itself)} of these comparisons are of a plan with itself (embark kept that TorchRec plan, table by "
-            f"table), counted 1.00x: its runs measured {min(itself):.2f}-{max(itself):.2f}x apart, the box's spread"
+            f"table), counted 1.00x: their runs measured {min(itself):.2f}-{max(itself):.2f}x apart, the box's spread"
         )
     trw = statistics.median(o.measured("embark", "trw") for o in outcomes)
     lines.append(f"- embark / trw: median {trw:.2f}x; >= {TRW_TARGET}x {verdict(trw >= TRW_TARGET)}")

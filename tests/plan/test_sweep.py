@@ -173,7 +173,8 @@ def test_a_plan_against_itself_is_1x_and_its_runs_spread_is_shown() -> None:
     assert a.measured("embark", "torchrec-user") == 1.0 and a.runs_apart("embark", "torchrec-user") == 0.955
     assert a.measured("embark", "torchrec") == 0.955  # another plan: measured
     lines = sweep.summary([a])
-    assert lines[1].startswith("- embark / torchrec-user: min 1.00x") and "met" in lines[1], lines
+    assert lines[0].startswith("- embark / torchrec: min 0.95x") and "every model **not met**" in lines[0], lines
+    assert lines[1].startswith("- embark / torchrec-user: min 1.00x") and "every model met" in lines[1], lines
     assert any(
         "1 of these comparisons are of a plan with itself" in line and "0.95-0.95x apart" in line for line in lines
     )
