@@ -136,6 +136,19 @@ class Progress:
             dist.barrier()
             self.measured_seconds = time.perf_counter() - self.clock
 
+    def log_window(
+        self, window_loss: torch.Tensor, window_steps: int, samples_per_step: int, since: float, device: torch.device
+    ) -> tuple[float, float]:
+        """A logging window's mean loss over ranks (window_loss: its steps' losses summed on this rank) and its
+        samples/s since `since`; the run's first and last logged losses kept for the RESULT line. Every rank calls it
+        (the mean is a collective)."""
+        mean_loss = mean_over_ranks(float(window_loss) / window_steps, device)
+        rate = window_steps * samples_per_step / (time.perf_counter() - since)
+        if self.first_loss is None:
+            self.first_loss = mean_loss
+        self.last_loss = mean_loss
+        return mean_loss, rate
+
     def pause(self, seconds: float) -> None:
         """Leave `seconds` spent inside the window on something else (a checkpoint save) out of it."""
         self.clock += seconds

@@ -50,7 +50,6 @@ from embark_torchrec.jobs import (
     exit_after_clean_run,
     init_distributed,
     max_over_ranks,
-    mean_over_ranks,
 )
 from embark_torchrec import (
     EmbarkEmbeddingBagCollectionSharder,
@@ -504,11 +503,9 @@ def train(
             window_steps += 1
             bar.update(1)
             if window_steps == args.log_every or step + 1 == args.steps:
-                mean_loss = mean_over_ranks(float(window_loss) / window_steps, world.device)
-                rate = window_steps * samples_per_step / (time.perf_counter() - window_start)
-                if progress.first_loss is None:
-                    progress.first_loss = mean_loss
-                progress.last_loss = mean_loss
+                mean_loss, rate = progress.log_window(
+                    window_loss, window_steps, samples_per_step, window_start, world.device
+                )
                 bar.set_postfix(loss=f"{mean_loss:.4f}")
                 if world.rank == 0:
                     tqdm.write(f"step {step + 1}: loss {mean_loss:.4f}, {rate:,.0f} samples/s", file=sys.stdout)

@@ -41,7 +41,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
-from embark_torchrec.jobs import WARMUP_HELP, Progress, World, exit_after_clean_run, init_distributed, mean_over_ranks
+from embark_torchrec.jobs import WARMUP_HELP, Progress, World, exit_after_clean_run, init_distributed
 from embark_torchrec import (
     EmbarkEmbeddingBagCollectionSharder,
     EmbarkEmbeddingCollectionSharder,
@@ -334,11 +334,9 @@ class Trainer:
             window_loss += loss.detach()
             window_steps += 1
             if window_steps == args.log_every or step + 1 == args.steps:
-                mean_loss = mean_over_ranks(float(window_loss) / window_steps, world.device)
-                rate = window_steps * samples_per_step / (time.perf_counter() - window_start)
-                if progress.first_loss is None:
-                    progress.first_loss = mean_loss
-                progress.last_loss = mean_loss
+                mean_loss, rate = progress.log_window(
+                    window_loss, window_steps, samples_per_step, window_start, world.device
+                )
                 if world.rank == 0:
                     print(f"step {step + 1}: loss {mean_loss:.4f}, {rate:,.0f} samples/s", flush=True)
                 window_loss, window_steps, window_start = torch.zeros((), device=world.device), 0, time.perf_counter()
