@@ -30,7 +30,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from cluster_e2e import TIMEOUT_S, Rounds, cluster_ready, display  # noqa: E402 (next to this file)
 from e2e import round_ratios  # noqa: E402
-from sweep import SETTINGS, SPEEDUP_TARGET, interleaved_rounds, kept_seeds, model_folder, priced  # noqa: E402
+from sweep import (  # noqa: E402
+    SETTING_DEFAULTS,
+    SETTINGS,
+    SPEEDUP_TARGET,
+    interleaved_rounds,
+    kept_seeds,
+    kept_settings,
+    model_folder,
+    priced,
+)
 
 PAIR = ("embark", "torchrec")  # the speedup the sweep's 7-point target is about, run again
 
@@ -136,10 +145,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--rounds must be >= 1")
     if not args.kept:  # the runs take the sweep's settings
         settings = json.loads(settings_file.read_text())
-        unset = [k for k in SETTINGS if k not in settings]
+        unset = [k for k in SETTINGS if k not in settings and k not in SETTING_DEFAULTS]
         if unset:
             p.error(f"--sweep {args.sweep}: {settings_file} lacks the settings {unset} to run its plans with")
-        vars(args).update({k: settings[k] for k in SETTINGS})
+        vars(args).update(kept_settings(settings))
         args.timeout_s = TIMEOUT_S
     args.out = args.out or args.sweep.with_name(f"{args.sweep.stem}_repeat.md")
     return args

@@ -11,7 +11,8 @@ seeds (printed, so that a result can be rerun with --seeds), one calibration of 
 predicted speedups and the measured ones are of the same plans on the same figures.
 
     PYTHONPATH=. .venv/bin/python benchmarks/sweep.py [--count 10 | --seeds 1,2,3] [--hardware FILE]
-        [--nodes 2] [--gpus-per-node 2] [--link-mbit 50] [--rounds 2] [--steps 25] [--batch-size 2048]
+        [--nodes 2] [--gpus-per-node 2] [--link-mbit 50] [--rounds 2] [--steps 25] [--measured-seconds S]
+        [--batch-size 2048]
         [--out benchmarks/sweep.md] [--write-error FILE]
     PYTHONPATH=. .venv/bin/python benchmarks/sweep.py --more 3 --out benchmarks/sweep.md  (fresh models added)
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import secrets
 import statistics
 import sys
@@ -36,7 +38,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from embark_torchrec.calibrate import stats
 from embark_torchrec.cluster import ClusterSpec
-from embark_torchrec.plan import CostModel, ModelSpec, Plan, Topology
+from embark_torchrec.plan import CostModel, ModelSpec, Plan, Topology, plan_model
 from embark_torchrec.plan.model.hardware_file import load_hardware, save_hardware
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,6 +70,7 @@ MEDIAN_TARGET = 1.10  # embark / TorchRec's planner, median over the models
 TRW_TARGET = 1.5  # embark / trw, median over the models
 ESTIMATE_TARGET = 0.15  # |estimated / measured step - 1|, every plan
 SPEEDUP_TARGET = 0.07  # |predicted - measured| speedup of embark over torchrec, every model
+MIN_MEASURED_STEPS = 8  # the fewest measured steps a run gets under --measured-seconds
 
 
 @dataclass
@@ -117,6 +120,25 @@ def measure(args: argparse.Namespace, seed: int, cluster: Path, tmp: Path) -> Mo
     return run_rounds(args, seed, folder, tmp, start, planned=False)
 
 
+def model_steps(args: argparse.Namespace, folder: Path) -> int:
+    """The example's --steps for every run of one model: --steps, or with --measured-seconds S as many as measure S
+    seconds at embark's estimated step for the model (its folder's plan priced, else the model planned with its
+    hardware file), after the warm-up and the pipeline's last step: at least MIN_MEASURED_STEPS measured and at most
+    --steps in all. At a fixed count the sweep's length is the drawn models' (sweep 11's models of 2.5-4 s steps took
+    13-19 minutes each, against 6 at 0.75 s), and a plan's runs spread between rounds about as much at 11 measured
+    steps as at 19 (sweeps 4-9 against 10): the drift between runs, not the count, sets most of it."""
+    if args.measured_seconds is None:
+        return args.steps
+    ws = args.nodes * args.gpus_per_node
+    spec = kept_spec(folder).with_batch_size(args.batch_size * ws)
+    topology = Topology(ws, args.gpus_per_node, load_hardware(folder / "hardware.json"))
+    kept = folder / "embark.plan.json"
+    plan = Plan.load(kept) if kept.exists() else plan_model(spec, topology).plan
+    step_ms = CostModel(spec, topology).evaluate(plan).step_ms
+    measured = max(MIN_MEASURED_STEPS, math.ceil(args.measured_seconds * 1e3 / step_ms))
+    return min(args.steps, args.warmup_steps + 1 + measured)
+
+
 def run_rounds(
     args: argparse.Namespace, seed: int, folder: Path, tmp: Path, start: float, planned: bool
 ) -> ModelOutcome:
@@ -141,9 +163,10 @@ def interleaved_rounds(
     flags: Callable[[str, int], Sequence[str]] | None = None,
 ) -> dict[str, list[dict[str, Any]]]:
     """args.rounds rounds of the runs `names` (of `planners`: a run's planner and whether it is given the folder's
-    hardware file) of a model's folder, every other round in reverse, each run's RESULT by run: each run plans (its
-    plan kept in the folder) or, `planned`, runs the folder's <run>.plan.json. `flags(run, round)`: more of the
-    example's flags for one run (step_stages.py's --stage-times)."""
+    hardware file) of a model's folder, every other round in reverse, each run's RESULT by run (its steps among
+    them: model_steps'): each run plans (its plan kept in the folder) or, `planned`, runs the folder's
+    <run>.plan.json. `flags(run, round)`: more of the example's flags for one run (step_stages.py's --stage-times)."""
+    args = argparse.Namespace(**vars(args) | {"steps": model_steps(args, folder)})
     runs: dict[str, list[dict[str, Any]]] = {run: [] for run in names}
     for i in range(args.rounds):
         for run in names if i % 2 == 0 else names[::-1]:
@@ -306,6 +329,18 @@ def summary(outcomes: list[ModelOutcome]) -> list[str]:
     return lines
 
 
+def steps_a_run(args: argparse.Namespace, outcomes: list[ModelOutcome]) -> str:
+    """The page's words for the steps the runs took: --steps, or under --measured-seconds the range the models got."""
+    if args.measured_seconds is None:
+        return f"{args.steps} steps a run"
+    took = sorted({r["steps"] for o in outcomes for rounds in o.runs.values() for r in rounds})
+    span = f"{took[0]}" if took[0] == took[-1] else f"{took[0]}-{took[-1]}"
+    return (
+        f"{span} steps a run (each model's: {args.measured_seconds:g} s of measured steps at embark's estimated step, "
+        f"at least {MIN_MEASURED_STEPS} measured, at most {args.steps} in all)"
+    )
+
+
 def markdown(
     outcomes: list[ModelOutcome], args: argparse.Namespace, hardware: Path, seconds: float, note: str = ""
 ) -> str:
@@ -316,8 +351,8 @@ def markdown(
         f"ranks at {args.link_mbit[0]:g} Mbit/s",
         "",
         f"Models from benchmarks/model_generator.py, seeds {', '.join(str(o.seed) for o in outcomes)}; batch "
-        f"{args.batch_size} per rank ({args.batch_size * ws} global), {args.steps} steps a run ({args.warmup_steps} "
-        f"of warm-up{window} left out of samples/s), {args.rounds} "
+        f"{args.batch_size} per rank ({args.batch_size * ws} global), {steps_a_run(args, outcomes)} "
+        f"({args.warmup_steps} of warm-up{window} left out of samples/s), {args.rounds} "
         f"interleaved rounds of {', '.join(RUNS)}; planned with `{display(hardware)}` with each model's dense part "
         "measured on the cluster first (the example's --calibrate dense; torchrec-user: no hardware file); every plan "
         "priced again with that model's file. Speedups: measured, the median of per-round samples/s ratios (of "
@@ -345,12 +380,13 @@ def markdown(
         misses = ", ".join(f"{run} {o.estimate_error(run):+.0%}" for run in RUNS)
         lines.append(f"| {o.seed} | {describe(o.spec)} | {'yes' if o.kept_torchrec else 'no'} | {pairs} | {misses} |")
     seeds = ",".join(str(o.seed) for o in outcomes)
+    measured_flag = "" if args.measured_seconds is None else f" --measured-seconds {args.measured_seconds:g}"
     lines += [
         "",
         f"Rerun these models: `PYTHONPATH=. .venv/bin/python benchmarks/sweep.py --seeds {seeds} --hardware "
         f"{display(hardware)} --nodes {args.nodes} --gpus-per-node {args.gpus_per_node} --link-mbit "
-        f"{args.link_mbit[0]:g} --rounds {args.rounds} --steps {args.steps} --warmup-steps {args.warmup_steps} "
-        f"--batch-size {args.batch_size} --out {display(args.out)}`",
+        f"{args.link_mbit[0]:g} --rounds {args.rounds} --steps {args.steps}{measured_flag} --warmup-steps "
+        f"{args.warmup_steps} --batch-size {args.batch_size} --out {display(args.out)}`",
     ]
     return "\n".join(lines) + "\n"
 
@@ -377,7 +413,7 @@ def check_kept_model(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
     settings = json.loads(settings_file.read_text())
-    vars(args).update({k: settings[k] for k in SETTINGS if k != "rounds"})
+    vars(args).update({k: v for k, v in kept_settings(settings).items() if k != "rounds"})
     args.timeout_s = TIMEOUT_S
 
 
@@ -407,7 +443,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpus-per-node", type=int, default=2)
     p.add_argument("--link-mbit", default="50", help="each node's link, Mbit/s per direction")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--steps", type=int, default=25, help="steps a run (with --measured-seconds, at most)")
+    p.add_argument(
+        "--measured-seconds",
+        type=float,
+        help="give each model's runs the steps that measure this many seconds at embark's estimated step (at least "
+        f"{MIN_MEASURED_STEPS} measured, --steps at most): the sweep's length does not follow the drawn models'",
+    )
     p.add_argument(
         "--warmup-steps", type=int, default=4, help="first steps of a run left out of samples/s (the example's flag)"
     )
@@ -446,6 +488,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--seeds / --link-mbit / --nodes / --gpus-per-node: {e}")
     if args.rounds < 1 or args.steps < 2 or args.batch_size < 1 or args.count < 1 or args.warmup_steps < 0:
         p.error("--count, --rounds, --batch-size must be >= 1, --steps >= 2 and --warmup-steps >= 0")
+    if args.measured_seconds is not None and (
+        args.measured_seconds <= 0 or args.steps < args.warmup_steps + 1 + MIN_MEASURED_STEPS
+    ):
+        p.error(
+            f"--measured-seconds {args.measured_seconds:g}: expected > 0, with --steps at least --warmup-steps + 1 + "
+            f"{MIN_MEASURED_STEPS} (the fewest measured steps it gives a run)"
+        )
     if args.hardware is not None:
         load_hardware(args.hardware)  # a bad file fails here, before any run
     args.last_step_measured = False  # runs today leave it out (jobs.measured_window); --reprice reads the kept sweep's
@@ -463,21 +512,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not settings_file.exists():
             p.error(f"--more: {settings_file} holds no kept sweep to add models to")
         args.kept_settings = json.loads(settings_file.read_text())
-        vars(args).update({k: args.kept_settings[k] for k in SETTINGS})
+        vars(args).update(kept_settings(args.kept_settings))
         args.hardware = Path(args.kept_settings["hardware"])
         args.seeds = [secrets.randbelow(2**31) for _ in range(args.more)]
     return args
 
 
 DENSE_FIELDS = ("dense_ms_per_ksample", "dense_params_mb")  # what --calibrate dense measures and counts
-SETTINGS = ("nodes", "gpus_per_node", "link_mbit", "rounds", "steps", "warmup_steps", "batch_size")
+SETTINGS = ("nodes", "gpus_per_node", "link_mbit", "rounds", "steps", "warmup_steps", "batch_size", "measured_seconds")
+SETTING_DEFAULTS = {"measured_seconds": None}  # settings added since some sweeps were kept: what those ran with
+
+
+def kept_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """A kept sweep's SETTINGS (its sweep.json), those it predates at what it ran with; KeyError for one it lacks."""
+    return {k: settings[k] if k in settings else SETTING_DEFAULTS[k] for k in SETTINGS}
 
 
 def reprice(args: argparse.Namespace) -> int:
     """--reprice: the kept sweep (its settings, cluster file and every model's rounds) priced again."""
     folder = args.out.with_suffix("")
     kept = json.loads((folder / "sweep.json").read_text())
-    vars(args).update({k: kept[k] for k in SETTINGS})
+    vars(args).update(kept_settings(kept))
     # sweeps before the measured window left it out counted the pipeline's last step (jobs.measured_window)
     args.last_step_measured = kept.get("last_step_measured", False)
     outcomes = [priced(model_folder(args.out, seed)) for seed in kept_seeds(folder)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -181,3 +182,52 @@ def test_a_plan_against_itself_is_1x_and_its_runs_spread_is_shown() -> None:
     args = sweep.parse_args(["--seeds", "3", "--steps", "4", "--rounds", "2"])
     page = sweep.markdown([a], args, CALIBRATED, 60.0)
     assert "| 0.95x (1.00x) | same plan (runs 0.95x) |" in page, page
+
+
+def test_measured_seconds_give_each_model_the_steps_that_measure_them_at_embark_s_estimated_step(
+    tmp_path: Path,
+) -> None:
+    """--measured-seconds S: a model's runs take the warm-up, the pipeline's last step and as many steps as S seconds
+    hold at embark's estimated step (its kept plan priced with its hardware file), never fewer than
+    MIN_MEASURED_STEPS measured nor more than --steps; without it, --steps. The page says what the runs took."""
+    from embark_torchrec.plan import CostModel, Topology, plan_model
+
+    folder = sweep.model_folder(tmp_path / "sweep.md", 7)
+    folder.mkdir(parents=True)
+    spec = sweep.generate_model(7, sweep.RANGES)
+    (folder / "spec.json").write_text(json.dumps(spec.to_dict()))
+    (folder / "hardware.json").write_text(CALIBRATED.read_text())
+    topology = Topology(4, 2, load_hardware(CALIBRATED))
+    planned = spec.with_batch_size(4 * 512)
+    step_ms = CostModel(planned, topology).evaluate(plan_model(planned, topology).plan).step_ms
+
+    def steps(*flags: str) -> int:
+        args = sweep.parse_args(["--seeds", "7", "--batch-size", "512", "--warmup-steps", "4", *flags])
+        return sweep.model_steps(args, folder)
+
+    assert steps("--steps", "40") == 40
+    held = 12 * step_ms / 1e3  # seconds that hold 12 steps at the estimate
+    assert steps("--steps", "40", "--measured-seconds", f"{held * 0.999:.6f}") == 4 + 1 + 12
+    assert steps("--steps", "40", "--measured-seconds", f"{held * 1.01:.6f}") == 4 + 1 + 13
+    assert steps("--steps", "40", "--measured-seconds", "0.001") == 4 + 1 + sweep.MIN_MEASURED_STEPS
+    assert steps("--steps", "20", "--measured-seconds", "1000") == 20
+    plan_model(planned, topology).plan.save(folder / "embark.plan.json")  # a kept plan is priced, not planned
+    assert steps("--steps", "40", "--measured-seconds", f"{held * 0.999:.6f}") == 4 + 1 + 12
+    for bad in (["--measured-seconds", "0"], ["--measured-seconds", "5", "--steps", "12"]):
+        with pytest.raises(SystemExit):
+            sweep.parse_args(["--seeds", "7", "--warmup-steps", "4", *bad])
+
+    args = sweep.parse_args(["--seeds", "7", "--steps", "24", "--measured-seconds", "30"])
+    a, b = _two_models()
+    outcomes = [replace_runs(a, 24), replace_runs(b, 13)]
+    assert sweep.steps_a_run(args, outcomes).startswith("13-24 steps a run (each model's: 30 s of measured steps")
+    args.measured_seconds = None
+    assert sweep.steps_a_run(args, outcomes) == "24 steps a run"
+
+
+def replace_runs(outcome: Any, steps: int) -> Any:
+    """The outcome with every run's RESULT saying it took `steps` steps."""
+    from dataclasses import replace
+
+    runs = {run: [r | {"steps": steps} for r in rounds] for run, rounds in outcome.runs.items()}
+    return replace(outcome, runs=runs)
