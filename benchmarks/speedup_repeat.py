@@ -31,8 +31,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from cluster_e2e import TIMEOUT_S, Rounds, cluster_ready, display  # noqa: E402 (next to this file)
 from e2e import round_ratios  # noqa: E402
 from sweep import (  # noqa: E402
-    SETTING_DEFAULTS,
-    SETTINGS,
     SPEEDUP_TARGET,
     interleaved_rounds,
     kept_seeds,
@@ -145,10 +143,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--rounds must be >= 1")
     if not args.kept:  # the runs take the sweep's settings
         settings = json.loads(settings_file.read_text())
-        unset = [k for k in SETTINGS if k not in settings and k not in SETTING_DEFAULTS]
-        if unset:
-            p.error(f"--sweep {args.sweep}: {settings_file} lacks the settings {unset} to run its plans with")
-        vars(args).update(kept_settings(settings))
+        try:
+            vars(args).update(kept_settings(settings))
+        except KeyError as unset:
+            p.error(f"--sweep {args.sweep}: {settings_file} lacks the settings {unset.args[0]} to run its plans with")
         args.timeout_s = TIMEOUT_S
     args.out = args.out or args.sweep.with_name(f"{args.sweep.stem}_repeat.md")
     return args

@@ -129,12 +129,11 @@ def model_steps(args: argparse.Namespace, folder: Path) -> int:
     steps as at 19 (sweeps 4-9 against 10): the drift between runs, not the count, sets most of it."""
     if args.measured_seconds is None:
         return args.steps
-    ws = args.nodes * args.gpus_per_node
-    spec = kept_spec(folder).with_batch_size(args.batch_size * ws)
-    topology = Topology(ws, args.gpus_per_node, load_hardware(folder / "hardware.json"))
+    shape = {"world_size": args.nodes * args.gpus_per_node, "local_world_size": args.gpus_per_node}
+    cost = kept_cost(folder, kept_spec(folder), shape | {"batch_size": args.batch_size})
     kept = folder / "embark.plan.json"
-    plan = Plan.load(kept) if kept.exists() else plan_model(spec, topology).plan
-    step_ms = CostModel(spec, topology).evaluate(plan).step_ms
+    plan = Plan.load(kept) if kept.exists() else plan_model(cost.spec, cost.topology).plan
+    step_ms = cost.evaluate(plan).step_ms
     measured = max(MIN_MEASURED_STEPS, math.ceil(args.measured_seconds * 1e3 / step_ms))
     return min(args.steps, args.warmup_steps + 1 + measured)
 
@@ -524,7 +523,11 @@ SETTING_DEFAULTS = {"measured_seconds": None}  # settings added since some sweep
 
 
 def kept_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
-    """A kept sweep's SETTINGS (its sweep.json), those it predates at what it ran with; KeyError for one it lacks."""
+    """A kept sweep's SETTINGS (its sweep.json), those it predates at what it ran with; KeyError with the list of
+    those it lacks."""
+    missing = [k for k in SETTINGS if k not in settings and k not in SETTING_DEFAULTS]
+    if missing:
+        raise KeyError(missing)
     return {k: settings[k] if k in settings else SETTING_DEFAULTS[k] for k in SETTINGS}
 
 

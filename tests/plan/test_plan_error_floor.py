@@ -38,8 +38,8 @@ def test_a_term_the_steps_pay_per_table_of_a_group_is_found_and_closes_the_misse
     side of each model runs here): the misses that term makes are there as priced, the fit finds 30 ms on that group
     and none elsewhere, and each model's plans priced with the terms fitted on the others are their measured steps."""
     sweep = made_up_sweep(tmp_path, (3, 11, 5), load_hardware(CALIBRATED), CALIBRATED, torchrec_is_trw=True)
-    trw = fit.ran_plans(sweep)[-1]
-    paid = max(floor.group_counts(trw), key=floor.group_counts(trw).get)
+    trw_counts = floor.group_counts(fit.ran_plans(sweep)[-1])
+    paid = max(trw_counts, key=trw_counts.get)
     for plan in fit.ran_plans(sweep):
         rounds_file = sweeps.model_folder(sweep, int(plan.model.split()[1])) / "rounds.json"
         rounds = json.loads(rounds_file.read_text())
