@@ -11,8 +11,9 @@ the more of its bytes cross in pairs. So the two figures are read off the steps 
 (embark's, TorchRec's and table-row-wise, each priced with its model's own hardware file) is priced again at each
 point of a grid of the two, and the pair with the least squared log error of estimated over measured steps is kept.
 The other figures are the cluster's as calibrated; only these two are fitted, and they are written into a copy of
---hardware with the fit's residuals as their measurement and, as its plan_error, the worst miss of embark's
-predicted speedup over TorchRec's plan they leave (in sample: the error the planner is told), with the phase overlap
+--hardware with the fit's residuals as their measurement and, as its error on plan differences (plan_error_below,
+plan_error_above), the band of embark's measured over predicted speedup over TorchRec's plan they leave where the
+two plans differ (in sample: the error the planner is told), with the phase overlap
 they were fitted at
 (Hardware.inter_node_phase_overlap, --phase-overlap: 0 on the emulated cluster, where a table holder's forward sends
 and backward receives ran one after the other).
@@ -54,7 +55,7 @@ from embark_torchrec.plan.model.topology import Hardware
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from cluster_e2e import Rounds, display  # noqa: E402 (next to this file)
-from sweep import kept_seeds, model_folder, set_plan_error  # noqa: E402
+from sweep import kept_seeds, model_folder, set_plan_band  # noqa: E402
 
 FITTED_RUNS = ("embark", "torchrec", "trw")  # the plans planned with the hardware file (torchrec-user's is not)
 PAIRED_GRID = np.round(np.arange(0.50, 1.2001, 0.02), 2)
@@ -98,9 +99,9 @@ class RanPlan:
         return float(np.log(self.estimated_ms(paired, one_way, phase_overlap, solo) / self.measured_ms))
 
 
-def model_misses(plans: list[RanPlan], estimated_ms: Callable[[RanPlan], float]) -> dict[str, float]:
-    """Per model, |predicted - measured| speedup of embark over torchrec (as benchmarks/sweep.py measures it), each
-    plan priced by `estimated_ms`: the error on plan differences that pricing leaves."""
+def model_speedups(plans: list[RanPlan], estimated_ms: Callable[[RanPlan], float]) -> dict[str, tuple[float, float]]:
+    """Per model, embark's predicted and measured speedup over torchrec (as benchmarks/sweep.py measures it), each
+    plan priced by `estimated_ms`."""
     by_model: dict[str, dict[str, RanPlan]] = {}
     for p in plans:
         by_model.setdefault(p.model, {})[p.run] = p
@@ -108,8 +109,20 @@ def model_misses(plans: list[RanPlan], estimated_ms: Callable[[RanPlan], float])
     for model, runs in by_model.items():
         estimated = {run: estimated_ms(runs[run]) for run in ("embark", "torchrec")}
         rounds = Rounds(runs["embark"].rounds.runs, estimated)
-        out[model] = abs(rounds.predicted("embark", "torchrec") - rounds.measured("embark", "torchrec"))
+        out[model] = (rounds.predicted("embark", "torchrec"), rounds.measured("embark", "torchrec"))
     return out
+
+
+def same_plan(plans: list[RanPlan], model: str) -> bool:
+    """Whether embark ran TorchRec's plan (table by table) on `model`: no plan difference to measure."""
+    runs = {p.run: p.plan for p in plans if p.model == model}
+    return runs["embark"].tables == runs["torchrec"].tables
+
+
+def model_misses(plans: list[RanPlan], estimated_ms: Callable[[RanPlan], float]) -> dict[str, float]:
+    """Per model, |predicted - measured| speedup of embark over torchrec, each plan priced by `estimated_ms`: the
+    error on plan differences that pricing leaves."""
+    return {model: abs(p - m) for model, (p, m) in model_speedups(plans, estimated_ms).items()}
 
 
 def speedup_misses(plans: list[RanPlan], figures: tuple[float, float, float, float | None]) -> dict[str, float]:
@@ -283,12 +296,17 @@ def main(argv: list[str] | None = None) -> int:
             f"error of estimated over measured steps of the {len(plans)} plans of {sweeps}; the samples are each "
             "plan's estimated / measured step at it",
         )
-    misses = speedup_misses(plans, (ratios[0], ratios[1], args.phase_overlap, ratios[2]))
+    figures = (ratios[0], ratios[1], args.phase_overlap, ratios[2])
+    speedups = model_speedups(plans, lambda plan: plan.estimated_ms(*figures))
     where = f"{sweeps}, priced with the fitted ratios (benchmarks/fit_link_ratios.py: in sample)"
-    error = set_plan_error(document, list(misses.values()), where)
-    print("speedup misses: " + ", ".join(f"{m} {x:.3f}" for m, x in misses.items()))
+    differ = [m / p for model, (p, m) in speedups.items() if not same_plan(plans, model)]
+    print("speedup misses: " + ", ".join(f"{m} {abs(p - x):.3f}" for m, (p, x) in speedups.items()))
+    band = "the error on plan differences as --hardware had it (embark ran TorchRec's plan on every model)"
+    if differ:
+        below, above = set_plan_band(document, differ, where)
+        band = f"plan_error_below {below}, plan_error_above {above}"
     save_hardware(args.out, document)
-    print(f"wrote {args.out} with plan_error {error}")
+    print(f"wrote {args.out} with {band}")
     return 0
 
 

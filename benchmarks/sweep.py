@@ -16,9 +16,10 @@ predicted speedups and the measured ones are of the same plans on the same figur
         [--out benchmarks/sweep.md] [--write-error FILE]
     PYTHONPATH=. .venv/bin/python benchmarks/sweep.py --more 3 --out benchmarks/sweep.md  (fresh models added)
 
-The error on plan differences (the largest |predicted - measured| speedup of embark over torchrec over the models)
-is the figure the planner needs to be honest (Hardware.plan_error): --write-error FILE writes the calibrated hardware
-file with it, for the planner to plan with. Needs root (network namespaces), ip and tc.
+The error on plan differences (how far below and above its prediction embark's measured speedup over TorchRec's plans
+fell, as fractions of the prediction) is the figure the planner needs to be honest (Hardware.plan_error_below and
+plan_error_above): --write-error FILE writes the calibrated hardware file with it, for the planner to plan with
+(benchmarks/plan_band.py pools several kept sweeps'). Needs root (network namespaces), ip and tc.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from typing import Any, Callable, Mapping, Sequence
 from embark_torchrec.calibrate import stats
 from embark_torchrec.cluster import ClusterSpec
 from embark_torchrec.plan import CostModel, ModelSpec, Plan, Topology, plan_model
+from embark_torchrec.plan.model.topology import Hardware
 from embark_torchrec.plan.model.hardware_file import load_hardware, save_hardware
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,14 +78,14 @@ MIN_MEASURED_STEPS = 8  # the fewest measured steps a run gets under --measured-
 @dataclass
 class ModelOutcome(Rounds):
     """One generated model's rounds (every plan priced with the calibrated hardware): its seed and spec, whether
-    embark's plan was TorchRec's, how long it took, and the error on plan differences its planner was given
-    (Hardware.plan_error: the band its report printed around the predicted speedup)."""
+    embark's plan was TorchRec's, how long it took, and the hardware figures its plans were priced with (their
+    error on plan differences, Hardware.speedup_band: the band its planner's report printed)."""
 
     seed: int
     spec: ModelSpec
     kept_torchrec: bool
     seconds: float
-    plan_error: float = 0.0
+    figures: Hardware | None = None
     same_plans: frozenset[frozenset[str]] = field(default_factory=frozenset)  # pairs of runs of one plan
 
     def measured(self, a: str, b: str) -> float:
@@ -99,9 +101,14 @@ class ModelOutcome(Rounds):
         """What a's runs measured over b's (the median of per-round ratios), the same plan or not."""
         return super().measured(a, b)
 
+    def band(self) -> tuple[float, float] | None:
+        """The band the planner's report printed around embark's predicted speedup over torchrec; None: unmeasured."""
+        return None if self.figures is None else self.figures.speedup_band(self.predicted("embark", "torchrec"))
+
     def within_band(self) -> bool:
         """Whether embark's measured speedup over torchrec lies in the band the planner's report printed."""
-        return abs(self.measured("embark", "torchrec") - self.predicted("embark", "torchrec")) <= self.plan_error
+        band = self.band()
+        return band is not None and band[0] <= self.measured("embark", "torchrec") <= band[1]
 
 
 def measure(args: argparse.Namespace, seed: int, cluster: Path, tmp: Path) -> ModelOutcome:
@@ -247,8 +254,8 @@ def priced(folder: Path) -> ModelOutcome:
     # the planner's incumbent is the cheaper of TorchRec's plans on the calibrated figures and on the preset's (what
     # the user's run of TorchRec's planner, without a hardware file, makes): either returned is TorchRec's plan kept
     kept = any(frozenset(("embark", run)) in same for run in ("torchrec", "torchrec-user"))
-    error = cost.topology.hardware.plan_error
-    return ModelOutcome(rounds["runs"], estimated, rounds["seed"], spec, kept, rounds["seconds"], error, same)
+    hardware = cost.topology.hardware
+    return ModelOutcome(rounds["runs"], estimated, rounds["seed"], spec, kept, rounds["seconds"], hardware, same)
 
 
 def speedup_misses(outcomes: list[ModelOutcome]) -> list[float]:
@@ -257,30 +264,48 @@ def speedup_misses(outcomes: list[ModelOutcome]) -> list[float]:
 
 
 def plan_difference_error(outcomes: list[ModelOutcome]) -> float:
-    """The largest miss over the models: what Hardware.plan_error holds."""
+    """The largest miss over the models, in points of speedup (the acceptance's measure)."""
     return max(speedup_misses(outcomes))
 
 
-def write_error(hardware: Path, out: Path, outcomes: list[ModelOutcome]) -> None:
-    """The calibrated hardware file with the measured error on plan differences, marked measured, and the misses it
-    is the largest of as its measurement."""
-    seeds = [o.seed for o in outcomes]
+def speedup_ratios(outcomes: list[ModelOutcome]) -> list[float]:
+    """Measured / predicted speedup of embark over each of TorchRec's plans (the calibrated and the user's) where the
+    two ran different plans: every plan difference the sweep measured, as a fraction of its prediction."""
+    return [
+        o.measured("embark", b) / o.predicted("embark", b)
+        for o in outcomes
+        for b in ("torchrec", "torchrec-user")
+        if not o.same_plan("embark", b)
+    ]
+
+
+def write_error(hardware: Path, out: Path, outcomes: list[ModelOutcome], where: str | None = None) -> None:
+    """The calibrated hardware file with the measured error on plan differences (the band of `outcomes`' speedup
+    ratios), marked measured, the ratios as its measurement."""
+    where = where or f"benchmarks/sweep.py seeds {[o.seed for o in outcomes]}"
     document = json.loads(hardware.read_text())
-    error = set_plan_error(document, speedup_misses(outcomes), f"benchmarks/sweep.py seeds {seeds}")
+    below, above = set_plan_band(document, speedup_ratios(outcomes), where)
     save_hardware(out, document)
-    print(f"wrote {out} with plan_error {error:.4f}")
+    print(f"wrote {out} with plan_error_below {below:.4f}, plan_error_above {above:.4f}")
 
 
-def set_plan_error(document: dict[str, Any], misses: list[float], where: str) -> float:
-    """A hardware document's plan_error set to the worst of `misses` (per model, |predicted - measured| speedup of
-    embark over torchrec, measured `where`), marked measured, with the misses as its measurement; the error set."""
-    error = round(max(misses), 4)
-    document["hardware"]["plan_error"] = error
-    document.setdefault("sources", {})["plan_error"] = "measured"
-    document.setdefault("measurements", {})["plan_error"] = stats(
-        misses, "speedup", f"|predicted - measured| speedup of embark over torchrec per model, {where}"
-    )
-    return error
+def set_plan_band(document: dict[str, Any], ratios: list[float], where: str) -> tuple[float, float]:
+    """A hardware document's error on plan differences set from `ratios` (measured / predicted speedup, each plan
+    difference measured `where`): plan_error_below the largest shortfall (1 - ratio), plan_error_above the largest
+    excess, each marked measured with the ratios as its measurement, and an absolute plan_error the file held removed
+    (one error, one band); the pair set."""
+    if not ratios:
+        raise ValueError(f"no plan difference measured ({where}): every model ran TorchRec's plan")
+    below = round(max(0.0, 1 - min(ratios)), 4)
+    above = round(max(0.0, max(ratios) - 1), 4)
+    for part in ("hardware", "sources", "measurements"):
+        document.get(part, {}).pop("plan_error", None)
+    measurement = stats(ratios, "ratio", f"measured / predicted speedup of embark over TorchRec's plans, {where}")
+    for name, value in (("plan_error_below", below), ("plan_error_above", above)):
+        document["hardware"][name] = value
+        document.setdefault("sources", {})[name] = "measured"
+        document.setdefault("measurements", {})[name] = measurement
+    return below, above
 
 
 def verdict(met: bool) -> str:
@@ -313,17 +338,17 @@ def summary(outcomes: list[ModelOutcome]) -> list[str]:
     )
     error = plan_difference_error(outcomes)
     lines.append(
-        f"- predicted - measured speedup of embark over torchrec: worst {error:.3f} (the error on plan differences, "
-        f"Hardware.plan_error); within {SPEEDUP_TARGET} {verdict(error <= SPEEDUP_TARGET)}"
+        f"- predicted - measured speedup of embark over torchrec: worst {error:.3f}; within {SPEEDUP_TARGET} "
+        f"{verdict(error <= SPEEDUP_TARGET)}"
     )
     kept = [o.seed for o in outcomes if o.kept_torchrec]
     lines.append(f"- TorchRec's plan kept on {len(kept)} of {len(outcomes)} models (seeds {kept or 'none'})")
-    claimed = [o for o in outcomes if not o.kept_torchrec and o.plan_error > 0]
+    claimed = [o for o in outcomes if not o.kept_torchrec and o.band() is not None]
     if claimed:
         inside = sum(o.within_band() for o in claimed)
         lines.append(
             f"- where embark's plan ran, its measured speedup over torchrec lay within the band its report printed "
-            f"(predicted +- plan_error) on {inside} of {len(claimed)} models {verdict(inside == len(claimed))}"
+            f"(Hardware.speedup_band) on {inside} of {len(claimed)} models {verdict(inside == len(claimed))}"
         )
     return lines
 
@@ -455,7 +480,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=2048, help="per rank")
     p.add_argument("--timeout-s", type=float, default=TIMEOUT_S, help="per run (the calibration job too)")
     p.add_argument("--out", type=Path, default=OUT)
-    p.add_argument("--write-error", type=Path, help="write the calibrated hardware file with the measured plan_error")
+    p.add_argument(
+        "--write-error",
+        type=Path,
+        help="write the calibrated hardware file with the measured error on plan differences (its band)",
+    )
     p.add_argument(
         "--reprice",
         action="store_true",

@@ -9,8 +9,9 @@ the search's on a tie, and a baseline that wins is logged.
 
 One candidate may be the incumbent: the plan the user would run without us (EmbarkPlanner names TorchRec's default
 plan). It is replaced only when the cheapest plan is predicted faster by more than the cost model has been measured
-to miss a speedup by on this hardware (Hardware.plan_error): a gain inside that error is not one the user can count
-on, and a plan only predicted faster may measure slower. PlanChoice says which way it went, and why.
+to miss a speedup by on this hardware (Hardware.speedup_band: the shortfall, plan_error_below, or plan_error): a gain
+inside that error is not one the user can count on, and a plan only predicted faster may measure slower. PlanChoice
+says which way it went, and why.
 """
 
 from __future__ import annotations
@@ -59,14 +60,14 @@ class PlannedModel:
 
 @dataclass(frozen=True)
 class PlanChoice:
-    """The best plan's predicted speedup over the incumbent's, the cost model's measured error on such speedups on
-    this hardware (Hardware.plan_error; 0: not measured), and the plan returned: the incumbent's unless the speedup
-    clears the error."""
+    """The best plan's predicted speedup over the incumbent's, the measured speedup to expect of it by the cost
+    model's measured error on plan differences on this hardware (Hardware.speedup_band; None: not measured), and the
+    plan returned: the incumbent's unless the band's low end is a gain."""
 
     incumbent: str
     best: str  # the cheapest plan other than the incumbent's
     predicted_speedup: float  # the incumbent's estimated step / the best's
-    error: float
+    band: tuple[float, float] | None  # the lowest and highest measured speedup the error allows
     chosen: str
 
     @property
@@ -75,22 +76,24 @@ class PlanChoice:
 
     def sentence(self) -> str:
         """What the report says: the speedup expected, with its band, or why the incumbent's plan was kept."""
-        speedup, error = self.predicted_speedup, self.error
+        speedup, band = self.predicted_speedup, self.band
         if self.kept:
             if speedup <= 1.0:
                 return f"kept {self.incumbent}'s plan: it is estimated at least as fast as the {self.best} plan"
+            assert band is not None  # a predicted gain is kept only inside a measured band
             return (
                 f"kept {self.incumbent}'s plan: the {self.best} plan is predicted {speedup:.2f}x its speed, within the "
-                f"cost model's measured error on plan differences here (±{error:.2f})"
+                f"cost model's measured error on plan differences here ({band[0]:.2f}x to {band[1]:.2f}x)"
             )
-        if error == 0:
+        if band is None:
             return (
                 f"predicted {speedup:.2f}x {self.incumbent}'s plan's speed; the cost model's error on plan differences "
-                "has not been measured on this hardware (hardware field plan_error, measured by benchmarks/sweep.py)"
+                "has not been measured on this hardware (hardware fields plan_error_below/plan_error_above, measured "
+                "by benchmarks/plan_band.py)"
             )
         return (
-            f"predicted {speedup:.2f}x {self.incumbent}'s plan's speed, within the cost model's measured error of "
-            f"±{error:.2f} here: {speedup - error:.2f}x to {speedup + error:.2f}x"
+            f"predicted {speedup:.2f}x {self.incumbent}'s plan's speed, {band[0]:.2f}x to {band[1]:.2f}x within the "
+            "cost model's measured error on plan differences here"
         )
 
 
@@ -173,7 +176,7 @@ def _cheapest(
 ) -> tuple[str, Plan, StepCost, PlanChoice | None]:
     """The search's plan, or the usable candidate its cost model prices faster (the first on a tie); but the
     incumbent's (the cheapest usable of the candidates named `incumbents`) while the cheapest is not predicted faster
-    by more than Hardware.plan_error."""
+    by more than the cost model's measured error on plan differences (Hardware.speedup_band)."""
     topology = cost.topology
     priced: dict[str, tuple[Plan, StepCost]] = {EMBARK: planned}
     for name, candidate in candidates.items():
@@ -191,9 +194,9 @@ def _cheapest(
         others = {name: p for name, p in priced.items() if name != incumbent}
         best = min(others, key=lambda name: others[name][1].step_ms)  # the first on a tie: the search's
         speedup = priced[incumbent][1].step_ms / others[best][1].step_ms
-        error = topology.hardware.plan_error
-        kept = speedup <= 1.0 or (error > 0 and speedup - error <= 1.0)
-        choice = PlanChoice(incumbent, best, speedup, error, incumbent if kept else best)
+        band = topology.hardware.speedup_band(speedup)
+        kept = speedup <= 1.0 or (band is not None and band[0] <= 1.0)
+        choice = PlanChoice(incumbent, best, speedup, band, incumbent if kept else best)
         source = choice.chosen
     else:
         source = min(priced, key=lambda name: priced[name][1].step_ms)
@@ -226,7 +229,7 @@ def plan_model(
     TorchRec's default plan), and the cheapest that fits memory and honours the constraints is
     returned (PlannedModel.source names it). `incumbent`, one of the candidates' names or several (EmbarkPlanner:
     TorchRec's default plans; of several, the cheapest usable one stands), is returned instead unless the cheapest is
-    predicted faster than it by more than the cost model's measured error on plan differences (Hardware.plan_error);
+    predicted faster than it by more than the cost model's measured error on plan differences (Hardware.speedup_band);
     PlannedModel.choice says which way it went.
 
     progress: a Progress to call as planning goes; True draws a ProgressLine on stderr, False

@@ -403,12 +403,13 @@ class EmbarkPlanner(ShardingPlanner):
     the job would run under TorchRec's planner; where the figures are not the device's preset, once more on the
     preset's, the plan TorchRec's planner gives a job without a hardware file) and passes its plans to plan_model as
     candidates, the cheaper the incumbent: plan_model returns it unless our plan is predicted faster by more than
-    the cost model's measured error on plan differences on this hardware (Hardware.plan_error, from a hardware
+    the cost model's measured error on plan differences on this hardware (Hardware.speedup_band, from a hardware
     file; 0, not measured, for the presets: then any predicted gain counts), and report() says which way it
     went. TorchRec's planner takes seconds to minutes (on this project's CPU box: 8 s for DCNv2's 26 tables at
     16 ranks, 65 s at 128, over 5 minutes for 177 tables at 16), so None (default) runs it where the hardware
-    has a measured plan_error, or on CUDA when tables x world size is at most TORCHREC_CANDIDATE_WORK; True
-    always, False never. A failure of TorchRec's planner is logged, and the search's plan stands.
+    has a measured error on plan differences, or on CUDA when tables x world size is at most
+    TORCHREC_CANDIDATE_WORK; True always, False never. A failure of TorchRec's planner is logged, and the search's
+    plan stands.
     """
 
     def __init__(
@@ -534,7 +535,7 @@ class EmbarkPlanner(ShardingPlanner):
         the plan returned is never priced slower than either TorchRec plan the user would otherwise run."""
         wanted = self.torchrec_candidate
         if wanted is None:  # the hardware's measured error decides against TorchRec's plan: it must be at hand
-            wanted = topology.hardware.plan_error > 0 or (
+            wanted = topology.hardware.plan_error_measured or (
                 self.compute_device == "cuda" and len(joint.tables) * topology.world_size <= TORCHREC_CANDIDATE_WORK
             )
         if not wanted:

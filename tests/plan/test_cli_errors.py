@@ -263,7 +263,8 @@ def _hardware_at(tmp_path: Path, end: str) -> Path:
         slow_end = low if name.endswith("_gbps") else high
         fast_end = high if name.endswith("_gbps") else (low if low_allowed else 1.0)
         figures[name] = slow_end if end == "slow" else fast_end
-    figures.update(name=end, hbm_reserve_gb=0.0)
+    # the error on plan differences in one form at a time: the fractions at their ends (plan_error's are the edges')
+    figures.update(name=end, hbm_reserve_gb=0.0, plan_error=0.0)
     path = tmp_path / f"{end}.json"
     path.write_text(json.dumps({"format": "embark-hardware", "version": 1, "hardware": figures}))
     return path

@@ -474,6 +474,15 @@ def test_hardware_figures_are_bounded_to_plannable_ranges(name: str, value: Any,
         assert "in [" in message or "in (" in message, message
 
 
+def test_a_hardware_file_with_both_bands_of_the_plan_error_is_refused_by_field() -> None:
+    """plan_error (points of speedup) and plan_error_below/above (fractions of it) are one error two ways: a file
+    giving both is a HardwareError naming the file and plan_error, not a band the planner picks between."""
+    both = _hardware_doc(plan_error=0.1, plan_error_above=0.05)
+    _refused(HardwareError, lambda: check_document(both, "box.json"), "box.json", "hardware.plan_error", "two bands")
+    either = check_document(_hardware_doc(plan_error_below=0.05, plan_error_above=0.1), "box.json")
+    assert either.speedup_band(1.2) == pytest.approx((1.14, 1.32))
+
+
 # ---- TorchRec constraints and direct construction -----------------------------------------------
 
 

@@ -882,25 +882,38 @@ def _priced_apart() -> tuple[ModelSpec, Topology, Plan, float]:
     return spec, topology, worse, speedup
 
 
+@pytest.mark.parametrize("band", ["points", "fractions"])
 @pytest.mark.parametrize("clears", [True, False])
-def test_the_incumbent_stands_unless_the_gain_clears_the_measured_error(clears: bool) -> None:
-    """plan_model keeps the incumbent's plan while the best plan's predicted speedup over it is within
-    Hardware.plan_error, and returns the best beyond it; either way PlanChoice's sentence gives the speedup and the
-    error (and, when the best is returned, the band the measured speedup should fall in)."""
+def test_the_incumbent_stands_unless_the_gain_clears_the_measured_error(clears: bool, band: str) -> None:
+    """plan_model keeps the incumbent's plan while the low end of the best plan's band (its predicted speedup less
+    the measured error: plan_error points, or the plan_error_below fraction of it) is no gain, and returns the best
+    beyond it; either way PlanChoice's sentence gives the speedup and the band the measured speedup should fall in."""
     spec, topology, worse, speedup = _priced_apart()
-    error = (speedup - 1) * (0.5 if clears else 1.5)
-    here = Topology(8, 4, PRESETS["dgx-h100"].with_overrides(plan_error=round(error, 6)))
+    if band == "points":
+        error = round((speedup - 1) * (0.5 if clears else 1.5), 6)
+        figures = {"plan_error": error}
+        low, high = speedup - error, speedup + error
+    else:
+        below = round((1 - 1 / speedup) * (0.5 if clears else 1.5), 6)
+        figures = {"plan_error_below": below, "plan_error_above": 0.2}
+        low, high = speedup * (1 - below), speedup * 1.2
+    here = Topology(8, 4, PRESETS["dgx-h100"].with_overrides(**figures))
     planned = plan_model(spec, here, progress=False, candidates={"torchrec": worse}, incumbent="torchrec")
     choice = planned.choice
     assert choice is not None and choice.predicted_speedup == pytest.approx(speedup)
+    assert choice.band == pytest.approx((low, high))
     assert choice.kept is (not clears) and planned.source == ("embark" if clears else "torchrec")
     assert (planned.plan.tables == worse.tables) is (not clears)
-    words = f"±{round(error, 6):.2f}"
-    assert words in choice.sentence() and f"{speedup:.2f}x" in choice.sentence()
-    if clears:
-        assert f"{speedup - error:.2f}x to {speedup + error:.2f}x" in choice.sentence()
-    else:
-        assert choice.sentence().startswith("kept torchrec's plan")
+    assert f"{low:.2f}x to {high:.2f}x" in choice.sentence() and f"{speedup:.2f}x" in choice.sentence()
+    assert choice.sentence().startswith("kept torchrec's plan") is (not clears)
+
+
+def test_one_error_is_given_as_points_or_as_fractions_not_both() -> None:
+    """A hardware whose error on plan differences is given both ways is refused: which band the planner keeps
+    TorchRec's plan by would be a guess."""
+    with pytest.raises(ValueError, match="two bands for one error"):
+        PRESETS["dgx-h100"].with_overrides(plan_error=0.1, plan_error_below=0.05)
+    assert PRESETS["dgx-h100"].with_overrides(plan_error_above=0.05).plan_error_measured
 
 
 def test_an_unmeasured_error_leaves_every_gain_and_says_so() -> None:

@@ -4,6 +4,7 @@ plans with that error (the runs themselves need the emulated cluster: `make test
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -55,17 +56,28 @@ def test_speedups_are_medians_of_round_ratios_and_the_error_is_the_worst_miss() 
     assert sweep.summary([b])[-2].endswith("within 0.07 met")
 
 
-def test_the_written_hardware_file_plans_with_the_measured_error(tmp_path: Path) -> None:
-    """The file plans with the worst miss, marked measured, and keeps every model's miss as its measurement."""
+def test_the_written_hardware_file_plans_with_the_measured_band(tmp_path: Path) -> None:
+    """The file plans with the band of measured / predicted speedup over every plan difference (both of TorchRec's
+    plans, where embark's differs): the largest shortfall and excess, marked measured, every ratio its measurement,
+    and an absolute plan_error the calibrated file held removed (one error, one band)."""
+    a, b = _two_models()
+    b = dataclasses.replace(b, same_plans=frozenset({frozenset(("embark", "torchrec-user"))}))
     out = tmp_path / "measured.hardware.json"
-    sweep.write_error(CALIBRATED, out, list(_two_models()))
+    document = json.loads(CALIBRATED.read_text())
+    document["hardware"]["plan_error"] = 0.3
+    calibrated = tmp_path / "calibrated.hardware.json"
+    calibrated.write_text(json.dumps(document))
+    sweep.write_error(calibrated, out, [a, b])
     hardware = load_hardware(out)
-    assert hardware.plan_error == 0.15
-    assert hardware == load_hardware(CALIBRATED).with_overrides(plan_error=0.15)
-    assert (hardware_sources(str(out)) or {})["plan_error"] == "measured"
-    measured = json.loads(out.read_text())["measurements"]["plan_error"]
-    assert (measured["min"], measured["max"], measured["samples"]) == (pytest.approx(0.03), pytest.approx(0.15), 2)
-    assert measured["median"] == pytest.approx(0.09)
+    # a: 1.1 measured / 1.25 predicted over torchrec, 1.2 / 1.25 over torchrec-user; b: 1.0 / 1.03 over torchrec
+    assert (hardware.plan_error, hardware.plan_error_below, hardware.plan_error_above) == (0.0, 0.12, 0.0)
+    assert hardware == load_hardware(CALIBRATED).with_overrides(plan_error=0.0, plan_error_below=0.12)
+    assert (hardware_sources(str(out)) or {})["plan_error_below"] == "measured"
+    measured = json.loads(out.read_text())["measurements"]["plan_error_below"]
+    assert (measured["min"], measured["max"], measured["samples"]) == (pytest.approx(0.88), pytest.approx(1 / 1.03), 3)
+    assert "plan_error" not in json.loads(out.read_text())["measurements"]
+    with pytest.raises(ValueError, match="no plan difference measured"):
+        sweep.set_plan_band(document, [], "nowhere")
 
 
 def test_kept_rounds_are_priced_again_with_today_s_cost_model(tmp_path: Path) -> None:
@@ -105,15 +117,20 @@ def test_kept_rounds_are_priced_again_with_today_s_cost_model(tmp_path: Path) ->
 
 
 def test_a_claimed_speedup_is_checked_against_the_band_the_report_printed() -> None:
-    """Where embark's plan ran (not TorchRec's), the sweep says whether its measured speedup lay within the predicted
-    one +- the plan_error its planner was given; kept plans and unmeasured errors are not claims."""
+    """Where embark's plan ran (not TorchRec's), the sweep says whether its measured speedup lay within the band its
+    planner's hardware printed (Hardware.speedup_band: points or fractions of the prediction); kept plans and
+    unmeasured errors are not claims."""
     from dataclasses import replace
 
     a, _ = _two_models()  # predicted 1.25, measured 1.1
-    assert replace(a, plan_error=0.2).within_band() and not replace(a, plan_error=0.1).within_band()
-    lines = sweep.summary([replace(a, plan_error=0.1), replace(a, plan_error=0.2)])
+    calibrated = load_hardware(CALIBRATED).with_overrides(plan_error=0.0)
+    inside, outside = (calibrated.with_overrides(plan_error_below=x) for x in (0.15, 0.1))  # from 1.0625, 1.125
+    assert replace(a, figures=inside).within_band() and not replace(a, figures=outside).within_band()
+    assert replace(a, figures=calibrated.with_overrides(plan_error=0.2)).within_band()
+    lines = sweep.summary([replace(a, figures=outside), replace(a, figures=inside)])
     assert lines[-1].endswith("on 1 of 2 models **not met**"), lines
-    assert not any("band" in line for line in sweep.summary([a, replace(a, plan_error=0.2, kept_torchrec=True)]))
+    assert not any("band" in line for line in sweep.summary([a, replace(a, figures=inside, kept_torchrec=True)]))
+    assert not replace(a, figures=calibrated).within_band()
 
 
 def test_a_remeasured_model_is_priced_with_the_new_cluster_file_and_its_own_dense_figures(tmp_path: Path) -> None:

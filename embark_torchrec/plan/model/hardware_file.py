@@ -59,6 +59,8 @@ OPTIONAL_FIELDS = (
     "shared_host_ranks",
     "oversubscribed_collective_us",
     "plan_error",
+    "plan_error_below",
+    "plan_error_above",
 )
 _TOP_KEYS = ("format", "version", "hardware", "base", "sources", "measurements", "run")
 _STAT_NUMBERS = ("median", "p25", "p75", "min", "max")
@@ -106,6 +108,14 @@ def hardware_from_dict(d: Any, file: str = "") -> Hardware:
         if values["hbm_reserve_gb"] >= values["hbm_gb"]:
             limit = values["hbm_gb"]
             raise FieldError(f"the reserve leaves no memory: it must be below hbm_gb ({limit:g})", "hbm_reserve_gb")
+        if values.get("plan_error", 0) > 0 and (
+            values.get("plan_error_below", 0) > 0 or values.get("plan_error_above", 0) > 0
+        ):
+            raise FieldError(
+                "two bands for one error: plan_error (points of speedup) or plan_error_below/plan_error_above "
+                "(fractions of it), not both",
+                "plan_error",
+            )
     return Hardware(**values)
 
 

@@ -38,6 +38,7 @@ MAX_HOST_CORES = 2**20  # cores of the one host every rank shares (0: ranks have
 # every Hardware figure a hardware file holds (hardware_file.py): (lowest, highest, whether the lowest is allowed);
 # figures the cost model divides by (memory, bandwidths) may not be zero, nor so small that a cost is infinite
 MAX_PLAN_ERROR = 10.0  # a predicted speedup off by 1000 points: a model that predicts nothing
+MAX_PLAN_SHORTFALL = 0.9  # a measured speedup a tenth of the predicted one: beyond, no gain could ever be claimed
 HARDWARE_RANGES: dict[str, tuple[float, float, bool]] = {
     "hbm_gb": (0.0, MAX_HBM_GB, False),
     "hbm_reserve_gb": (0.0, MAX_HBM_GB, True),
@@ -61,6 +62,8 @@ HARDWARE_RANGES: dict[str, tuple[float, float, bool]] = {
     "shared_host_ranks": (0, MAX_WORLD_SIZE, True),
     "oversubscribed_collective_us": (0.0, MAX_COLLECTIVE_US, True),
     "plan_error": (0.0, MAX_PLAN_ERROR, True),
+    "plan_error_below": (0.0, MAX_PLAN_SHORTFALL, True),
+    "plan_error_above": (0.0, MAX_PLAN_ERROR, True),
 }
 
 

@@ -65,6 +65,39 @@ class Hardware:
     # measures end to end; the planner keeps TorchRec's plan unless ours is predicted faster by more (plan_model,
     # `incumbent`). 0: not measured, so every predicted gain counts
     plan_error: float = 0.0
+    # the same error as fractions of the predicted speedup, each way (benchmarks/plan_band.py): the most a measured
+    # speedup fell short of its prediction (0.09: 9% under) and the most it rose above it. The misses grow with the
+    # predicted speedup (sweeps 4-11: ~4% of it under 1.45x, ~6% above), and only a shortfall can make a plan chosen
+    # over TorchRec's slower than it: the planner keeps TorchRec's plan unless ours, less the shortfall, is faster.
+    # Either set (> 0), they replace plan_error; 0: not measured
+    plan_error_below: float = 0.0
+    plan_error_above: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.plan_error > 0 and self.relative_band:
+            raise ValueError(
+                f"hardware {self.name!r}: two bands for one error: plan_error ({self.plan_error:g}, points of speedup) "
+                "or plan_error_below/plan_error_above (fractions of it), not both"
+            )
+
+    @property
+    def relative_band(self) -> bool:
+        """Whether the error on plan differences is the relative pair (plan_error_below/above)."""
+        return self.plan_error_below > 0 or self.plan_error_above > 0
+
+    @property
+    def plan_error_measured(self) -> bool:
+        """Whether the cost model's error on plan differences has been measured here (either band)."""
+        return self.plan_error > 0 or self.relative_band
+
+    def speedup_band(self, speedup: float) -> tuple[float, float] | None:
+        """The measured speedup to expect of a plan predicted `speedup` times another's, lowest and highest, by the
+        cost model's measured error on plan differences here; None where that error has not been measured."""
+        if self.relative_band:
+            return speedup * (1 - self.plan_error_below), speedup * (1 + self.plan_error_above)
+        if self.plan_error > 0:
+            return speedup - self.plan_error, speedup + self.plan_error
+        return None
 
     def with_overrides(self, **overrides: Any) -> "Hardware":
         known = {f.name for f in fields(self)}
