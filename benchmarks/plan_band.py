@@ -23,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from embark_torchrec.plan.model.hardware_file import load_hardware  # noqa: E402
 from cluster_e2e import display  # noqa: E402 (next to this file)
 from sweep import ModelOutcome, kept_seeds, model_folder, priced, speedup_ratios, write_error  # noqa: E402
 
@@ -70,9 +71,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.sweeps = [Path(s) for s in args.sweeps.split(",") if s.strip()]
     if not args.sweeps:
         p.error("--sweeps: give at least one kept sweep")
-    if not args.hardware.exists():
-        p.error(f"--hardware {args.hardware}: no such file")
-    json.loads(args.hardware.read_text())  # a file that is not JSON fails here, before the sweeps are priced
+    try:
+        load_hardware(args.hardware)  # a bad file fails here, naming it and the field, before any sweep is priced
+    except (OSError, ValueError) as e:
+        p.error(f"--hardware: {e}")
     return args
 
 
