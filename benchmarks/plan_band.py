@@ -16,7 +16,6 @@ of sample.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from embark_torchrec.plan.model.hardware_file import load_hardware  # noqa: E402
 from cluster_e2e import display  # noqa: E402 (next to this file)
-from sweep import ModelOutcome, kept_seeds, model_folder, priced, speedup_ratios, write_error  # noqa: E402
+from sweep import ModelOutcome, kept_seeds, model_folder, plan_differences, priced, write_error  # noqa: E402
 
 # predicted speedups the pooled misses are shown by: where the error grows
 BANDS = ((0.0, 1.2), (1.2, 1.45), (1.45, float("inf")))
@@ -44,12 +43,7 @@ def misses_by_prediction(outcomes: list[ModelOutcome]) -> list[str]:
     prediction and in points."""
     lines = []
     for low, high in BANDS:
-        pairs = [
-            (o.predicted("embark", b), o.measured("embark", b))
-            for o in outcomes
-            for b in ("torchrec", "torchrec-user")
-            if not o.same_plan("embark", b) and low <= o.predicted("embark", b) < high
-        ]
+        pairs = [(p, m) for p, m in plan_differences(outcomes) if low <= p < high]
         if not pairs:
             continue
         ratios = [m / p for p, m in pairs]
@@ -84,9 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     for line in misses_by_prediction(outcomes):
         print(line)
     sweeps = ", ".join(display(s) for s in args.sweeps)
-    where = f"{len(speedup_ratios(outcomes))} plan differences of {len(outcomes)} models of {sweeps}, priced again"
-    write_error(args.hardware, args.out, outcomes, where)
-    below = json.loads(args.out.read_text())["hardware"]["plan_error_below"]
+    where = f"{len(plan_differences(outcomes))} plan differences of {len(outcomes)} models of {sweeps}, priced again"
+    below, _ = write_error(args.hardware, args.out, outcomes, where)
     print(f"the planner leaves TorchRec's plan where ours is predicted over {1 / (1 - below):.3f}x its speed")
     return 0
 

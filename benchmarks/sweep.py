@@ -268,25 +268,33 @@ def plan_difference_error(outcomes: list[ModelOutcome]) -> float:
     return max(speedup_misses(outcomes))
 
 
-def speedup_ratios(outcomes: list[ModelOutcome]) -> list[float]:
-    """Measured / predicted speedup of embark over each of TorchRec's plans (the calibrated and the user's) where the
-    two ran different plans: every plan difference the sweep measured, as a fraction of its prediction."""
+def plan_differences(outcomes: list[ModelOutcome]) -> list[tuple[float, float]]:
+    """Embark's predicted and measured speedup over each of TorchRec's plans (the calibrated and the user's) where the
+    two ran different plans: every plan difference the sweep measured."""
     return [
-        o.measured("embark", b) / o.predicted("embark", b)
+        (o.predicted("embark", b), o.measured("embark", b))
         for o in outcomes
         for b in ("torchrec", "torchrec-user")
         if not o.same_plan("embark", b)
     ]
 
 
-def write_error(hardware: Path, out: Path, outcomes: list[ModelOutcome], where: str | None = None) -> None:
+def speedup_ratios(outcomes: list[ModelOutcome]) -> list[float]:
+    """Measured / predicted speedup of every plan difference (plan_differences): its miss as a fraction of it."""
+    return [measured / predicted for predicted, measured in plan_differences(outcomes)]
+
+
+def write_error(
+    hardware: Path, out: Path, outcomes: list[ModelOutcome], where: str | None = None
+) -> tuple[float, float]:
     """The calibrated hardware file with the measured error on plan differences (the band of `outcomes`' speedup
-    ratios), marked measured, the ratios as its measurement."""
+    ratios), marked measured, the ratios as its measurement; the band's (plan_error_below, plan_error_above)."""
     where = where or f"benchmarks/sweep.py seeds {[o.seed for o in outcomes]}"
     document = json.loads(hardware.read_text())
     below, above = set_plan_band(document, speedup_ratios(outcomes), where)
     save_hardware(out, document)
     print(f"wrote {out} with plan_error_below {below:.4f}, plan_error_above {above:.4f}")
+    return below, above
 
 
 def set_plan_band(document: dict[str, Any], ratios: list[float], where: str) -> tuple[float, float]:

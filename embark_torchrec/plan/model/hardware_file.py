@@ -42,7 +42,7 @@ from .fields import (
     texts,
 )
 from .ranges import HARDWARE_RANGES
-from .topology import PRESETS, Hardware, hardware_preset
+from .topology import PRESETS, Hardware, band_refusal, hardware_preset
 
 FORMAT = "embark-hardware"
 VERSION = 1
@@ -108,14 +108,10 @@ def hardware_from_dict(d: Any, file: str = "") -> Hardware:
         if values["hbm_reserve_gb"] >= values["hbm_gb"]:
             limit = values["hbm_gb"]
             raise FieldError(f"the reserve leaves no memory: it must be below hbm_gb ({limit:g})", "hbm_reserve_gb")
-        if values.get("plan_error", 0) > 0 and (
-            values.get("plan_error_below", 0) > 0 or values.get("plan_error_above", 0) > 0
-        ):
-            raise FieldError(
-                "two bands for one error: plan_error (points of speedup) or plan_error_below/plan_error_above "
-                "(fractions of it), not both",
-                "plan_error",
-            )
+        band = (values.get(name, 0.0) for name in ("plan_error", "plan_error_below", "plan_error_above"))
+        refusal = band_refusal(*band)
+        if refusal is not None:
+            raise FieldError(refusal, "plan_error")
     return Hardware(**values)
 
 

@@ -74,11 +74,9 @@ class Hardware:
     plan_error_above: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.plan_error > 0 and self.relative_band:
-            raise ValueError(
-                f"hardware {self.name!r}: two bands for one error: plan_error ({self.plan_error:g}, points of speedup) "
-                "or plan_error_below/plan_error_above (fractions of it), not both"
-            )
+        refusal = band_refusal(self.plan_error, self.plan_error_below, self.plan_error_above)
+        if refusal is not None:
+            raise ValueError(f"hardware {self.name!r}: {refusal}")
 
     @property
     def relative_band(self) -> bool:
@@ -105,6 +103,16 @@ class Hardware:
         if unknown:
             raise ValueError(f"unknown hardware figures {sorted(unknown)}; known: {sorted(known)}")
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def band_refusal(plan_error: float, below: float, above: float) -> str | None:
+    """Why these figures of the error on plan differences cannot be planned with (both forms given), or None."""
+    if plan_error > 0 and (below > 0 or above > 0):
+        return (
+            f"two bands for one error: plan_error ({plan_error:g}, points of speedup) or plan_error_below/"
+            "plan_error_above (fractions of it), not both"
+        )
+    return None
 
 
 # Lookups are random row gathers: we take half of peak HBM bandwidth as achieved (NVIDIA's planners
